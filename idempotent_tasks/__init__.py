@@ -1,0 +1,26 @@
+"""Effectively-once Celery tasks: ``base=IdempotentTask`` and ``idempotency_key=``."""
+
+from __future__ import annotations
+
+from .errors import (
+    CorruptRecord,
+    IdempotencyConflict,
+    IdempotencyError,
+    IdempotencyKeyMismatch,
+    SchemaVersionError,
+    StoreUnavailable,
+)
+from .task import IdempotentTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CorruptRecord",
+    "IdempotencyConflict",
+    "IdempotencyError",
+    "IdempotencyKeyMismatch",
+    "IdempotentTask",
+    "SchemaVersionError",
+    "StoreUnavailable",
+    "__version__",
+]

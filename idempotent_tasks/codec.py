@@ -1,0 +1,68 @@
+"""Serializing cached results through kombu's serializer registry, safely."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kombu import serialization
+from kombu.exceptions import ContentDisallowed, DecodeError, EncodeError
+
+from .errors import CorruptRecord
+from .records import EncodedResult
+
+logger = logging.getLogger(__name__)
+
+#: Serializers that can run code when loading, used only when the app opts in.
+UNSAFE_SERIALIZERS = frozenset({"pickle", "application/x-python-serialize"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResultCodec:
+    """Encodes task results for the store and decodes cached ones.
+
+    Args:
+        serializer: a name in kombu's registry (``"json"``, ``"msgpack"``, ``"yaml"`` ...).
+        max_bytes: encoded results larger than this are not cached.
+        allow_unsafe: whether pickle may be used (the app's explicit opt-in).
+    """
+
+    serializer: str
+    max_bytes: int
+    allow_unsafe: bool = False
+
+    def __post_init__(self) -> None:
+        if self.serializer in UNSAFE_SERIALIZERS and not self.allow_unsafe:
+            raise ValueError(
+                "cached results are never pickled unless the app opts in with "
+                "app.conf.idempotency_allow_pickle = True"
+            )
+
+    def encode(self, value: Any) -> tuple[EncodedResult | None, str | None]:
+        """Return the encoded value, or ``None`` and the reason it cannot be cached."""
+        try:
+            content_type, encoding, body = serialization.dumps(value, self.serializer)  # type: ignore[no-untyped-call]
+        except (EncodeError, TypeError, ValueError) as exc:
+            return None, f"result is not serializable with {self.serializer}: {exc}"
+        data = body.encode("utf-8") if isinstance(body, str) else bytes(body)
+        if len(data) > self.max_bytes:
+            return None, f"result is {len(data)} bytes, over the {self.max_bytes}-byte limit"
+        return EncodedResult(content_type=content_type, content_encoding=encoding, body=data), None
+
+    def decode(self, encoded: EncodedResult) -> Any:
+        """Decode a cached result, refusing pickle unless the app opted in."""
+        accept = {encoded.content_type}
+        if encoded.content_type in UNSAFE_SERIALIZERS and not self.allow_unsafe:
+            accept = set()
+        try:
+            return serialization.loads(  # type: ignore[no-untyped-call]
+                encoded.body, encoded.content_type, encoded.content_encoding, accept=accept
+            )
+        except ContentDisallowed as exc:
+            raise CorruptRecord(
+                f"cached result has content type {encoded.content_type!r}, which this app "
+                "does not accept"
+            ) from exc
+        except (DecodeError, ValueError, TypeError) as exc:
+            raise CorruptRecord(f"cached result cannot be decoded: {exc}") from exc

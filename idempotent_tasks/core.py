@@ -1,0 +1,146 @@
+"""The claim protocol, free of any task framework: claim -> run -> complete | release.
+
+An :class:`Attempt` is one execution attempt of one keyed call. Adapters (Celery, RQ) build one
+per delivery, act on :meth:`Attempt.claim`'s outcome, run the body inside
+:meth:`Attempt.heartbeat`, then call :meth:`Attempt.complete` or :meth:`Attempt.release`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import signals
+from .codec import ResultCodec
+from .errors import StoreUnavailable
+from .records import ClaimRequest, ClaimResult, CompleteOutcome, Outcome, Record
+from .stores.base import Store
+
+logger = logging.getLogger(__name__)
+
+#: Renew the lease this many times per lease period, so two renewals may fail before it lapses.
+HEARTBEATS_PER_LEASE = 3
+
+
+def new_owner() -> str:
+    """A unique id for one execution attempt (task ids repeat on redelivery; owners never do)."""
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Attempt:
+    """One execution attempt's hold on a key.
+
+    Args:
+        store: where the claim lives.
+        request: the claim this attempt makes (owner, key, fingerprint, lease, ttl ...).
+        codec: how its result is cached.
+    """
+
+    store: Store
+    request: ClaimRequest
+    codec: ResultCodec
+    token: int = 0
+    #: Set when a heartbeat found the claim taken over by another owner.
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def claim(self) -> ClaimResult:
+        """Claim the key (one store round trip). Raises StoreUnavailable."""
+        result = self.store.claim(self.request)
+        if result.outcome is Outcome.ACQUIRED:
+            self.token = result.token
+            if result.takeover:
+                logger.warning(
+                    "took over key %r of %s after its owner's lease ended (token %s)",
+                    self.request.key,
+                    self.request.task_name,
+                    result.token,
+                )
+        signals.claim_finished.send(
+            task_name=self.request.task_name, outcome=result.outcome, takeover=result.takeover
+        )
+        return result
+
+    def cached_value(self, record: Record) -> Any:
+        """The value a completed record answers duplicates with (``None`` if not cached)."""
+        if record.result is None:
+            return None
+        return self.codec.decode(record.result)
+
+    @contextmanager
+    def heartbeat(self) -> Iterator[None]:
+        """Renew the lease in a background thread while the body runs."""
+        stop = threading.Event()
+        interval = max(self.request.lease_seconds / HEARTBEATS_PER_LEASE, 0.05)
+        thread = threading.Thread(
+            target=self._renew_until,
+            args=(stop, interval),
+            name="idempotency-heartbeat",
+            daemon=True,
+        )
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def complete(self, value: Any) -> CompleteOutcome:
+        """Cache ``value`` and mark the key completed, if this attempt still holds it."""
+        encoded, reason = self.codec.encode(value)
+        if reason is not None:
+            logger.warning(
+                "result of %s for key %r is not cached (%s); duplicates will get None",
+                self.request.task_name,
+                self.request.key,
+                reason,
+            )
+            signals.result_not_cached.send(
+                task_name=self.request.task_name, key=self.request.key, reason=reason
+            )
+        outcome = self.store.complete(self.request, self.token, encoded)
+        if outcome is CompleteOutcome.STALE:
+            logger.warning(
+                "%s finished key %r after its claim was taken over by another execution; "
+                "its result was not stored",
+                self.request.task_name,
+                self.request.key,
+            )
+            signals.stale_complete_refused.send(
+                task_name=self.request.task_name, key=self.request.key
+            )
+        elif outcome is CompleteOutcome.RECOVERED:
+            logger.warning(
+                "claim of key %r of %s had vanished from the store; result stored anew",
+                self.request.key,
+                self.request.task_name,
+            )
+        return outcome
+
+    def release(self) -> bool:
+        """Give the key up so a retry can claim it; ``False`` if it was no longer held."""
+        if not self.token:
+            return False
+        return self.store.release(self.request, self.token)
+
+    def _renew_until(self, stop: threading.Event, interval: float) -> None:
+        while not stop.wait(interval):
+            try:
+                held = self.store.extend(self.request, self.token)
+            except StoreUnavailable as exc:
+                logger.warning("could not renew the lease of key %r: %s", self.request.key, exc)
+                continue
+            if not held:
+                self.lost.set()
+                logger.warning(
+                    "lease of key %r of %s was taken over while its body still runs",
+                    self.request.key,
+                    self.request.task_name,
+                )
+                signals.lease_lost.send(task_name=self.request.task_name, key=self.request.key)
+                return

@@ -1,0 +1,67 @@
+"""Every error idempotent_tasks raises, under one root: :class:`IdempotencyError`."""
+
+from __future__ import annotations
+
+
+class IdempotencyError(Exception):
+    """Root of every error raised by idempotent_tasks."""
+
+
+class IdempotencyKeyMismatch(IdempotencyError, ValueError):
+    """The key was already used with different arguments (a different fingerprint).
+
+    Attributes:
+        key: the caller's idempotency key.
+        task_name: the task the key is scoped to.
+        stored_fingerprint: the fingerprint recorded with the first call.
+        fingerprint: the fingerprint of this call.
+    """
+
+    def __init__(self, key: str, task_name: str, stored_fingerprint: str, fingerprint: str) -> None:
+        # args are the constructor's, so the error survives Celery's result backend.
+        super().__init__(key, task_name, stored_fingerprint, fingerprint)
+        self.key = key
+        self.task_name = task_name
+        self.stored_fingerprint = stored_fingerprint
+        self.fingerprint = fingerprint
+
+    def __str__(self) -> str:
+        return (
+            f"idempotency key {self.key!r} of task {self.task_name!r} was first used with other "
+            "arguments; use a new key for a different call "
+            "(or set idempotency_validate=False on the task)"
+        )
+
+
+class IdempotencyConflict(IdempotencyError):
+    """A duplicate arrived while another execution holds the key (``on_duplicate="raise"``).
+
+    Attributes:
+        key: the caller's idempotency key.
+        task_name: the task the key is scoped to.
+        owner_task_id: the Celery task id of the execution holding the key.
+    """
+
+    def __init__(self, key: str, task_name: str, owner_task_id: str | None) -> None:
+        super().__init__(key, task_name, owner_task_id)
+        self.key = key
+        self.task_name = task_name
+        self.owner_task_id = owner_task_id
+
+    def __str__(self) -> str:
+        return (
+            f"idempotency key {self.key!r} of task {self.task_name!r} is being processed "
+            f"by task {self.owner_task_id}"
+        )
+
+
+class StoreUnavailable(IdempotencyError):
+    """The idempotency store could not be reached; nothing was run unclaimed."""
+
+
+class SchemaVersionError(IdempotencyError):
+    """A database's schema is newer than this version of idempotent_tasks understands."""
+
+
+class CorruptRecord(IdempotencyError):
+    """A stored record could not be read back (missing fields or an undecodable result)."""

@@ -1,0 +1,98 @@
+"""Idempotency keys: validation, per-task derivation, storage names and argument fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from . import defaults
+
+#: A per-task key: a ``str.format`` template over the call's bound arguments, or a callable
+#: ``(args, kwargs) -> str``.
+KeySource = str | Callable[[tuple[Any, ...], dict[str, Any]], str]
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is a non-empty ``str``; raise ``ValueError`` otherwise."""
+    if not isinstance(key, str):
+        raise ValueError(f"idempotency_key must be a non-empty str, not {type(key).__name__}")
+    if not key.strip():
+        raise ValueError("idempotency_key must be a non-empty str, not an empty or blank one")
+    return key
+
+
+def bind_arguments(
+    signature: inspect.Signature | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Bind a call's arguments to parameter names, defaults applied.
+
+    Falls back to ``{"args": [...], "kwargs": {...}}`` when there is no signature or the call
+    does not fit it (the task itself will then fail with Celery's own error).
+    """
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            pass
+        else:
+            bound.apply_defaults()
+            return dict(bound.arguments)
+    return {"args": list(args), "kwargs": dict(kwargs)}
+
+
+def derive_key(
+    source: KeySource,
+    signature: inspect.Signature | None,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """Compute a per-task key from a template or a callable, and validate it."""
+    if callable(source):
+        return validate_key(source(tuple(args), dict(kwargs)))
+    try:
+        key = source.format(**bind_arguments(signature, args, kwargs))
+    except (KeyError, IndexError, AttributeError) as exc:
+        raise ValueError(
+            f"idempotency_key template {source!r} does not fit the call's arguments: {exc}"
+        ) from exc
+    return validate_key(key)
+
+
+def fingerprint(
+    task_name: str,
+    signature: inspect.Signature | None,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """Stable SHA-256 of the task name and its arguments bound to parameter names.
+
+    ``f(1, b=2)``, ``f(a=1, b=2)`` and ``f(1, 2)`` give the same fingerprint.
+    """
+    bound = bind_arguments(signature, args, kwargs)
+    canonical = json.dumps(
+        [task_name, bound], sort_keys=True, separators=(",", ":"), default=_canonical_default
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _canonical_default(value: Any) -> Any:
+    """JSON stand-in for values JSON cannot hold (tuples are lists already; sets get sorted)."""
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
+    if isinstance(value, bytes):
+        return {"__bytes__": value.hex()}
+    return {"__repr__": repr(value)}
+
+
+def storage_key(task_name: str, key: str) -> str:
+    """Name a (task, key) pair for storage: readable when short, its SHA-256 when long.
+
+    Braces are never kept, so a Redis Cluster hash tag built around the name stays one tag.
+    """
+    scoped = f"{task_name}:{key}"
+    if len(scoped) <= defaults.KEY_MAX_STORED_CHARS and "{" not in scoped and "}" not in scoped:
+        return scoped
+    return "sha256:" + hashlib.sha256(scoped.encode()).hexdigest()

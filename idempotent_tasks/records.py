@@ -1,0 +1,97 @@
+"""The records a store keeps and the answers its operations give."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Status(str, enum.Enum):
+    """State of a key's record."""
+
+    PROCESSING = "processing"
+    COMPLETED = "completed"
+
+
+class Outcome(str, enum.Enum):
+    """What an atomic claim found, and so what the worker must do."""
+
+    ACQUIRED = "acquired"
+    COMPLETED = "completed"
+    IN_PROGRESS = "in_progress"
+    MISMATCH = "mismatch"
+
+
+class CompleteOutcome(str, enum.Enum):
+    """What a completion write did."""
+
+    STORED = "stored"
+    #: The record had vanished (expired, or lost with a store that keeps nothing on disk); the
+    #: result was written anyway, since this execution did finish and no one else holds the key.
+    RECOVERED = "recovered"
+    #: Another owner holds the key now (it was taken over): nothing was written.
+    STALE = "stale"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodedResult:
+    """A task's return value as stored: kombu content type, encoding and bytes."""
+
+    content_type: str
+    content_encoding: str
+    body: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimRequest:
+    """Everything a store needs to claim one key for one execution attempt.
+
+    ``lease_seconds`` is how long the claim lives without a heartbeat; ``previous_owner`` is the
+    owner of the attempt this one retries, whose claim this attempt may take over at once.
+    """
+
+    storage_key: str
+    key: str
+    task_name: str
+    task_id: str
+    owner: str
+    fingerprint: str
+    lease_seconds: float
+    ttl_seconds: float
+    validate: bool = True
+    previous_owner: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One key's stored state. Times are POSIX seconds from the store's clock."""
+
+    storage_key: str
+    key: str
+    task_name: str
+    status: Status
+    owner: str
+    token: int
+    task_id: str
+    fingerprint: str
+    lease_expires_at: float
+    created_at: float
+    updated_at: float
+    expires_at: float
+    result: EncodedResult | None = None
+    #: False when the result was too big or could not be serialized: duplicates get ``None``.
+    result_cached: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimResult:
+    """The answer of :meth:`Store.claim`.
+
+    ``token`` is this attempt's fencing token when ``outcome`` is ``ACQUIRED``; ``record`` is the
+    record found otherwise; ``takeover`` says the claim replaced an expired or retried owner.
+    """
+
+    outcome: Outcome
+    token: int = 0
+    record: Record | None = None
+    takeover: bool = False

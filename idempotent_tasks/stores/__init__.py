@@ -1,0 +1,34 @@
+"""Claim stores, chosen by URL: ``redis://``, ``rediss://`` or ``memory://``."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from .base import Store
+from .memory import MemoryStore
+
+__all__ = ["MemoryStore", "Store", "store_from_url"]
+
+
+def store_from_url(url: str, *, prefix: str) -> Store:
+    """Build the store ``url`` names; ``prefix`` scopes its keys (server stores only).
+
+    Raises:
+        ValueError: for a scheme no store handles.
+        ImportError: when the store's optional driver is missing, naming the extra to install.
+    """
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "memory":
+        return MemoryStore()
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            from .redis import RedisStore
+        except ImportError as exc:  # pragma: no cover - redis ships with celery[redis]
+            raise ImportError(
+                "the Redis store needs redis-py: pip install 'idempotent-tasks[redis]'"
+            ) from exc
+        return RedisStore.from_url(url, prefix=prefix)
+    raise ValueError(
+        f"idempotency_store_url {url!r}: no store for scheme {scheme!r} "
+        "(use redis://, rediss:// or memory://)"
+    )

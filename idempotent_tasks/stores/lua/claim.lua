@@ -1,0 +1,60 @@
+-- Claim a key for one execution attempt, atomically.
+-- KEYS[1]  record hash
+-- KEYS[2]  fencing counter (string; outlives the record so tokens only grow)
+-- ARGV[1]  owner id of this attempt
+-- ARGV[2]  fingerprint of the call's arguments
+-- ARGV[3]  task id
+-- ARGV[4]  lease, milliseconds
+-- ARGV[5]  ttl of a completed record, milliseconds
+-- ARGV[6]  "1" to compare fingerprints, "0" not to
+-- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
+-- ARGV[8]  the caller's key (for display)
+-- ARGV[9]  task name
+-- Returns  {outcome, token, takeover, field, value, ...}
+--          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
+--          token: the fencing token when acquired, else 0; takeover: 1 or 0
+--          field/value pairs: the record found when not acquired
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local lease = tonumber(ARGV[4])
+local ttl = tonumber(ARGV[5])
+
+local function acquire(takeover, created_at)
+  local token = redis.call('INCR', KEYS[2])
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1],
+    'status', 'processing', 'owner', ARGV[1], 'token', token, 'task_id', ARGV[3],
+    'fingerprint', ARGV[2], 'lease_expires_at', now + lease, 'created_at', created_at,
+    'updated_at', now, 'expires_at', now + lease + ttl, 'key', ARGV[8], 'task_name', ARGV[9])
+  redis.call('PEXPIRE', KEYS[1], lease + ttl)
+  redis.call('PEXPIRE', KEYS[2], lease + ttl + 1000)
+  return {'acquired', token, takeover}
+end
+
+local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
+  'created_at', 'token')
+if not found[1] then
+  return acquire(0, now)
+end
+
+local function answer(outcome)
+  local reply = {outcome, 0, 0}
+  for _, item in ipairs(redis.call('HGETALL', KEYS[1])) do
+    reply[#reply + 1] = item
+  end
+  return reply
+end
+
+if found[2] == ARGV[1] and found[1] == 'processing' then
+  return {'acquired', tonumber(found[6]), 0}
+end
+if ARGV[6] == '1' and found[3] ~= ARGV[2] then
+  return answer('mismatch')
+end
+if found[1] == 'completed' then
+  return answer('completed')
+end
+if (ARGV[7] ~= '' and found[2] == ARGV[7]) or tonumber(found[4]) <= now then
+  return acquire(1, found[5])
+end
+return answer('in_progress')

@@ -1,0 +1,39 @@
+-- Mark a key completed with its result, only if this owner still holds it (fencing).
+-- KEYS[1]  record hash
+-- KEYS[2]  fencing counter
+-- ARGV[1]  owner id
+-- ARGV[2]  fencing token
+-- ARGV[3]  ttl, milliseconds
+-- ARGV[4]  "1" if a result is cached, "0" if not (too big or not serializable)
+-- ARGV[5]  result content type    ARGV[6]  result content encoding    ARGV[7]  result bytes
+-- ARGV[8]  fingerprint   ARGV[9]  task id   ARGV[10]  key   ARGV[11]  task name
+--          (ARGV[8..11] rebuild the record if it vanished)
+-- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+
+local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
+local outcome = 'stored'
+if not found[1] then
+  outcome = 'recovered'
+  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', ARGV[2], 'fingerprint', ARGV[8],
+    'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', now,
+    'lease_expires_at', now)
+elseif found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
+  return 'stale'
+elseif found[1] == 'completed' then
+  return 'stored'
+end
+
+redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', now, 'expires_at', now + ttl,
+  'result_cached', ARGV[4])
+if ARGV[4] == '1' then
+  redis.call('HSET', KEYS[1], 'content_type', ARGV[5], 'content_encoding', ARGV[6],
+    'result', ARGV[7])
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+if redis.call('PTTL', KEYS[2]) < ttl then
+  redis.call('PEXPIRE', KEYS[2], ttl + 1000)
+end
+return outcome

@@ -1,0 +1,146 @@
+"""Claim store in this process's memory: for tests and single-process apps.
+
+Every operation holds one lock, so it is as atomic as the server stores' scripts; nothing is
+shared with other processes (a prefork worker's children each get their own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from ..records import (
+    ClaimRequest,
+    ClaimResult,
+    CompleteOutcome,
+    EncodedResult,
+    Outcome,
+    Record,
+    Status,
+)
+
+
+class MemoryStore:
+    """A :class:`~idempotent_tasks.stores.base.Store` in a dict, with an injectable clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: dict[str, Record] = {}
+        self._fences: dict[str, int] = {}
+
+    def claim(self, request: ClaimRequest) -> ClaimResult:
+        with self._lock:
+            now = self._clock()
+            found = self._live(request.storage_key, now)
+            if found is None:
+                return self._acquire(request, now, created_at=now, takeover=False)
+            if found.status is Status.PROCESSING and found.owner == request.owner:
+                return ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
+            if request.validate and found.fingerprint != request.fingerprint:
+                return ClaimResult(outcome=Outcome.MISMATCH, record=found)
+            if found.status is Status.COMPLETED:
+                return ClaimResult(outcome=Outcome.COMPLETED, record=found)
+            previous = request.previous_owner
+            if (previous and found.owner == previous) or found.lease_expires_at <= now:
+                return self._acquire(request, now, created_at=found.created_at, takeover=True)
+            return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
+
+    def complete(
+        self, request: ClaimRequest, token: int, result: EncodedResult | None
+    ) -> CompleteOutcome:
+        with self._lock:
+            now = self._clock()
+            found = self._live(request.storage_key, now)
+            outcome = CompleteOutcome.STORED
+            if found is None:
+                outcome = CompleteOutcome.RECOVERED
+                found = self._new_record(request, token, now, created_at=now)
+            elif found.owner != request.owner or found.token != token:
+                return CompleteOutcome.STALE
+            elif found.status is Status.COMPLETED:
+                return CompleteOutcome.STORED
+            self._records[request.storage_key] = dataclasses.replace(
+                found,
+                status=Status.COMPLETED,
+                updated_at=now,
+                expires_at=now + request.ttl_seconds,
+                result=result,
+                result_cached=result is not None,
+            )
+            return outcome
+
+    def release(self, request: ClaimRequest, token: int) -> bool:
+        with self._lock:
+            if not self._held(request, token):
+                return False
+            del self._records[request.storage_key]
+            return True
+
+    def extend(self, request: ClaimRequest, token: int) -> bool:
+        with self._lock:
+            if not self._held(request, token):
+                return False
+            now = self._clock()
+            found = self._records[request.storage_key]
+            self._records[request.storage_key] = dataclasses.replace(
+                found,
+                lease_expires_at=now + request.lease_seconds,
+                updated_at=now,
+                expires_at=now + request.lease_seconds + request.ttl_seconds,
+            )
+            return True
+
+    def get(self, storage_key: str) -> Record | None:
+        with self._lock:
+            return self._live(storage_key, self._clock())
+
+    def forget(self, storage_key: str) -> bool:
+        with self._lock:
+            return self._records.pop(storage_key, None) is not None
+
+    def close(self) -> None:
+        """Nothing to close: the records live as long as the store object."""
+
+    def _held(self, request: ClaimRequest, token: int) -> bool:
+        found = self._live(request.storage_key, self._clock())
+        return (
+            found is not None
+            and found.status is Status.PROCESSING
+            and found.owner == request.owner
+            and found.token == token
+        )
+
+    def _live(self, storage_key: str, now: float) -> Record | None:
+        found = self._records.get(storage_key)
+        if found is not None and found.expires_at <= now:
+            del self._records[storage_key]
+            return None
+        return found
+
+    def _acquire(
+        self, request: ClaimRequest, now: float, *, created_at: float, takeover: bool
+    ) -> ClaimResult:
+        token = self._fences.get(request.storage_key, 0) + 1
+        self._fences[request.storage_key] = token
+        self._records[request.storage_key] = self._new_record(request, token, now, created_at)
+        return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
+
+    @staticmethod
+    def _new_record(request: ClaimRequest, token: int, now: float, created_at: float) -> Record:
+        return Record(
+            storage_key=request.storage_key,
+            key=request.key,
+            task_name=request.task_name,
+            status=Status.PROCESSING,
+            owner=request.owner,
+            token=token,
+            task_id=request.task_id,
+            fingerprint=request.fingerprint,
+            lease_expires_at=now + request.lease_seconds,
+            created_at=created_at,
+            updated_at=now,
+            expires_at=now + request.lease_seconds + request.ttl_seconds,
+        )

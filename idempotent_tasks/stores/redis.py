@@ -1,0 +1,203 @@
+"""Claim store on Redis: one Lua script per operation, one round trip each.
+
+Each key's record is a hash and its fencing counter a string; both names carry the same hash
+tag, so they live in one Redis Cluster slot and every script touches one slot only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from ..errors import CorruptRecord, StoreUnavailable
+from ..records import (
+    ClaimRequest,
+    ClaimResult,
+    CompleteOutcome,
+    EncodedResult,
+    Outcome,
+    Record,
+    Status,
+)
+
+_T = TypeVar("_T")
+_SCRIPTS = ("claim", "complete", "release", "extend")
+#: Connection errors after which redis-py reconnects and tries the command again.
+_RETRIED_ERRORS: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError]
+
+
+def _lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+class RedisStore:
+    """A :class:`~idempotent_tasks.stores.base.Store` on Redis (or Redis Cluster) via redis-py.
+
+    Args:
+        client: a redis-py client; built by :meth:`from_url` with reconnect-and-retry on.
+        prefix: first part of every key name.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(_lua(name)) for name in _SCRIPTS
+        }
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str) -> RedisStore:
+        """Connect lazily to ``redis://`` or ``rediss://`` ``url``."""
+        client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=2,
+            socket_timeout=5,
+            health_check_interval=15,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=4),
+            retry_on_error=_RETRIED_ERRORS,
+        )
+        return cls(client, prefix)
+
+    def names(self, storage_key: str) -> list[str]:
+        """Redis names of a key's record and fencing counter (one hash tag, one slot)."""
+        record = f"{self.prefix}:{{{storage_key}}}"
+        return [record, f"{record}:fence"]
+
+    def claim(self, request: ClaimRequest) -> ClaimResult:
+        reply = self._run(
+            "claim",
+            self.names(request.storage_key),
+            [
+                request.owner,
+                request.fingerprint,
+                request.task_id,
+                _ms(request.lease_seconds),
+                _ms(request.ttl_seconds),
+                "1" if request.validate else "0",
+                request.previous_owner or "",
+                request.key,
+                request.task_name,
+            ],
+        )
+        outcome = Outcome(_text(reply[0]))
+        if outcome is Outcome.ACQUIRED:
+            return ClaimResult(outcome=outcome, token=int(reply[1]), takeover=bool(reply[2]))
+        record = _record(request.storage_key, _pairs(reply[3:]))
+        return ClaimResult(outcome=outcome, record=record)
+
+    def complete(
+        self, request: ClaimRequest, token: int, result: EncodedResult | None
+    ) -> CompleteOutcome:
+        reply = self._run(
+            "complete",
+            self.names(request.storage_key),
+            [
+                request.owner,
+                token,
+                _ms(request.ttl_seconds),
+                "1" if result is not None else "0",
+                result.content_type if result else "",
+                result.content_encoding if result else "",
+                result.body if result else b"",
+                request.fingerprint,
+                request.task_id,
+                request.key,
+                request.task_name,
+            ],
+        )
+        return CompleteOutcome(_text(reply))
+
+    def release(self, request: ClaimRequest, token: int) -> bool:
+        names = self.names(request.storage_key)[:1]
+        return bool(self._run("release", names, [request.owner, token]))
+
+    def extend(self, request: ClaimRequest, token: int) -> bool:
+        args = [request.owner, token, _ms(request.lease_seconds), _ms(request.ttl_seconds)]
+        return bool(self._run("extend", self.names(request.storage_key), args))
+
+    def get(self, storage_key: str) -> Record | None:
+        with _translated_errors():
+            fields = self.client.hgetall(self.names(storage_key)[0])
+        if not fields:
+            return None
+        return _record(storage_key, {_text(k): _bytes(v) for k, v in fields.items()})
+
+    def forget(self, storage_key: str) -> bool:
+        with _translated_errors():
+            return bool(self.client.delete(self.names(storage_key)[0]))
+
+    def close(self) -> None:
+        self.client.connection_pool.disconnect()
+
+    def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        with _translated_errors():
+            return self._scripts[script](keys=keys, args=args)
+
+
+@contextmanager
+def _translated_errors() -> Iterator[None]:
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise StoreUnavailable(f"Redis store unreachable: {exc}") from exc
+    except redis.ResponseError as exc:
+        if "WRONGTYPE" in str(exc):
+            raise CorruptRecord(f"Redis key holds something else than a record: {exc}") from exc
+        raise
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _pairs(flat: list[bytes]) -> dict[str, bytes]:
+    return {_text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+def _field(fields: dict[str, bytes], name: str, convert: Callable[[str], _T]) -> _T:
+    try:
+        return convert(_text(fields[name]))
+    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+        raise CorruptRecord(f"record field {name!r} is missing or unreadable") from exc
+
+
+def _record(storage_key: str, fields: dict[str, bytes]) -> Record:
+    cached = fields.get("result_cached") == b"1" and "result" in fields
+    result = None
+    if cached:
+        result = EncodedResult(
+            content_type=_field(fields, "content_type", str),
+            content_encoding=_field(fields, "content_encoding", str),
+            body=fields["result"],
+        )
+    return Record(
+        storage_key=storage_key,
+        key=_field(fields, "key", str),
+        task_name=_field(fields, "task_name", str),
+        status=_field(fields, "status", Status),
+        owner=_field(fields, "owner", str),
+        token=_field(fields, "token", int),
+        task_id=_field(fields, "task_id", str),
+        fingerprint=_field(fields, "fingerprint", str),
+        lease_expires_at=_field(fields, "lease_expires_at", float) / 1000,
+        created_at=_field(fields, "created_at", float) / 1000,
+        updated_at=_field(fields, "updated_at", float) / 1000,
+        expires_at=_field(fields, "expires_at", float) / 1000,
+        result=result,
+        result_cached=cached,
+    )

@@ -1,0 +1,443 @@
+"""``IdempotentTask``: the Celery adapter over the framework-free claim protocol in ``core``."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from functools import cached_property
+from typing import Any, ClassVar, NoReturn
+
+from celery import Task, states
+from celery.exceptions import Ignore, Reject, Retry
+from celery.result import AsyncResult, EagerResult
+from celery.utils.log import get_task_logger
+
+from . import defaults, signals
+from .app_store import store_for
+from .codec import UNSAFE_SERIALIZERS, ResultCodec
+from .core import Attempt, new_owner
+from .errors import (
+    CorruptRecord,
+    IdempotencyConflict,
+    IdempotencyKeyMismatch,
+    StoreUnavailable,
+)
+from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
+from .records import ClaimRequest, CompleteOutcome, Outcome, Record, Status
+from .settings import app_setting, resolve
+
+logger = get_task_logger(__name__)
+module_logger = logging.getLogger(__name__)
+
+#: Message headers the key travels in (Celery 5 drops unknown ``apply_async`` options).
+KEY_HEADER = "idempotency_key"
+PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
+WAITS_HEADER = "idempotency_waits"
+#: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
+_REPUBLISH = "_idempotency_republish"
+
+ON_DUPLICATE_CHOICES = ("wait", "skip", "raise")
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """A Celery task that runs to success at most once per idempotency key.
+
+    Use it as ``@app.task(base=IdempotentTask)`` and call with
+    ``apply_async(..., idempotency_key="...")`` or ``sig.set(idempotency_key="...")``. Calls
+    without a key (per call or per task) run as plain Celery tasks.
+
+    Messages are acknowledged after the task runs (``acks_late``) and re-queued if the worker
+    process dies (``reject_on_worker_lost``), so a crash never loses a keyed task; override
+    either per task if you must.
+    """
+
+    #: Per-task key when a call gives none: a template over the call's arguments
+    #: (``"order:{order_id}"``) or a callable ``(args, kwargs) -> str``.
+    idempotency_key: ClassVar[KeySource | None] = None
+    #: Refuse (``ValueError`` at ``apply_async``) calls that have no key.
+    idempotency_key_required: ClassVar[bool] = False
+    #: Seconds a completed key answers duplicates (default: ``app.conf.idempotency_ttl``).
+    idempotency_ttl: ClassVar[float | None] = None
+    #: Seconds a claim lives without a heartbeat (default: app setting, time_limit, then 300).
+    idempotency_lease: ClassVar[float | None] = None
+    #: Compare argument fingerprints of calls that share a key.
+    idempotency_validate: ClassVar[bool] = True
+    #: What a duplicate does while another execution holds the key: wait, skip or raise.
+    on_duplicate: ClassVar[str] = defaults.ON_DUPLICATE
+    #: Write the task to the dead-letter table when it fails for good.
+    dlq: ClassVar[bool] = True
+    #: Dead-letter retries for this task (default: ``app.conf.idempotency_dlq_max_retries``).
+    dlq_max_retries: ClassVar[int | None] = None
+
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.on_duplicate not in ON_DUPLICATE_CHOICES:
+            raise ValueError(
+                f"on_duplicate must be one of {', '.join(ON_DUPLICATE_CHOICES)}, "
+                f"not {cls.on_duplicate!r}"
+            )
+        source = cls.__dict__.get("idempotency_key")
+        if callable(source) and not isinstance(source, staticmethod):
+            # A plain function as a class attribute would be bound to the task instance.
+            cls.idempotency_key = staticmethod(source)
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Publish the task, unless its key is already completed or in progress.
+
+        Takes Celery's options plus ``idempotency_key``. A completed key returns a result whose
+        ``.get()`` is the cached value and whose ``.id`` is the original task id; a key in
+        progress returns the owner's ``AsyncResult``. Nothing is published in either case.
+
+        Raises:
+            ValueError: the key is not a non-empty ``str``, or the task requires one.
+            IdempotencyKeyMismatch: the key was used with other arguments.
+        """
+        republish_headers = options.pop(_REPUBLISH, None)
+        call_key = options.pop(KEY_HEADER, None)
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        key = self._publish_key(call_key, args, kwargs)
+        if key is not None:
+            headers = dict(options.pop("headers", None) or {})
+            headers[KEY_HEADER] = key
+            headers.update(republish_headers or {})
+            options["headers"] = headers
+            if republish_headers is None:
+                short_circuit = self._peek(key, args, kwargs)
+                if short_circuit is not None:
+                    return short_circuit
+        return super().apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, **options
+        )
+
+    def signature_from_request(
+        self,
+        request: Any = None,
+        args: Any = None,
+        kwargs: Any = None,
+        queue: Any = None,
+        **extra_options: Any,
+    ) -> Any:
+        """Celery's re-publish signature (retries, replacements), carrying the key along."""
+        request = self.request if request is None else request
+        key = _request_key(request)
+        if key is not None:
+            extra_options.setdefault(KEY_HEADER, key)
+            extra_options.setdefault(_REPUBLISH, {})
+        return super().signature_from_request(request, args, kwargs, queue, **extra_options)
+
+    def _publish_key(
+        self, call_key: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        if call_key is not None:
+            return validate_key(call_key)
+        if self.idempotency_key is not None:
+            return derive_key(self.idempotency_key, self._signature, args, kwargs)
+        if self.idempotency_key_required:
+            raise ValueError(
+                f"task {self.name} requires an idempotency key: pass "
+                "apply_async(..., idempotency_key=...) or set the task's idempotency_key"
+            )
+        return None
+
+    def _peek(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Publish-side short cut (an optimisation only: the worker's claim is the guarantee)."""
+        try:
+            record = store_for(self.app).get(storage_key(self.name, key))
+        except (StoreUnavailable, CorruptRecord) as exc:
+            module_logger.warning("publishing %s without a look at its key: %s", self.name, exc)
+            return None
+        if record is None:
+            return None
+        self._check_fingerprint(record, key, args, kwargs)
+        if record.status is Status.COMPLETED:
+            try:
+                value = self._codec.decode(record.result) if record.result else None
+            except CorruptRecord as exc:
+                module_logger.warning("cached result of key %r is unreadable: %s", key, exc)
+                return None
+            signals.duplicate_suppressed.send(
+                task_name=self.name, where="publish", outcome=Outcome.COMPLETED
+            )
+            return EagerResult(record.task_id, value, states.SUCCESS, name=self.name)
+        if record.lease_expires_at > time.time():
+            signals.duplicate_suppressed.send(
+                task_name=self.name, where="publish", outcome=Outcome.IN_PROGRESS
+            )
+            return self.AsyncResult(record.task_id)
+        return None
+
+    def _check_fingerprint(
+        self, record: Record, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if not self.idempotency_validate:
+            return
+        expected = fingerprint(self.name, self._signature, args, kwargs)
+        if record.fingerprint != expected:
+            raise IdempotencyKeyMismatch(key, self.name, record.fingerprint, expected)
+
+    # -- running ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Claim the key, then run the body once, or answer as a duplicate."""
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        key = _request_key(request)
+        if key is None and self.idempotency_key is not None:
+            key = derive_key(self.idempotency_key, self._signature, args, kwargs)
+        if key is None:
+            return self.run(*args, **kwargs)
+
+        attempt = self._attempt(key, args, kwargs, request)
+        try:
+            claim = attempt.claim()
+        except StoreUnavailable as exc:
+            logger.warning(
+                "%s[%s]: store unreachable, will try again: %s", self.name, request.id, exc
+            )
+            self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
+
+        if claim.outcome is Outcome.ACQUIRED:
+            return self._run_claimed(attempt, args, kwargs)
+        record = claim.record
+        assert record is not None
+        if claim.outcome is Outcome.MISMATCH:
+            raise IdempotencyKeyMismatch(
+                key, self.name, record.fingerprint, attempt.request.fingerprint
+            )
+        signals.duplicate_suppressed.send(
+            task_name=self.name, where="worker", outcome=claim.outcome
+        )
+        if claim.outcome is Outcome.COMPLETED:
+            return attempt.cached_value(record)
+        return self._on_in_progress(key, record)
+
+    def _run_claimed(self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.request.idempotency_attempt = attempt
+        try:
+            with attempt.heartbeat():
+                value = self.run(*args, **kwargs)
+        except Retry:
+            raise  # our retry() released the claim before publishing the retry
+        except (Ignore, Reject):
+            self._release(attempt)
+            raise
+        except Exception as exc:
+            self._release(attempt)
+            self.on_final_failure(exc, attempt.request.key, args, kwargs)
+            raise
+        except BaseException:
+            # Worker shutdown and the like: the message is redelivered (acks_late).
+            self._release(attempt)
+            raise
+        return self._complete(attempt, value)
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Any = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's retry, releasing this attempt's claim before the retry is published.
+
+        The retry message also names this attempt as its previous owner, so it can take the key
+        over at once even if the release did not reach the store.
+        """
+        attempt: Attempt | None = getattr(self.request, "idempotency_attempt", None)
+        if attempt is not None:
+            self.request.idempotency_attempt = None
+            self._release(attempt)
+            options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+    def on_final_failure(
+        self, exc: Exception, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Called once the body failed for good and the claim was released.
+
+        The dead-letter write (``dlq=True``) hooks in here; the claim is already free, so a
+        dead-letter retry can claim the key afresh.
+        """
+        logger.error(
+            "%s[%s] failed for good with key %r: %s: %s",
+            self.name,
+            self.request.id,
+            key,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _on_in_progress(self, key: str, record: Record) -> NoReturn:
+        mode = self.on_duplicate
+        if mode == "skip":
+            logger.info(
+                "%s[%s]: key %r is in progress elsewhere, skipped", self.name, self.request.id, key
+            )
+            raise Ignore()
+        if mode == "raise" or self.request.is_eager:
+            raise IdempotencyConflict(key, self.name, record.task_id)
+        waits = int(_request_header(self.request, WAITS_HEADER) or 0)
+        delay = min(defaults.WAIT_INITIAL_DELAY * 2**waits, defaults.WAIT_MAX_DELAY)
+        delay = max(min(delay, record.lease_expires_at - time.time()), 0.05)
+        self._republish_self(delay, None, {WAITS_HEADER: waits + 1})
+
+    def _republish_self(
+        self, countdown: float, exc: Exception | None, headers: dict[str, Any] | None = None
+    ) -> NoReturn:
+        """Publish this very message again after ``countdown`` s, not counting it as a retry."""
+        signature = self.signature_from_request(
+            self.request,
+            countdown=countdown,
+            retries=self.request.retries,
+            **{_REPUBLISH: headers or {}},
+        )
+        try:
+            signature.apply_async()
+        except Exception as publish_error:
+            # The broker is unreachable too: hand the message back rather than lose it.
+            raise Reject(publish_error, requeue=True) from publish_error
+        raise Retry(exc=exc, when=countdown, sig=signature)
+
+    def _complete(self, attempt: Attempt, value: Any) -> Any:
+        """Store the result, trying for up to one lease while the store is unreachable.
+
+        Returns the task's value: its own, or, when it lost its claim to an execution that
+        completed first, that execution's cached value, so every caller sees one value.
+        """
+        deadline = time.monotonic() + attempt.request.lease_seconds
+        pause = 0.1
+        while True:
+            try:
+                if attempt.complete(value) is CompleteOutcome.STALE:
+                    return self._winning_value(attempt, value)
+                return value
+            except StoreUnavailable as exc:
+                if time.monotonic() + pause > deadline:
+                    logger.error(
+                        "%s[%s] succeeded but its result could not be stored: %s; a duplicate "
+                        "may run it again once its lease ends",
+                        self.name,
+                        self.request.id,
+                        exc,
+                    )
+                    return value
+                logger.warning(
+                    "store unreachable while completing key %r, retrying: %s",
+                    attempt.request.key,
+                    exc,
+                )
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
+    def _winning_value(self, attempt: Attempt, own_value: Any) -> Any:
+        try:
+            record = attempt.store.get(attempt.request.storage_key)
+        except (StoreUnavailable, CorruptRecord):
+            return own_value
+        if record is None or record.status is not Status.COMPLETED or not record.result_cached:
+            return own_value
+        return attempt.cached_value(record)
+
+    def _release(self, attempt: Attempt) -> None:
+        try:
+            attempt.release()
+        except StoreUnavailable as exc:
+            logger.warning(
+                "could not release key %r (%s); it frees itself when its lease ends",
+                attempt.request.key,
+                exc,
+            )
+
+    def _attempt(
+        self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any
+    ) -> Attempt:
+        conf = self.app.conf
+        lease = resolve(
+            self.idempotency_lease,
+            conf.get("idempotency_lease"),
+            self.time_limit,
+            default=defaults.LEASE,
+        )
+        claim = ClaimRequest(
+            storage_key=storage_key(self.name, key),
+            key=key,
+            task_name=self.name,
+            task_id=request.id,
+            owner=new_owner(),
+            fingerprint=fingerprint(self.name, self._signature, args, kwargs),
+            lease_seconds=float(lease),
+            ttl_seconds=float(
+                resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
+            ),
+            validate=bool(self.idempotency_validate),
+            previous_owner=_request_header(request, PREVIOUS_OWNER_HEADER),
+        )
+        return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
+
+    # -- per-task constants -----------------------------------------------------------------
+
+    @cached_property
+    def _signature(self) -> inspect.Signature | None:
+        try:
+            return inspect.signature(self.run)
+        except (TypeError, ValueError):
+            return None
+
+    @cached_property
+    def _codec(self) -> ResultCodec:
+        conf = self.app.conf
+        allow_pickle = bool(app_setting(conf, "idempotency_allow_pickle"))
+        serializer = resolve(
+            app_setting(conf, "idempotency_result_serializer"),
+            self.serializer,
+            default=defaults.RESULT_SERIALIZER,
+        )
+        if serializer in UNSAFE_SERIALIZERS and not allow_pickle:
+            module_logger.warning(
+                "%s uses %s; its cached results use %s instead (set "
+                "idempotency_allow_pickle=True to cache with pickle)",
+                self.name,
+                serializer,
+                defaults.RESULT_SERIALIZER,
+            )
+            serializer = defaults.RESULT_SERIALIZER
+        return ResultCodec(
+            serializer=serializer,
+            max_bytes=int(app_setting(conf, "idempotency_result_max_bytes")),
+            allow_unsafe=allow_pickle,
+        )
+
+
+def _request_header(request: Any, name: str) -> Any:
+    """A custom header of a task request: a request attribute from a worker, else in headers."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return value
+
+
+def _request_key(request: Any) -> str | None:
+    key = _request_header(request, KEY_HEADER)
+    return None if key is None else str(key)

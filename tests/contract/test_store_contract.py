@@ -1,0 +1,230 @@
+"""The store contract: every store answers every step of the claim protocol the same way."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from idempotent_tasks.records import (
+    ClaimRequest,
+    CompleteOutcome,
+    EncodedResult,
+    Outcome,
+    Status,
+)
+from idempotent_tasks.stores import Store
+
+Make = Callable[..., ClaimRequest]
+RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b'{"a": 1}')
+
+
+def test_first_claim_acquires_with_token_one(store: Store, make_request: Make) -> None:
+    claim = store.claim(make_request())
+    assert claim.outcome is Outcome.ACQUIRED
+    assert claim.token == 1
+    assert not claim.takeover
+
+
+def test_record_shows_the_processing_claim(store: Store, make_request: Make) -> None:
+    request = make_request(task_id="t-9")
+    store.claim(request)
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert record.status is Status.PROCESSING
+    assert (record.owner, record.token, record.task_id) == (request.owner, 1, "t-9")
+    assert (record.key, record.task_name, record.fingerprint) == (
+        request.key,
+        request.task_name,
+        request.fingerprint,
+    )
+    assert record.lease_expires_at == pytest.approx(time.time() + 30, abs=2)
+    assert record.result is None
+
+
+def test_same_owner_claiming_again_gets_the_same_token(store: Store, make_request: Make) -> None:
+    # A claim whose reply was lost is sent again by the client: it must not block itself.
+    request = make_request()
+    first = store.claim(request)
+    again = store.claim(request)
+    assert again.outcome is Outcome.ACQUIRED
+    assert again.token == first.token
+
+
+def test_other_owner_while_lease_alive_is_in_progress(store: Store, make_request: Make) -> None:
+    owner = make_request(task_id="owner-task")
+    store.claim(owner)
+    duplicate = store.claim(make_request(storage_key=owner.storage_key, task_id="dup-task"))
+    assert duplicate.outcome is Outcome.IN_PROGRESS
+    assert duplicate.record is not None
+    assert duplicate.record.task_id == "owner-task"
+
+
+def test_completed_key_answers_with_the_cached_result(store: Store, make_request: Make) -> None:
+    owner = make_request(task_id="owner-task")
+    token = store.claim(owner).token
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.STORED
+    duplicate = store.claim(make_request(storage_key=owner.storage_key))
+    assert duplicate.outcome is Outcome.COMPLETED
+    assert duplicate.record is not None
+    assert duplicate.record.result == RESULT
+    assert duplicate.record.result_cached
+    assert duplicate.record.task_id == "owner-task"
+
+
+def test_completing_twice_is_harmless(store: Store, make_request: Make) -> None:
+    owner = make_request()
+    token = store.claim(owner).token
+    store.complete(owner, token, RESULT)
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.STORED
+
+
+def test_uncached_result_still_completes_the_key(store: Store, make_request: Make) -> None:
+    owner = make_request()
+    store.complete(owner, store.claim(owner).token, None)
+    duplicate = store.claim(make_request(storage_key=owner.storage_key))
+    assert duplicate.outcome is Outcome.COMPLETED
+    assert duplicate.record is not None
+    assert duplicate.record.result is None
+    assert not duplicate.record.result_cached
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_other_fingerprint_is_a_mismatch(store: Store, make_request: Make, finished: bool) -> None:
+    owner = make_request(fingerprint="fp-a")
+    token = store.claim(owner).token
+    if finished:
+        store.complete(owner, token, RESULT)
+    other = store.claim(make_request(storage_key=owner.storage_key, fingerprint="fp-b"))
+    assert other.outcome is Outcome.MISMATCH
+    assert other.record is not None
+    assert other.record.fingerprint == "fp-a"
+
+
+def test_validation_off_ignores_the_fingerprint(store: Store, make_request: Make) -> None:
+    owner = make_request(fingerprint="fp-a")
+    store.complete(owner, store.claim(owner).token, RESULT)
+    other = make_request(storage_key=owner.storage_key, fingerprint="fp-b", validate=False)
+    assert store.claim(other).outcome is Outcome.COMPLETED
+
+
+def test_completed_key_expires_after_its_ttl(store: Store, make_request: Make) -> None:
+    owner = make_request(ttl_seconds=0.3)
+    store.complete(owner, store.claim(owner).token, RESULT)
+    time.sleep(0.5)
+    assert store.get(owner.storage_key) is None
+    later = store.claim(make_request(storage_key=owner.storage_key))
+    assert later.outcome is Outcome.ACQUIRED
+
+
+def test_expired_lease_is_taken_over_with_token_plus_one(store: Store, make_request: Make) -> None:
+    # Given an owner that died without releasing (its lease simply runs out)
+    dead = make_request(lease_seconds=0.2)
+    assert store.claim(dead).token == 1
+    time.sleep(0.35)
+    # When another execution claims, it takes over with a higher fencing token
+    heir = make_request(storage_key=dead.storage_key, task_id="heir")
+    takeover = store.claim(heir)
+    assert takeover.outcome is Outcome.ACQUIRED
+    assert takeover.takeover
+    assert takeover.token == 2
+    # Then the dead owner's late writes are all refused, and the heir's record stands
+    assert store.complete(dead, 1, RESULT) is CompleteOutcome.STALE
+    assert store.release(dead, 1) is False
+    assert store.extend(dead, 1) is False
+    record = store.get(dead.storage_key)
+    assert record is not None
+    assert (record.status, record.owner, record.token) == (Status.PROCESSING, heir.owner, 2)
+    assert store.complete(heir, 2, RESULT) is CompleteOutcome.STORED
+
+
+def test_previous_owner_is_taken_over_at_once(store: Store, make_request: Make) -> None:
+    # A retry message names the attempt it retries: it may take its claim over unexpired.
+    first = make_request()
+    store.claim(first)
+    retry = make_request(storage_key=first.storage_key, previous_owner=first.owner)
+    claim = store.claim(retry)
+    assert claim.outcome is Outcome.ACQUIRED
+    assert claim.takeover
+    assert claim.token == 2
+
+
+def test_previous_owner_does_not_unlock_a_completed_key(store: Store, make_request: Make) -> None:
+    first = make_request()
+    store.complete(first, store.claim(first).token, RESULT)
+    retry = make_request(storage_key=first.storage_key, previous_owner=first.owner)
+    assert store.claim(retry).outcome is Outcome.COMPLETED
+
+
+def test_release_frees_the_key_and_tokens_keep_growing(store: Store, make_request: Make) -> None:
+    first = make_request()
+    token = store.claim(first).token
+    assert store.release(first, token) is True
+    assert store.get(first.storage_key) is None
+    again = store.claim(make_request(storage_key=first.storage_key))
+    assert again.outcome is Outcome.ACQUIRED
+    assert again.token == token + 1
+
+
+def test_release_by_a_stranger_is_refused(store: Store, make_request: Make) -> None:
+    owner = make_request()
+    token = store.claim(owner).token
+    stranger = make_request(storage_key=owner.storage_key)
+    assert store.release(stranger, token) is False
+    assert store.release(owner, token + 1) is False
+    assert store.get(owner.storage_key) is not None
+
+
+def test_release_does_not_undo_a_completion(store: Store, make_request: Make) -> None:
+    owner = make_request()
+    token = store.claim(owner).token
+    store.complete(owner, token, RESULT)
+    assert store.release(owner, token) is False
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert record.status is Status.COMPLETED
+
+
+def test_extend_keeps_a_live_owner_from_being_taken_over(store: Store, make_request: Make) -> None:
+    owner = make_request(lease_seconds=0.3)
+    token = store.claim(owner).token
+    for _ in range(5):
+        time.sleep(0.1)
+        assert store.extend(owner, token) is True
+    other = store.claim(make_request(storage_key=owner.storage_key))
+    assert other.outcome is Outcome.IN_PROGRESS
+
+
+def test_complete_after_the_record_vanished_recovers(store: Store, make_request: Make) -> None:
+    # Given a claim whose record is gone (a store restarted without persistence)
+    owner = make_request(task_id="owner-task")
+    token = store.claim(owner).token
+    store.forget(owner.storage_key)
+    # When the owner finishes, its result is written anew
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.RECOVERED
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.result, record.task_id) == (
+        Status.COMPLETED,
+        RESULT,
+        "owner-task",
+    )
+
+
+def test_forget_removes_any_record(store: Store, make_request: Make) -> None:
+    owner = make_request()
+    store.claim(owner)
+    assert store.forget(owner.storage_key) is True
+    assert store.forget(owner.storage_key) is False
+    assert store.claim(make_request(storage_key=owner.storage_key)).outcome is Outcome.ACQUIRED
+
+
+def test_large_result_round_trips(store: Store, make_request: Make) -> None:
+    body = b"x" * (900 * 1024)
+    big = EncodedResult(content_type="application/data", content_encoding="binary", body=body)
+    owner = make_request()
+    store.complete(owner, store.claim(owner).token, big)
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert record.result == big

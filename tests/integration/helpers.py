@@ -1,0 +1,43 @@
+"""Small helpers for integration tests: ledger counts, queue lengths, fresh keys."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from tests.integration import worker_app
+
+#: A queue no test worker consumes: what lands here was published and stays put.
+IDLE_QUEUE = "nobody-listens"
+
+
+def fresh(name: str) -> str:
+    """A name no other test (or earlier run) uses."""
+    return f"{name}-{uuid.uuid4().hex[:10]}"
+
+
+def ledger_events(name: str, event: str) -> int:
+    """How many times the ledger of ``name`` recorded ``event`` (start or finish)."""
+    entries = worker_app.ledger.lrange(f"ledger:{name}", 0, -1)
+    return sum(1 for entry in entries if entry.decode().startswith(f"{event}:"))
+
+
+def queue_length(queue: str) -> int:
+    """Messages waiting in a broker queue."""
+    broker = redis.Redis.from_url(worker_app.app.conf.broker_url)
+    return int(broker.llen(queue))
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``condition`` until truthy; fail the test with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

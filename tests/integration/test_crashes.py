@@ -1,0 +1,171 @@
+"""Crashes, pauses, redeliveries and store restarts, with real worker processes.
+
+Each test starts its own workers with a short lease and/or visibility timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idempotent_tasks.app_store import store_for
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Record, Status
+from tests.integration import worker_app
+from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.redis_server import RedisServer
+from tests.integration.workers import WorkerProcess
+
+pytestmark = pytest.mark.slow
+slow_first = worker_app.slow_first
+
+
+def _record(key: str) -> Record | None:
+    return store_for(worker_app.app).get(storage_key(slow_first.name, key))
+
+
+@pytest.fixture()
+def start_worker(it_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
+    started: list[WorkerProcess] = []
+
+    def start(concurrency: int = 1, **env: str) -> WorkerProcess:
+        worker = WorkerProcess(f"crash{len(started)}", {**it_env, **env}, tmp_path, concurrency)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture()
+def own_store(request: pytest.FixtureRequest, tmp_path: Path, worker_app: Any) -> Iterator[Any]:
+    """A store on a Redis server of this test's own; the test process's app uses it too."""
+    server = RedisServer(tmp_path, persistent=getattr(request, "param", True))
+    previous = worker_app.app.conf.idempotency_store_url
+    worker_app.app.conf.idempotency_store_url = server.url
+    worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
+    yield server
+    worker_app.app.conf.idempotency_store_url = previous
+    worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
+    server.stop()
+
+
+def test_worker_killed_mid_task_is_taken_over_after_the_lease(start_worker: Any) -> None:
+    # Given a worker running a keyed task with a 2 s lease
+    env = {"IT_LEASE": "2", "IT_VISIBILITY_TIMEOUT": "3"}
+    first = start_worker(**env)
+    name, key = fresh("killed"), fresh("key")
+    result = slow_first.apply_async((name, 30.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    # When the whole worker is killed with SIGKILL and a new one starts
+    first.kill()
+    start_worker(**env)
+    # Then the message comes back, the new worker takes the key over and completes it once
+    value = result.get(timeout=60)
+    assert value["run"] == 2
+    assert ledger_events(name, "start") == 2
+    assert ledger_events(name, "finish") == 1
+    record = _record(key)
+    assert record is not None
+    assert (record.status, record.token) == (Status.COMPLETED, 2)
+
+
+def test_pool_process_killed_mid_task_is_requeued_and_completed_once(start_worker: Any) -> None:
+    worker = start_worker(IT_LEASE="2")
+    name, key = fresh("child-killed"), fresh("key")
+    result = slow_first.apply_async((name, 30.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    for pid in worker.child_pids():
+        os.kill(pid, signal.SIGKILL)
+    value = result.get(timeout=60)
+    assert value["run"] == 2
+    assert ledger_events(name, "finish") == 1
+
+
+def test_visibility_timeout_redelivery_while_alive_does_not_run_again(start_worker: Any) -> None:
+    # Given a visibility timeout far shorter than the task, and a heartbeat keeping its lease
+    env = {"IT_VISIBILITY_TIMEOUT": "1", "IT_LEASE": "2"}
+    workers = [start_worker(concurrency=2, **env) for _ in range(2)]
+    name, key = fresh("redelivered"), fresh("key")
+    result = slow_first.apply_async((name, 6.0), idempotency_key=key)
+    # When Redis hands the still-running message out again (several times)
+    value = result.get(timeout=60)
+    # Then the body ran once and every delivery answered with its value
+    assert value["run"] == 1
+    assert ledger_events(name, "start") == 1
+    # The redeliveries did happen, and waited for the owner instead of running.
+    assert f"{result.id}] retry: Retry in" in "".join(worker.log() for worker in workers)
+
+
+@pytest.mark.parametrize("own_store", [True, False], ids=["persistent", "volatile"], indirect=True)
+def test_store_restart_between_claim_and_complete_loses_nothing(
+    start_worker: Any, own_store: RedisServer
+) -> None:
+    # Given a task that claimed its key on a store that then restarts mid-run
+    start_worker(IT_STORE_URL=own_store.url)
+    name, key = fresh("restart"), fresh("key")
+    result = slow_first.apply_async((name, 3.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    own_store.restart(down_for=1.0)
+    # Then the task completes once and its key ends completed with the result
+    value = result.get(timeout=60)
+    assert value["run"] == 1
+    assert ledger_events(name, "start") == 1
+    record = wait_until(lambda: _record(key), 10, "the completed record")
+    assert record.status is Status.COMPLETED
+    assert slow_first.apply_async((name, 3.0), idempotency_key=key).get(timeout=10) == value
+
+
+def test_store_down_at_claim_time_fails_closed_then_runs_once(
+    start_worker: Any, own_store: RedisServer
+) -> None:
+    # Given a store that is down when the task arrives
+    start_worker(IT_STORE_URL=own_store.url)
+    own_store.stop()
+    name, key = fresh("closed"), fresh("key")
+    result = slow_first.apply_async((name, 0.0), idempotency_key=key)
+    # Then the body does not run unclaimed
+    time.sleep(3)
+    assert ledger_events(name, "start") == 0
+    # And once the store is back, it runs exactly once
+    own_store.start()
+    assert result.get(timeout=60)["run"] == 1
+    assert ledger_events(name, "start") == 1
+
+
+def test_stale_owner_after_takeover_cannot_overwrite(start_worker: Any) -> None:
+    # Given an owner frozen (SIGSTOP) in its body, so its heartbeat stops too
+    env = {"IT_LEASE": "1.5", "IT_VISIBILITY_TIMEOUT": "2"}
+    frozen_worker = start_worker(**env)
+    name, key = fresh("stale"), fresh("key")
+    result = slow_first.apply_async((name, 2.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    children = frozen_worker.child_pids()
+    for pid in children:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        # When the lease ends and another worker takes the redelivered task over
+        start_worker(**env)
+        wait_until(lambda: ledger_events(name, "finish") == 1, 30, "the takeover to finish")
+        winner = _record(key)
+        assert winner is not None and winner.status is Status.COMPLETED
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGCONT)
+    # Then the stale owner finishes its body but its completion is refused
+    wait_until(
+        lambda: "after its claim was taken over" in frozen_worker.log(),
+        30,
+        "the stale owner's refused completion",
+    )
+    record = _record(key)
+    assert record is not None
+    assert (record.owner, record.token) == (winner.owner, winner.token)
+    assert result.get(timeout=30)["run"] == 2

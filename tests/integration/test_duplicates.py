@@ -1,0 +1,195 @@
+"""Duplicates with real prefork workers on real Redis: the body runs once, callers agree."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult, EagerResult
+
+from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
+from tests.integration import worker_app
+from tests.integration.helpers import IDLE_QUEUE, fresh, ledger_events, queue_length
+from tests.integration.workers import WorkerProcess
+
+pytestmark = pytest.mark.usefixtures("two_workers")
+charge = worker_app.charge
+
+
+def test_thirty_duplicates_at_once_on_two_workers_run_the_body_once() -> None:
+    # Given 30 callers publishing the same key at the same moment
+    order, key = fresh("order"), fresh("key")
+    with ThreadPoolExecutor(max_workers=30) as pool:
+        results = list(
+            pool.map(
+                lambda _: charge.apply_async((order, 990), {"sleep": 0.5}, idempotency_key=key),
+                range(30),
+            )
+        )
+    # When every result is collected
+    values = [result.get(timeout=60) for result in results]
+    # Then the body ran once and every caller got its value
+    assert ledger_events(order, "start") == 1
+    assert ledger_events(order, "finish") == 1
+    assert all(value == values[0] for value in values)
+    assert values[0]["order_id"] == order
+
+
+def test_duplicates_reach_both_workers_and_still_run_once(
+    two_workers: list[WorkerProcess],
+) -> None:
+    # Publish in waves while the owner runs, so duplicates land on both workers' pools.
+    order, key = fresh("order"), fresh("key")
+    results = [
+        charge.apply_async((order, 5), {"sleep": 1.0}, idempotency_key=key) for _ in range(10)
+    ]
+    values = [result.get(timeout=60) for result in results]
+    assert ledger_events(order, "start") == 1
+    assert len({repr(value) for value in values}) == 1
+
+
+def test_completed_key_returns_the_cached_value_and_publishes_nothing() -> None:
+    order, key = fresh("order"), fresh("key")
+    first = charge.apply_async((order, 10), idempotency_key=key)
+    value = first.get(timeout=30)
+    # A later duplicate (sent to a queue no one reads, so a publish would show there)
+    again = charge.apply_async((order, 10), idempotency_key=key, queue=IDLE_QUEUE)
+    assert isinstance(again, EagerResult)
+    assert again.id == first.id
+    assert again.get() == value
+    assert queue_length(IDLE_QUEUE) == 0
+    assert ledger_events(order, "start") == 1
+
+
+def test_key_in_progress_returns_the_owners_result() -> None:
+    order, key = fresh("order"), fresh("key")
+    owner = charge.apply_async((order, 10), {"sleep": 2.0}, idempotency_key=key)
+    while ledger_events(order, "start") == 0:
+        pass
+    duplicate = charge.apply_async(
+        (order, 10), {"sleep": 2.0}, idempotency_key=key, queue=IDLE_QUEUE
+    )
+    assert isinstance(duplicate, AsyncResult)
+    assert not isinstance(duplicate, EagerResult)
+    assert duplicate.id == owner.id
+    assert queue_length(IDLE_QUEUE) == 0
+    assert duplicate.get(timeout=30) == owner.get(timeout=30)
+
+
+def test_canvas_signature_carries_the_key() -> None:
+    order, key = fresh("order"), fresh("key")
+    first = charge.s(order, 3).set(idempotency_key=key).delay()
+    second = charge.s(order, 3).set(idempotency_key=key).delay()
+    assert first.get(timeout=30) == second.get(timeout=30)
+    assert ledger_events(order, "start") == 1
+
+
+def test_positional_and_keyword_calls_share_a_fingerprint() -> None:
+    order, key = fresh("order"), fresh("key")
+    value = charge.apply_async((order, 7), idempotency_key=key).get(timeout=30)
+    assert (
+        charge.apply_async(
+            (), {"order_id": order, "amount": 7, "sleep": 0.0}, idempotency_key=key
+        ).get(timeout=30)
+        == value
+    )
+    assert ledger_events(order, "start") == 1
+
+
+def test_key_reused_with_other_arguments_is_refused_at_publish() -> None:
+    order, key = fresh("order"), fresh("key")
+    charge.apply_async((order, 10), idempotency_key=key).get(timeout=30)
+    with pytest.raises(IdempotencyKeyMismatch, match="other arguments"):
+        charge.apply_async((order, 11), idempotency_key=key, queue=IDLE_QUEUE)
+    assert queue_length(IDLE_QUEUE) == 0
+
+
+def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publish() -> None:
+    # Both calls are published before either is claimed: the worker is where it is caught.
+    order, key = fresh("order"), fresh("key")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first, second = pool.map(
+            lambda amount: charge.apply_async((order, amount), {"sleep": 0.5}, idempotency_key=key),
+            (10, 11),
+        )
+    outcomes: list[Any] = []
+    for result in (first, second):
+        try:
+            outcomes.append(result.get(timeout=30))
+        except IdempotencyKeyMismatch as exc:
+            outcomes.append(exc)
+    assert sum(isinstance(outcome, IdempotencyKeyMismatch) for outcome in outcomes) == 1
+    assert ledger_events(order, "start") == 1
+
+
+def test_same_key_on_two_tasks_never_collides() -> None:
+    key = fresh("shared-key")
+    order = fresh("order")
+    charged = charge.apply_async((order, 1), idempotency_key=key).get(timeout=30)
+    templated = worker_app.templated.apply_async((99,), idempotency_key=key).get(timeout=30)
+    assert charged["order_id"] == order
+    assert templated == 0
+
+
+def test_template_key_from_the_task_option_deduplicates() -> None:
+    order_id = int(fresh("1").replace("1-", "1"), 16) % 10**9
+    first = worker_app.templated.delay(order_id, amount=5)
+    second = worker_app.templated.apply_async((order_id,), {"amount": 5})
+    assert first.get(timeout=30) == second.get(timeout=30) == 5
+    assert ledger_events(f"templated-{order_id}", "start") == 1
+
+
+@pytest.mark.parametrize("bad", [42, b"key", ["key"], "", "  ", {"k": 1}, 4.2])
+def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
+    with pytest.raises(ValueError, match="non-empty str"):
+        charge.apply_async((fresh("order"), 1), idempotency_key=bad, queue=IDLE_QUEUE)
+    with pytest.raises(ValueError, match="non-empty str"):
+        charge.s(fresh("order"), 1).set(idempotency_key=bad).apply_async(queue=IDLE_QUEUE)
+    assert queue_length(IDLE_QUEUE) == 0
+
+
+def test_a_good_key_on_the_idle_queue_does_publish() -> None:
+    # The control for the test above: the queue check does see a published message.
+    from tests.integration.helpers import worker_app as app_module
+
+    broker_queue = fresh("idle")
+    charge.apply_async((fresh("order"), 1), idempotency_key=fresh("key"), queue=broker_queue)
+    assert queue_length(broker_queue) == 1
+    app_module.app.connection().default_channel.queue_delete(broker_queue)
+
+
+def test_call_without_a_key_runs_as_a_plain_task_every_time() -> None:
+    order = fresh("order")
+    charge.delay(order, 1).get(timeout=30)
+    charge.delay(order, 1).get(timeout=30)
+    assert ledger_events(order, "start") == 2
+
+
+def test_on_duplicate_skip_drops_the_duplicate() -> None:
+    name, key = fresh("skip"), fresh("key")
+    owner = worker_app.skipping.apply_async((name, 1.5), idempotency_key=key)
+    while ledger_events(name, "start") == 0:
+        pass
+    # Sent with send_task: no publish-side look, so the worker must drop it itself.
+    duplicate = worker_app.app.send_task(
+        worker_app.skipping.name, (name, 1.5), headers={"idempotency_key": key}
+    )
+    assert owner.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
+    assert duplicate.state in ("PENDING", "IGNORED")
+
+
+def test_on_duplicate_raise_fails_the_duplicate_with_a_conflict() -> None:
+    name, key = fresh("raise"), fresh("key")
+    owner = worker_app.raising.apply_async((name, 1.5), idempotency_key=key)
+    while ledger_events(name, "start") == 0:
+        pass
+    duplicate = worker_app.app.send_task(
+        worker_app.raising.name, (name, 1.5), headers={"idempotency_key": key}
+    )
+    with pytest.raises(IdempotencyConflict) as conflict:
+        duplicate.get(timeout=30)
+    assert conflict.value.owner_task_id == owner.id
+    assert owner.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1

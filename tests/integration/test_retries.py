@@ -1,0 +1,75 @@
+"""Retries with a real worker: the claim is released before a retry, failures end cleanly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Status
+from tests.integration import worker_app
+from tests.integration.helpers import fresh, ledger_events, wait_until
+
+pytestmark = pytest.mark.usefixtures("two_workers")
+
+
+def _record(task: object, key: str) -> object:
+    from idempotent_tasks.app_store import store_for
+
+    return store_for(worker_app.app).get(storage_key(task.name, key))  # type: ignore[attr-defined]
+
+
+def test_autoretry_for_retries_until_success_and_caches_once() -> None:
+    name, key = fresh("flaky"), fresh("key")
+    result = worker_app.flaky.apply_async((name, 2), idempotency_key=key)
+    assert result.get(timeout=30) == f"{name} ok after 3 runs"
+    assert ledger_events(name, "start") == 3
+    assert ledger_events(name, "finish") == 1
+    record = _record(worker_app.flaky, key)
+    assert record is not None and record.status is Status.COMPLETED  # type: ignore[attr-defined]
+    # A later duplicate gets the cached value without a fourth run.
+    assert worker_app.flaky.apply_async((name, 2), idempotency_key=key).get() == result.get()
+    assert ledger_events(name, "start") == 3
+
+
+def test_self_retry_retries_until_success() -> None:
+    name, key = fresh("manual"), fresh("key")
+    result = worker_app.manual_retry.apply_async((name, 2), idempotency_key=key)
+    assert result.get(timeout=30) == f"{name} ok after 3 runs"
+    assert ledger_events(name, "start") == 3
+
+
+def test_claim_is_free_between_a_failure_and_its_retry() -> None:
+    # Given a task that fails once and is retried 2 s later
+    name, key = fresh("gap"), fresh("key")
+    result = worker_app.slow_retry.apply_async((name,), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 10, "the first attempt")
+    time.sleep(0.5)
+    # Then, while the retry waits for its countdown, no claim holds the key
+    assert _record(worker_app.slow_retry, key) is None
+    assert result.get(timeout=30) == f"{name} ok"
+    assert ledger_events(name, "start") == 2
+
+
+def test_exhausted_retries_fail_the_task_and_free_the_key() -> None:
+    name, key = fresh("doomed"), fresh("key")
+    result = worker_app.always_fails.apply_async((name,), idempotency_key=key)
+    with pytest.raises(TimeoutError, match="always times out"):
+        result.get(timeout=30)
+    assert ledger_events(name, "start") == 2  # the first run and its one retry
+    assert _record(worker_app.always_fails, key) is None
+
+
+def test_waiting_duplicate_spends_none_of_its_retries() -> None:
+    # Given a task allowing no retries, whose owner runs for 4 s
+    name, key = fresh("patient"), fresh("key")
+    owner = worker_app.no_retries.apply_async((name, 4.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 10, "the owner to start")
+    # When a duplicate arrives at the worker (bypassing the publish-side look)
+    duplicate = worker_app.app.send_task(
+        worker_app.no_retries.name, (name, 4.0), headers={"idempotency_key": key}
+    )
+    # Then it waits through several polls and resolves to the owner's value
+    assert duplicate.get(timeout=30) == owner.get(timeout=30) == f"{name} done"
+    assert ledger_events(name, "start") == 1

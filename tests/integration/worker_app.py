@@ -1,0 +1,150 @@
+"""The Celery app the integration tests' worker processes run.
+
+Configured from the environment so each test session picks its own Redis databases:
+IT_BROKER_URL, IT_BACKEND_URL, IT_STORE_URL, IT_LEDGER_URL. Task bodies record every start and
+finish in a ledger (a Redis list per key, apart from the product's store) so tests can count
+how often a body really ran.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from idempotent_tasks import IdempotentTask
+
+app = Celery(
+    "it",
+    broker=os.environ.get("IT_BROKER_URL", "redis://127.0.0.1:6379/10"),
+    backend=os.environ.get("IT_BACKEND_URL", "redis://127.0.0.1:6379/11"),
+)
+app.conf.update(
+    idempotency_store_url=os.environ.get("IT_STORE_URL", "redis://127.0.0.1:6379/12"),
+    idempotency_lease=float(os.environ.get("IT_LEASE", "300")),
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("IT_VISIBILITY_TIMEOUT", "3600")),
+        # Sweep for unacknowledged messages every second (kombu's default: ~100 s).
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    worker_prefetch_multiplier=1,
+    task_default_retry_delay=0.2,
+    broker_connection_retry_on_startup=True,
+)
+
+ledger = redis.Redis.from_url(os.environ.get("IT_LEDGER_URL", "redis://127.0.0.1:6379/13"))
+
+
+def note(event: str, name: str) -> int:
+    """Append ``event`` to the ledger of ``name``; returns how many entries it now has."""
+    return int(ledger.rpush(f"ledger:{name}", f"{event}:{os.getpid()}:{time.time()}"))
+
+
+@app.task(base=IdempotentTask, bind=True)
+def charge(self: Any, order_id: str, amount: int, sleep: float = 0.0) -> dict[str, Any]:
+    """Records a charge; sleeps to widen the window in which duplicates race."""
+    note("start", order_id)
+    time.sleep(sleep)
+    note("finish", order_id)
+    return {"order_id": order_id, "amount": amount, "pid": os.getpid(), "task_id": self.request.id}
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    autoretry_for=(TimeoutError,),
+    max_retries=5,
+    default_retry_delay=0.1,
+)
+def flaky(self: Any, name: str, failures: int) -> str:
+    """Fails with TimeoutError ``failures`` times (counted in the ledger), then succeeds."""
+    runs = note("start", name)
+    if runs <= failures:
+        raise TimeoutError(f"attempt {runs} of {name} timed out")
+    note("finish", name)
+    return f"{name} ok after {runs} runs"
+
+
+@app.task(base=IdempotentTask, bind=True, max_retries=5)
+def manual_retry(self: Any, name: str, failures: int) -> str:
+    """Calls self.retry() ``failures`` times, then succeeds."""
+    runs = note("start", name)
+    if runs <= failures:
+        raise self.retry(countdown=0.1)
+    note("finish", name)
+    return f"{name} ok after {runs} runs"
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    autoretry_for=(TimeoutError,),
+    max_retries=1,
+    default_retry_delay=0.1,
+)
+def always_fails(self: Any, name: str) -> None:
+    """Never succeeds: exhausts its retries."""
+    note("start", name)
+    raise TimeoutError(f"{name} always times out")
+
+
+@app.task(base=IdempotentTask, on_duplicate="skip")
+def skipping(name: str, sleep: float) -> str:
+    note("start", name)
+    time.sleep(sleep)
+    return name
+
+
+@app.task(base=IdempotentTask, on_duplicate="raise")
+def raising(name: str, sleep: float) -> str:
+    note("start", name)
+    time.sleep(sleep)
+    return name
+
+
+@app.task(base=IdempotentTask, idempotency_key="order:{order_id}")
+def templated(order_id: int, amount: int = 0) -> int:
+    note("start", f"templated-{order_id}")
+    return amount
+
+
+@app.task
+def plain(x: int) -> int:
+    return x
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    autoretry_for=(TimeoutError,),
+    max_retries=2,
+    default_retry_delay=2.0,
+)
+def slow_retry(self: Any, name: str) -> str:
+    """Fails once, retried after 2 s: the gap in which the key must be free."""
+    runs = note("start", name)
+    if runs == 1:
+        raise TimeoutError("first attempt times out")
+    return f"{name} ok"
+
+
+@app.task(base=IdempotentTask, max_retries=0)
+def no_retries(name: str, sleep: float) -> str:
+    """Allows no retries at all, so a waiting duplicate must not spend any."""
+    note("start", name)
+    time.sleep(sleep)
+    return f"{name} done"
+
+
+@app.task(base=IdempotentTask, bind=True)
+def slow_first(self: Any, name: str, sleep: float) -> dict[str, Any]:
+    """Sleeps only in its first run (the one a test crashes, pauses or outlives)."""
+    runs = note("start", name)
+    if runs == 1:
+        time.sleep(sleep)
+    note("finish", name)
+    return {"name": name, "run": runs, "pid": os.getpid()}

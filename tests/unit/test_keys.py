@@ -1,0 +1,98 @@
+"""Keys: validation, per-task derivation, fingerprints, storage names."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+from idempotent_tasks.keys import derive_key, fingerprint, storage_key, validate_key
+
+
+def charge(order_id: int, amount: int, currency: str = "EUR") -> None:
+    """A stand-in task body."""
+
+
+SIGNATURE = inspect.signature(charge)
+
+
+@pytest.mark.parametrize("bad", [None, 42, 4.2, b"bytes", ["k"], ("k",), {"k": 1}, object()])
+def test_non_str_keys_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="non-empty str"):
+        validate_key(bad)
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n"])
+def test_empty_keys_are_refused(blank: str) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        validate_key(blank)
+
+
+def test_a_str_key_is_kept_as_is() -> None:
+    assert validate_key("order-42") == "order-42"
+
+
+def test_template_binds_positional_arguments_to_parameter_names() -> None:
+    assert derive_key("order:{order_id}:{currency}", SIGNATURE, (42, 990), {}) == "order:42:EUR"
+    assert derive_key("order:{order_id}", SIGNATURE, (), {"order_id": 7, "amount": 1}) == "order:7"
+
+
+def test_template_naming_an_unknown_parameter_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        derive_key("order:{customer}", SIGNATURE, (42, 990), {})
+
+
+def test_callable_key_gets_args_and_kwargs() -> None:
+    def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return f"{args[0]}-{kwargs['amount']}"
+
+    assert derive_key(key, SIGNATURE, (42,), {"amount": 5}) == "42-5"
+
+
+def test_callable_returning_a_non_str_is_refused() -> None:
+    with pytest.raises(ValueError, match="non-empty str"):
+        derive_key(lambda args, kwargs: 42, SIGNATURE, (1, 2), {})
+
+
+def test_fingerprint_is_the_same_however_arguments_are_passed() -> None:
+    calls = [
+        ((42, 990), {}),
+        ((42,), {"amount": 990}),
+        ((), {"order_id": 42, "amount": 990}),
+        ((42, 990, "EUR"), {}),
+        ((), {"amount": 990, "order_id": 42, "currency": "EUR"}),
+    ]
+    prints = {fingerprint("t", SIGNATURE, args, kwargs) for args, kwargs in calls}
+    assert len(prints) == 1
+
+
+def test_fingerprint_differs_for_other_arguments_or_tasks() -> None:
+    base = fingerprint("t", SIGNATURE, (42, 990), {})
+    assert fingerprint("t", SIGNATURE, (42, 991), {}) != base
+    assert fingerprint("t", SIGNATURE, (42, 990, "USD"), {}) != base
+    assert fingerprint("other", SIGNATURE, (42, 990), {}) != base
+
+
+def test_fingerprint_without_a_fitting_signature_still_works() -> None:
+    assert fingerprint("t", None, (1,), {"a": 2}) == fingerprint("t", None, (1,), {"a": 2})
+    # Too many arguments for the signature: fall back to raw args, do not crash.
+    assert fingerprint("t", SIGNATURE, (1, 2, 3, 4), {}) != fingerprint("t", SIGNATURE, (1, 2), {})
+
+
+def test_fingerprint_of_values_json_cannot_hold_is_stable() -> None:
+    call = ({1, 2, 3}, b"\x00")
+    assert fingerprint("t", None, call, {}) == fingerprint("t", None, ({3, 2, 1}, b"\x00"), {})
+
+
+def test_short_keys_are_stored_readably_and_scoped_by_task() -> None:
+    assert storage_key("shop.charge", "order-42") == "shop.charge:order-42"
+    assert storage_key("shop.refund", "order-42") != storage_key("shop.charge", "order-42")
+
+
+def test_long_keys_and_keys_with_braces_are_hashed() -> None:
+    long_name = storage_key("shop.charge", "x" * 500)
+    assert long_name.startswith("sha256:")
+    assert len(long_name) == len("sha256:") + 64
+    assert storage_key("shop.charge", "x" * 501) != long_name
+    assert storage_key("shop.charge", "{tag}").startswith("sha256:")

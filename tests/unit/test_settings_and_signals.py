@@ -1,0 +1,62 @@
+"""Settings precedence, task option checks and signals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.settings import app_setting, resolve
+from idempotent_tasks.signals import Signal
+
+
+def test_resolve_takes_the_most_specific_value_set() -> None:
+    assert resolve(None, 5, 7, default=9) == 5
+    assert resolve(None, None, default=9) == 9
+    assert resolve(0, 5, default=9) == 0
+
+
+def test_app_setting_falls_back_to_the_documented_default() -> None:
+    app = Celery("t", set_as_current=False)
+    assert app_setting(app.conf, "idempotency_ttl") == 86400
+    app.conf.idempotency_ttl = 60
+    assert app_setting(app.conf, "idempotency_ttl") == 60
+
+
+def test_unknown_on_duplicate_is_refused_when_the_task_is_defined() -> None:
+    app = Celery("t", set_as_current=False)
+    with pytest.raises(ValueError, match="on_duplicate must be one of"):
+
+        @app.task(base=IdempotentTask, on_duplicate="drop", shared=False)
+        def task() -> None:
+            """Never defined."""
+
+        task.name  # noqa: B018 - touching the proxy creates the task class
+
+
+def test_callable_key_option_is_not_bound_to_the_task() -> None:
+    app = Celery("t", set_as_current=False)
+
+    def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return f"k-{args[0]}"
+
+    @app.task(base=IdempotentTask, idempotency_key=key, shared=False)
+    def task(x: int) -> int:
+        return x
+
+    assert task.idempotency_key((3,), {}) == "k-3"
+
+
+def test_signal_receivers_get_the_payload_and_their_errors_are_contained() -> None:
+    signal = Signal("s", "doc")
+    got: list[dict[str, Any]] = []
+
+    def broken(**_: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    signal.connect(broken)
+    signal.connect(lambda **payload: got.append(payload))
+    signal.send(a=1)
+    assert got == [{"signal": signal, "a": 1}]
