@@ -56,7 +56,8 @@ class Attempt:
             self.token = result.token
             if result.takeover:
                 logger.warning(
-                    "took over key %r of %s after its owner's lease ended (token %s)",
+                    "took over key %r of %s from an earlier owner, whose lease ended or whose "
+                    "attempt this one retries (token %s)",
                     self.request.key,
                     self.request.task_name,
                     result.token,

@@ -235,7 +235,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             with attempt.heartbeat():
                 value = self.run(*args, **kwargs)
         except Retry:
-            raise  # our retry() released the claim before publishing the retry
+            # retry() released the claim before publishing; a Retry raised by hand did not.
+            if getattr(self.request, "idempotency_attempt", None) is attempt:
+                self._release(attempt)
+            raise
         except (Ignore, Reject):
             self._release(attempt)
             raise
@@ -290,7 +293,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
-        mode = self.on_duplicate
+        # A broker redelivery of the owner's own message is no duplicate caller: dropping or
+        # failing it could lose the task (or fail the owner's task id), so it always waits.
+        mode = "wait" if record.task_id == self.request.id else self.on_duplicate
         if mode == "skip":
             logger.info(
                 "%s[%s]: key %r is in progress elsewhere, skipped", self.name, self.request.id, key

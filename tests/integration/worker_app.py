@@ -148,3 +148,22 @@ def slow_first(self: Any, name: str, sleep: float) -> dict[str, Any]:
         time.sleep(sleep)
     note("finish", name)
     return {"name": name, "run": runs, "pid": os.getpid()}
+
+
+@app.task(base=IdempotentTask, idempotency_key_required=True)
+def must_have_key(name: str) -> str:
+    note("start", name)
+    return name
+
+
+@app.task(base=IdempotentTask, idempotency_validate=False)
+def unvalidated(name: str, amount: int) -> int:
+    note("start", name)
+    return amount
+
+
+@app.task(base=IdempotentTask)
+def big_result(name: str, size: int) -> str:
+    """Returns ``size`` characters: over idempotency_result_max_bytes it is not cached."""
+    note("start", name)
+    return "x" * size

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
-    """One ``celery worker`` process (prefork pool) running tests.integration.worker_app."""
+    """One ``celery worker`` process (prefork pool by default) running ``app_module``."""
 
     def __init__(
         self,
@@ -24,6 +24,7 @@ class WorkerProcess:
         log_dir: Path,
         concurrency: int = 2,
         pool: str = "prefork",
+        app_module: str = "tests.integration.worker_app",
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -34,7 +35,7 @@ class WorkerProcess:
                 "-m",
                 "celery",
                 "-A",
-                "tests.integration.worker_app",
+                app_module,
                 "worker",
                 "-P",
                 pool,
@@ -54,7 +55,11 @@ class WorkerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            raise
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -84,7 +89,8 @@ class WorkerProcess:
         except ProcessLookupError:
             pass
         self.process.wait(timeout=10)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
     def stop(self) -> None:
         """Warm shutdown, then SIGKILL whatever is left."""

@@ -1,0 +1,73 @@
+"""How IdempotentTask resolves its store, serializer and lease from the app's settings."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.app_store import store_for, store_url
+from idempotent_tasks.stores import MemoryStore
+
+
+def _app(**conf: object) -> Celery:
+    app = Celery("t", set_as_current=False, broker="memory://")
+    app.conf.update(conf)
+    return app
+
+
+def test_store_defaults_to_the_redis_result_backend() -> None:
+    app = _app(result_backend="redis://127.0.0.1:6379/3")
+    assert store_url(app) == "redis://127.0.0.1:6379/3"
+
+
+def test_explicit_store_url_wins_over_the_backend() -> None:
+    app = _app(result_backend="redis://127.0.0.1:6379/3", idempotency_store_url="memory://")
+    assert isinstance(store_for(app), MemoryStore)
+
+
+def test_store_without_a_redis_backend_falls_back_to_memory_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = _app(result_backend="cache+memory://")
+    assert store_url(app) == "memory://"
+    assert "only protects tasks within one process" in caplog.text
+
+
+def test_store_is_built_once_per_process() -> None:
+    app = _app(idempotency_store_url="memory://")
+    assert store_for(app) is store_for(app)
+
+
+def test_unknown_store_scheme_is_a_clear_error() -> None:
+    app = _app(idempotency_store_url="mongodb://x")
+    with pytest.raises(ValueError, match="no store for scheme 'mongodb'"):
+        store_for(app)
+
+
+def test_cached_results_use_json_unless_the_task_says_otherwise() -> None:
+    app = _app()
+
+    @app.task(base=IdempotentTask, shared=False)
+    def plain() -> None: ...
+
+    assert plain._codec.serializer == "json"
+
+
+def test_task_serializer_pickle_falls_back_to_json_without_the_opt_in() -> None:
+    app = _app()
+
+    @app.task(base=IdempotentTask, serializer="pickle", shared=False)
+    def pickled() -> None: ...
+
+    assert pickled._codec.serializer == "json"
+
+
+def test_pickle_is_used_when_the_app_opts_in() -> None:
+    app = _app(idempotency_allow_pickle=True)
+
+    @app.task(base=IdempotentTask, serializer="pickle", shared=False)
+    def pickled() -> None: ...
+
+    assert pickled._codec.serializer == "pickle"
+    assert pickled._codec.allow_unsafe
