@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .errors import (
     CorruptRecord,
+    DeadLettered,
     IdempotencyConflict,
     IdempotencyError,
     IdempotencyKeyMismatch,
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorruptRecord",
+    "DeadLettered",
     "IdempotencyConflict",
     "IdempotencyError",
     "IdempotencyKeyMismatch",

@@ -1,23 +1,27 @@
-"""One claim store per Celery app and process, chosen from the app's settings."""
+"""One claim store and one dead-letter queue per Celery app and process."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from celery.signals import worker_process_init
 
 from . import defaults
+from .dlq import DeadLetterQueue
 from .settings import app_setting
 from .stores import Store, store_from_url
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _lock = threading.Lock()
-_ATTRIBUTE = "_idempotent_tasks_store"
+_STORE = "_idempotent_tasks_store"
+_DLQ = "_idempotent_tasks_dlq"
 
 
 def store_url(app: Any) -> str:
@@ -36,27 +40,48 @@ def store_url(app: Any) -> str:
 
 
 def store_for(app: Any) -> Store:
-    """This process's store for ``app``, built on first use and again after a fork."""
-    cached = getattr(app, _ATTRIBUTE, None)
+    """This process's claim store for ``app``, built on first use and again after a fork."""
+
+    def build() -> Store:
+        prefix = app_setting(app.conf, "idempotency_key_prefix") or defaults.KEY_PREFIX
+        return store_from_url(store_url(app), prefix=prefix)
+
+    return _per_process(app, _STORE, build)
+
+
+def dlq_for(app: Any) -> DeadLetterQueue:
+    """This process's dead-letter queue for ``app`` (``idempotency_dlq_url``, else SQLite)."""
+
+    def build() -> DeadLetterQueue:
+        return DeadLetterQueue(
+            app_setting(app.conf, "idempotency_dlq_url"),
+            base_delay=float(app_setting(app.conf, "idempotency_dlq_base_delay")),
+        )
+
+    return _per_process(app, _DLQ, build)
+
+
+def _per_process(app: Any, attribute: str, build: Callable[[], _T]) -> _T:
+    # An object inherited from a parent process is dropped unclosed: its sockets are the
+    # parent's, and closing them here would cut the parent's connections.
     pid = os.getpid()
+    cached = getattr(app, attribute, None)
     if cached is not None and cached[0] == pid:
         return cached[1]  # type: ignore[no-any-return]
     with _lock:
-        cached = getattr(app, _ATTRIBUTE, None)
+        cached = getattr(app, attribute, None)
         if cached is not None and cached[0] == pid:
             return cached[1]  # type: ignore[no-any-return]
-        # A store inherited from a parent process is dropped unclosed: its sockets are the
-        # parent's, and closing them here would cut the parent's connections.
-        prefix = app_setting(app.conf, "idempotency_key_prefix") or defaults.KEY_PREFIX
-        store = store_from_url(store_url(app), prefix=prefix)
-        setattr(app, _ATTRIBUTE, (pid, store))
-        return store
+        built = build()
+        setattr(app, attribute, (pid, built))
+        return built
 
 
 @worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
-def _forget_inherited_stores(**_: Any) -> None:
+def _forget_inherited(**_: Any) -> None:
     """A prefork child must open its own connections; the pid check does it lazily anyway."""
     from celery import current_app
 
-    if getattr(current_app, _ATTRIBUTE, None) is not None:
-        delattr(current_app, _ATTRIBUTE)
+    for attribute in (_STORE, _DLQ):
+        if getattr(current_app, attribute, None) is not None:
+            delattr(current_app, attribute)

@@ -32,6 +32,10 @@ STORE_UNAVAILABLE_DELAY: Final = 5.0
 DLQ_BASE_DELAY: Final = 60
 DLQ_MAX_RETRIES: Final = 3
 DLQ_POLL_INTERVAL: Final = 30
+#: An item ``retrying`` for longer than this goes back to ``pending`` (its sweep died).
+DLQ_RETRYING_TIMEOUT: Final = 3600
+#: Pause before a final failure whose dead-letter write failed is written again.
+DLQ_WRITE_RETRY_DELAY: Final = 10.0
 
 #: ``app.conf`` name -> default, for every app-level setting.
 APP_SETTINGS: Final[dict[str, Any]] = {
@@ -46,4 +50,5 @@ APP_SETTINGS: Final[dict[str, Any]] = {
     "idempotency_dlq_base_delay": DLQ_BASE_DELAY,
     "idempotency_dlq_max_retries": DLQ_MAX_RETRIES,
     "idempotency_dlq_poll_interval": DLQ_POLL_INTERVAL,
+    "idempotency_dlq_retrying_timeout": DLQ_RETRYING_TIMEOUT,
 }

@@ -55,6 +55,23 @@ class IdempotencyConflict(IdempotencyError):
         )
 
 
+class DeadLettered(IdempotencyError):
+    """A task's final failure was written to the dead-letter table after a database outage.
+
+    Ends the message that carried the unwritten failure, with the original error's type and
+    message (the original exception object is gone by then).
+    """
+
+    def __init__(self, error_type: str, error_message: str, task_id: str) -> None:
+        super().__init__(error_type, error_message, task_id)
+        self.error_type = error_type
+        self.error_message = error_message
+        self.task_id = task_id
+
+    def __str__(self) -> str:
+        return f"{self.error_type}: {self.error_message} (written to the dead-letter table)"
+
+
 class StoreUnavailable(IdempotencyError):
     """The idempotency store could not be reached; nothing was run unclaimed."""
 

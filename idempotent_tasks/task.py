@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
 from functools import cached_property
+from traceback import format_exc
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task, states
@@ -17,10 +19,20 @@ from . import defaults, signals
 from .app_store import store_for
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
 from .core import Attempt, new_owner
+from .dead_letters import (
+    DEAD_LETTER_HEADER,
+    UNWRITTEN_FAILURE_HEADER,
+    mark_succeeded,
+    routing_options,
+    write_failure,
+)
+from .dlq import Failure
 from .errors import (
     CorruptRecord,
+    DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
+    SchemaVersionError,
     StoreUnavailable,
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
@@ -38,6 +50,9 @@ WAITS_HEADER = "idempotency_waits"
 _REPUBLISH = "_idempotency_republish"
 
 ON_DUPLICATE_CHOICES = ("wait", "skip", "raise")
+#: Bounds of what a dead letter keeps of an error.
+MAX_ERROR_MESSAGE_CHARS = 10_000
+MAX_TRACEBACK_CHARS = 60_000
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -113,15 +128,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         key = self._publish_key(call_key, args, kwargs)
-        if key is not None:
+        if key is not None or republish_headers:
             headers = dict(options.pop("headers", None) or {})
-            headers[KEY_HEADER] = key
             headers.update(republish_headers or {})
+            if key is not None:
+                headers[KEY_HEADER] = key
             options["headers"] = headers
-            if republish_headers is None:
-                short_circuit = self._peek(key, args, kwargs)
-                if short_circuit is not None:
-                    return short_circuit
+        if key is not None and republish_headers is None:
+            short_circuit = self._peek(key, args, kwargs)
+            if short_circuit is not None:
+                return short_circuit
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
         )
@@ -134,12 +150,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         queue: Any = None,
         **extra_options: Any,
     ) -> Any:
-        """Celery's re-publish signature (retries, replacements), carrying the key along."""
+        """Celery's re-publish signature (retries, replacements), carrying our headers along."""
         request = self.request if request is None else request
         key = _request_key(request)
         if key is not None:
             extra_options.setdefault(KEY_HEADER, key)
-            extra_options.setdefault(_REPUBLISH, {})
+        carried = extra_options.setdefault(_REPUBLISH, {})
+        dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
+        if dead_letter_id is not None:
+            carried.setdefault(DEAD_LETTER_HEADER, dead_letter_id)
         return super().signature_from_request(request, args, kwargs, queue, **extra_options)
 
     def _publish_key(
@@ -199,11 +218,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
+        unwritten = _request_header(request, UNWRITTEN_FAILURE_HEADER)
+        if unwritten is not None:
+            self._write_failure(Failure(**unwritten))
         key = _request_key(request)
         if key is None and self.idempotency_key is not None:
             key = derive_key(self.idempotency_key, self._signature, args, kwargs)
         if key is None:
-            return self.run(*args, **kwargs)
+            return self._run_unclaimed(args, kwargs)
 
         attempt = self._attempt(key, args, kwargs, request)
         try:
@@ -226,8 +248,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             task_name=self.name, where="worker", outcome=claim.outcome
         )
         if claim.outcome is Outcome.COMPLETED:
-            return attempt.cached_value(record)
+            value = attempt.cached_value(record)
+            self._dead_letter_succeeded()
+            return value
         return self._on_in_progress(key, record)
+
+    def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call without a key: a plain Celery task, still dead-lettered when it fails."""
+        try:
+            value = self.run(*args, **kwargs)
+        except (Retry, Ignore, Reject):
+            raise
+        except Exception as exc:
+            self.on_final_failure(exc, None, args, kwargs)
+            raise
+        self._dead_letter_succeeded()
+        return value
 
     def _run_claimed(self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.request.idempotency_attempt = attempt
@@ -250,7 +286,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Worker shutdown and the like: the message is redelivered (acks_late).
             self._release(attempt)
             raise
-        return self._complete(attempt, value)
+        value = self._complete(attempt, value)
+        self._dead_letter_succeeded()
+        return value
 
     def retry(
         self,
@@ -276,21 +314,65 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
     def on_final_failure(
-        self, exc: Exception, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, exc: Exception, key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """Called once the body failed for good and the claim was released.
+        """Called once the body failed for good (and its claim, if any, was released).
 
-        The dead-letter write (``dlq=True``) hooks in here; the claim is already free, so a
-        dead-letter retry can claim the key afresh.
+        Writes the task to the dead-letter table unless the task sets ``dlq=False``. If the
+        write fails, the task is re-published to write it later (raising ``Retry``), so it is
+        never lost. Override to add to this; call ``super()``.
         """
+        request = self.request
         logger.error(
-            "%s[%s] failed for good with key %r: %s: %s",
-            self.name,
-            self.request.id,
-            key,
-            type(exc).__name__,
-            exc,
+            "%s[%s] failed for good: %s: %s", self.name, request.id, type(exc).__name__, exc
         )
+        if not self.dlq:
+            return
+        failure = Failure(
+            failure_id=f"{request.id}:{request.retries}",
+            task_name=self.name,
+            task_id=request.id,
+            idempotency_key=key,
+            args=list(args),
+            kwargs=dict(kwargs),
+            options=routing_options(request.delivery_info),
+            error_type=type(exc).__name__,
+            error_message=str(exc)[:MAX_ERROR_MESSAGE_CHARS],
+            traceback=format_exc()[-MAX_TRACEBACK_CHARS:],
+            max_retries=int(
+                resolve(
+                    self.dlq_max_retries,
+                    default=app_setting(self.app.conf, "idempotency_dlq_max_retries"),
+                )
+            ),
+        )
+        self._write_failure(failure)
+
+    def _write_failure(self, failure: Failure) -> None:
+        """Write a final failure; if the database is down, re-publish to write it later."""
+        dead_letter_id = _request_header(self.request, DEAD_LETTER_HEADER)
+        try:
+            write_failure(self.app, failure, dead_letter_id)
+        except (StoreUnavailable, SchemaVersionError) as exc:
+            logger.error(
+                "%s[%s]: could not write its dead letter (%s); will write it in %ss",
+                self.name,
+                self.request.id,
+                exc,
+                defaults.DLQ_WRITE_RETRY_DELAY,
+            )
+            self._republish_self(
+                defaults.DLQ_WRITE_RETRY_DELAY,
+                exc,
+                {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)},
+            )
+        if _request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
+            raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
+
+    def _dead_letter_succeeded(self) -> None:
+        dead_letter_id = _request_header(self.request, DEAD_LETTER_HEADER)
+        if dead_letter_id is not None:
+            mark_succeeded(self.app, dead_letter_id)
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
         # A broker redelivery of the owner's own message is no duplicate caller: dropping or

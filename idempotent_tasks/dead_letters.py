@@ -1,0 +1,138 @@
+"""Celery's side of the dead-letter queue: writing failures, the sweep task and its beat entry."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery, shared_task
+from celery._state import connect_on_app_finalize
+from celery.utils.log import get_task_logger
+
+from . import defaults
+from .app_store import dlq_for
+from .dlq import DeadLetter, Failure
+from .dlq.queue import SWEEP_BATCH
+from .errors import StoreUnavailable
+from .settings import app_setting
+
+logger = get_task_logger(__name__)
+module_logger = logging.getLogger(__name__)
+
+SWEEP_TASK = "idempotent_tasks.retry_dead_letters"
+#: Header of a re-published dead letter: the id of its row.
+DEAD_LETTER_HEADER = "idempotency_dead_letter_id"
+#: Header of a message whose final failure still has to be written (the database was down).
+UNWRITTEN_FAILURE_HEADER = "idempotency_unwritten_failure"
+
+
+def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
+    """Where a message came from, as ``send_task`` options to send it back there."""
+    info = delivery_info or {}
+    exchange, routing_key = info.get("exchange") or "", info.get("routing_key")
+    options: dict[str, Any] = {}
+    if routing_key:
+        if exchange in ("", routing_key):
+            options["queue"] = routing_key
+        else:
+            options.update(exchange=exchange, routing_key=routing_key)
+    if info.get("priority") is not None:
+        options["priority"] = info["priority"]
+    return options
+
+
+def write_failure(app: Any, failure: Failure, dead_letter_id: str | None) -> str:
+    """Record a final failure: a new row, or the next failure of a re-published row.
+
+    Returns the row's id. Raises StoreUnavailable when the database cannot be written.
+    """
+    queue = dlq_for(app)
+    if dead_letter_id is not None:
+        item = queue.record_retry_failure(
+            dead_letter_id, failure.error_type, failure.error_message, failure.traceback
+        )
+        if item is not None:
+            _log_item(item)
+            return item.id
+    item = queue.add(failure)
+    _log_item(item)
+    return item.id
+
+
+def _log_item(item: DeadLetter) -> None:
+    logger.error(
+        "%s[%s] dead-lettered as %s: %s, %s of %s retries used, next try %s",
+        item.task_name,
+        item.task_id,
+        item.id,
+        item.status.value,
+        item.retry_count,
+        item.max_retries,
+        item.next_retry_at.isoformat() if item.next_retry_at else "never",
+    )
+
+
+def mark_succeeded(app: Any, dead_letter_id: str) -> None:
+    """A re-published dead letter succeeded; a database error is logged (the row's sweep
+    timeout brings it back, and its key then answers from the cache)."""
+    try:
+        dlq_for(app).mark_succeeded(dead_letter_id)
+    except StoreUnavailable as exc:
+        module_logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
+
+
+def republish(app: Any, item: DeadLetter) -> None:
+    """Send a dead letter's task again: same name, id, arguments, key and routing."""
+    headers: dict[str, Any] = {DEAD_LETTER_HEADER: item.id}
+    if item.idempotency_key is not None:
+        headers["idempotency_key"] = item.idempotency_key
+    app.send_task(
+        item.task_name,
+        args=item.args,
+        kwargs=item.kwargs,
+        task_id=item.task_id,
+        headers=headers,
+        **item.options,
+    )
+
+
+@shared_task(name=SWEEP_TASK, bind=True, ignore_result=False)  # type: ignore[untyped-decorator]
+def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
+    """Re-publish every due dead letter, in batches; returns how many were re-published.
+
+    Runs from beat every ``idempotency_dlq_poll_interval`` seconds. Items still ``retrying``
+    after ``idempotency_dlq_retrying_timeout`` (their sweep died) are made due again first.
+    """
+    app = self.app
+    queue = dlq_for(app)
+    timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
+    recovered = queue.recover_stuck(timedelta(seconds=timeout))
+    if recovered:
+        logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
+    published = 0
+    while True:
+        items = queue.take_due(batch)
+        for item in items:
+            try:
+                republish(app, item)
+            except Exception as exc:
+                logger.error("could not re-publish dead letter %s: %s", item.id, exc)
+                queue.unclaim(item.id)
+                continue
+            published += 1
+        if len(items) < batch:
+            return published
+
+
+@connect_on_app_finalize  # type: ignore[untyped-decorator]
+def _add_beat_entry(app: Celery) -> None:
+    """Schedule the sweep on every app that loads idempotent_tasks (``None`` disables it)."""
+    interval = app.conf.get("idempotency_dlq_poll_interval", defaults.DLQ_POLL_INTERVAL)
+    if interval is None:
+        return
+    app.add_periodic_task(
+        float(interval),
+        app.signature(SWEEP_TASK),
+        name=SWEEP_TASK,
+    )

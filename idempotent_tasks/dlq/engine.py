@@ -1,0 +1,77 @@
+"""SQLAlchemy engines for the dead-letter database, with what each dialect needs."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import NoSuchModuleError
+
+#: Seconds an SQLite writer waits for another writer's lock before failing.
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+_DRIVER_EXTRAS = {"postgresql": "sql", "mysql": "sql", "mariadb": "sql"}
+
+
+def default_sqlite_url() -> str:
+    """The local SQLite file used when no URL is set.
+
+    ``$IDEMPOTENT_TASKS_DATA_DIR/dead_letters.sqlite3``, else
+    ``$XDG_DATA_HOME/idempotent_tasks/...`` (``~/.local/share/idempotent_tasks/...``).
+    """
+    base = os.environ.get("IDEMPOTENT_TASKS_DATA_DIR")
+    if base:
+        folder = Path(base)
+    else:
+        data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        folder = Path(data_home) / "idempotent_tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'dead_letters.sqlite3'}"
+
+
+def create_dlq_engine(url: str) -> Engine:
+    """An engine for ``url``: pre-ping on every dialect; WAL and a busy timeout on SQLite.
+
+    Raises:
+        ImportError: the URL's driver is not installed (naming the extra that brings it).
+    """
+    dialect = make_url(url).get_backend_name()
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    try:
+        engine = create_engine(url, **options)
+    except (ImportError, NoSuchModuleError) as exc:
+        extra = _DRIVER_EXTRAS.get(dialect, "sql")
+        raise ImportError(
+            f"no driver for {url.split('://')[0]}: pip install 'idempotent-tasks[{extra}]'"
+        ) from exc
+    if dialect == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
+
+
+def to_db_time(engine: Engine, moment: datetime) -> datetime:
+    """A UTC moment as the dialect stores it (naive UTC where columns keep no zone)."""
+    moment = moment.astimezone(timezone.utc)
+    if engine.dialect.name == "postgresql":
+        return moment
+    return moment.replace(tzinfo=None)
+
+
+def from_db_time(moment: datetime | None) -> datetime | None:
+    """A stored moment, timezone-aware in UTC."""
+    if moment is None:
+        return None
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc)

@@ -1,0 +1,62 @@
+"""Dead-letter items as Python sees them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+class DeadLetterStatus(str, enum.Enum):
+    """Where a dead letter is in its life."""
+
+    PENDING = "pending"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    PERMANENT_FAILURE = "permanent_failure"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """A final failure to record: the task as it was called, and how it failed.
+
+    ``failure_id`` names the failed delivery (task id and attempt), so writing the same failure
+    twice leaves one row.
+    """
+
+    failure_id: str
+    task_name: str
+    task_id: str
+    idempotency_key: str | None
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    error_type: str
+    error_message: str
+    traceback: str | None
+    max_retries: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetter:
+    """One row of the dead-letter table. Timestamps are timezone-aware (UTC)."""
+
+    id: str
+    task_name: str
+    task_id: str
+    failure_id: str
+    idempotency_key: str | None
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    error_type: str
+    error_message: str
+    traceback: str | None
+    retry_count: int
+    max_retries: int
+    next_retry_at: datetime | None
+    status: DeadLetterStatus
+    sweep_id: str | None
+    created_at: datetime
+    updated_at: datetime

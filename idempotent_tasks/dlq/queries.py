@@ -1,0 +1,139 @@
+"""Every SQL statement of the dead-letter queue, as named SQLAlchemy Core builders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Delete, Select, Update, delete, func, insert, select, update
+from sqlalchemy.sql.dml import Insert
+
+from .schema import dead_letters, schema_versions
+
+PENDING, RETRYING, SUCCEEDED, PERMANENT_FAILURE = (
+    "pending",
+    "retrying",
+    "succeeded",
+    "permanent_failure",
+)
+
+
+def insert_dead_letter(row: dict[str, Any]) -> Insert:
+    """Add one dead letter (fails on a repeated ``failure_id``: the write is idempotent)."""
+    return insert(dead_letters).values(**row)
+
+
+def select_by_id(item_id: str) -> Select[Any]:
+    """One dead letter by id."""
+    return select(dead_letters).where(dead_letters.c.id == item_id)
+
+
+def select_by_failure(failure_id: str) -> Select[Any]:
+    """The dead letter written for one failed delivery."""
+    return select(dead_letters).where(dead_letters.c.failure_id == failure_id)
+
+
+def select_due_ids(now: datetime, limit: int) -> Select[Any]:
+    """Ids of due pending items, oldest due first, skipping rows another sweep has locked."""
+    return (
+        select(dead_letters.c.id)
+        .where(dead_letters.c.status == PENDING, dead_letters.c.next_retry_at <= now)
+        .order_by(dead_letters.c.next_retry_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def claim_for_sweep(ids: Sequence[str], sweep_id: str, now: datetime) -> Update:
+    """Mark the given items ``retrying`` for one sweep, only those still pending."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.id.in_(ids), dead_letters.c.status == PENDING)
+        .values(status=RETRYING, sweep_id=sweep_id, updated_at=now)
+    )
+
+
+def select_swept(sweep_id: str) -> Select[Any]:
+    """The items one sweep took."""
+    return select(dead_letters).where(dead_letters.c.sweep_id == sweep_id)
+
+
+def recover_stuck(stuck_before: datetime, now: datetime) -> Update:
+    """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due now."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.status == RETRYING, dead_letters.c.updated_at < stuck_before)
+        .values(status=PENDING, next_retry_at=now, sweep_id=None, updated_at=now)
+    )
+
+
+def unclaim(item_id: str, now: datetime) -> Update:
+    """Return one ``retrying`` item to ``pending``, due now."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
+        .values(status=PENDING, next_retry_at=now, sweep_id=None, updated_at=now)
+    )
+
+
+def mark_succeeded(item_id: str, now: datetime) -> Update:
+    """Mark an item ``succeeded`` (from ``retrying`` or ``pending``)."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.id == item_id, dead_letters.c.status.in_((RETRYING, PENDING)))
+        .values(status=SUCCEEDED, next_retry_at=None, updated_at=now)
+    )
+
+
+def record_retry_failure(item_id: str, values: dict[str, Any]) -> Update:
+    """Write the outcome of a failed re-publication of a ``retrying`` item."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
+        .values(**values)
+    )
+
+
+def retry_now(item_id: str, now: datetime) -> Update:
+    """Make an item (of any status but ``retrying``) pending and due at once."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.id == item_id, dead_letters.c.status != RETRYING)
+        .values(status=PENDING, next_retry_at=now, sweep_id=None, updated_at=now)
+    )
+
+
+def select_items(status: str | None, task_name: str | None, limit: int) -> Select[Any]:
+    """Items, newest first, optionally of one status and one task."""
+    query = select(dead_letters).order_by(dead_letters.c.created_at.desc()).limit(limit)
+    if status is not None:
+        query = query.where(dead_letters.c.status == status)
+    if task_name is not None:
+        query = query.where(dead_letters.c.task_name == task_name)
+    return query
+
+
+def count_by_status() -> Select[Any]:
+    """How many items each status has."""
+    return select(dead_letters.c.status, func.count()).group_by(dead_letters.c.status)
+
+
+def purge(status: str | None, older_than: datetime | None) -> Delete:
+    """Delete items of a status and/or last updated before a moment."""
+    query = delete(dead_letters)
+    if status is not None:
+        query = query.where(dead_letters.c.status == status)
+    if older_than is not None:
+        query = query.where(dead_letters.c.updated_at < older_than)
+    return query
+
+
+def select_schema_version(component: str) -> Select[Any]:
+    """The schema version a database records for a component."""
+    return select(schema_versions.c.version).where(schema_versions.c.component == component)
+
+
+def insert_schema_version(component: str, version: int) -> Insert:
+    """Record a component's schema version."""
+    return insert(schema_versions).values(component=component, version=version)

@@ -1,0 +1,307 @@
+"""``DeadLetterQueue``: the persistent table of tasks that failed for good."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import Connection, Engine, inspect
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
+
+from ..errors import SchemaVersionError, StoreUnavailable
+from . import queries
+from .backoff import next_retry_at
+from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
+from .items import DeadLetter, DeadLetterStatus, Failure
+from .schema import COMPONENT, SCHEMA_VERSION, metadata, schema_versions
+
+#: Items a sweep takes at most per batch.
+SWEEP_BATCH = 100
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class DeadLetterQueue:
+    """The dead-letter table on any SQLAlchemy URL (PostgreSQL, MySQL/MariaDB, SQLite).
+
+    The tables are created on first use. A database whose schema version is newer than this
+    code raises :class:`~idempotent_tasks.errors.SchemaVersionError`; database errors surface as
+    :class:`~idempotent_tasks.errors.StoreUnavailable`.
+
+    Args:
+        url: SQLAlchemy URL; ``None`` for the local SQLite file (see ``default_sqlite_url``).
+        base_delay: seconds of the first backoff step (doubling with every retry).
+        clock: returns the current UTC time (for tests).
+        rng: the jitter's random source (for tests).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        base_delay: float = 60,
+        clock: Callable[[], datetime] = _utcnow,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.url = url or default_sqlite_url()
+        self.base_delay = base_delay
+        self.engine: Engine = create_dlq_engine(self.url)
+        self._clock = clock
+        self._rng = rng
+        self._schema_ready = False
+        self._schema_lock = threading.Lock()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def add(self, failure: Failure) -> DeadLetter:
+        """Record a final failure as a ``pending`` item; the same failure twice gives one row."""
+        now = self._clock()
+        row = {
+            "id": str(uuid.uuid4()),
+            "task_name": failure.task_name,
+            "task_id": failure.task_id,
+            "failure_id": failure.failure_id,
+            "idempotency_key": failure.idempotency_key,
+            "args": list(failure.args),
+            "kwargs": dict(failure.kwargs),
+            "options": dict(failure.options),
+            "error_type": failure.error_type,
+            "error_message": failure.error_message,
+            "traceback": failure.traceback,
+            "retry_count": 0,
+            "max_retries": failure.max_retries,
+            "status": DeadLetterStatus.PENDING.value,
+            "next_retry_at": self._db(next_retry_at(now, 0, self.base_delay, self._rng)),
+            "created_at": self._db(now),
+            "updated_at": self._db(now),
+        }
+        try:
+            with self._begin() as connection:
+                connection.execute(queries.insert_dead_letter(row))
+        except IntegrityError:
+            pass  # this failure was written before (a retried write): keep that row
+        with self._begin() as connection:
+            found = connection.execute(queries.select_by_failure(failure.failure_id)).one()
+        return _item(found._mapping)
+
+    def take_due(self, limit: int = SWEEP_BATCH) -> list[DeadLetter]:
+        """Atomically take up to ``limit`` due ``pending`` items, marking them ``retrying``.
+
+        Concurrent callers never take the same item: PostgreSQL and MySQL skip rows another
+        sweep has locked; everywhere, only rows still ``pending`` are marked, and each caller
+        reads back just the rows its own mark took.
+        """
+        now = self._clock()
+        sweep_id = str(uuid.uuid4())
+        with self._begin() as connection:
+            ids = list(connection.execute(queries.select_due_ids(self._db(now), limit)).scalars())
+            if not ids:
+                return []
+            connection.execute(queries.claim_for_sweep(ids, sweep_id, self._db(now)))
+        with self._begin() as connection:
+            rows = connection.execute(queries.select_swept(sweep_id)).all()
+        return [_item(row._mapping) for row in rows]
+
+    def recover_stuck(self, timeout: timedelta) -> int:
+        """Return items ``retrying`` for longer than ``timeout`` to ``pending``; how many."""
+        now = self._clock()
+        with self._begin() as connection:
+            result = connection.execute(
+                queries.recover_stuck(self._db(now - timeout), self._db(now))
+            )
+        return int(result.rowcount)
+
+    def unclaim(self, item_id: str) -> bool:
+        """Put a ``retrying`` item back to ``pending`` (its re-publication failed)."""
+        with self._begin() as connection:
+            result = connection.execute(queries.unclaim(item_id, self._db(self._clock())))
+        return bool(result.rowcount)
+
+    def mark_succeeded(self, item_id: str) -> bool:
+        """Mark a re-published item ``succeeded``; whether it was ``retrying`` or ``pending``."""
+        with self._begin() as connection:
+            result = connection.execute(queries.mark_succeeded(item_id, self._db(self._clock())))
+        return bool(result.rowcount)
+
+    def record_retry_failure(
+        self, item_id: str, error_type: str, error_message: str, traceback: str | None
+    ) -> DeadLetter | None:
+        """A re-published item failed for good again: reschedule it, or give up at its limit.
+
+        Only an item in ``retrying`` changes (so a repeated call changes nothing); returns the
+        item as it now is, or ``None`` if there is no such item.
+        """
+        now = self._clock()
+        with self._begin() as connection:
+            found = connection.execute(queries.select_by_id(item_id)).one_or_none()
+            if found is None:
+                return None
+            item = _item(found._mapping)
+            if item.status is DeadLetterStatus.RETRYING:
+                retry_count = item.retry_count + 1
+                exhausted = retry_count >= item.max_retries
+                values: dict[str, Any] = {
+                    "retry_count": retry_count,
+                    "error_type": error_type,
+                    "error_message": error_message,
+                    "traceback": traceback,
+                    "sweep_id": None,
+                    "updated_at": self._db(now),
+                    "status": (
+                        DeadLetterStatus.PERMANENT_FAILURE
+                        if exhausted
+                        else DeadLetterStatus.PENDING
+                    ).value,
+                    "next_retry_at": None
+                    if exhausted
+                    else self._db(next_retry_at(now, retry_count, self.base_delay, self._rng)),
+                }
+                connection.execute(queries.record_retry_failure(item_id, values))
+            found = connection.execute(queries.select_by_id(item_id)).one()
+        return _item(found._mapping)
+
+    # -- the operator's API ---------------------------------------------------------------
+
+    def items(
+        self,
+        status: str | DeadLetterStatus | None = None,
+        task_name: str | None = None,
+        limit: int = 100,
+    ) -> list[DeadLetter]:
+        """Items, newest first, optionally of one status and/or one task."""
+        status_value = DeadLetterStatus(status).value if status is not None else None
+        with self._begin() as connection:
+            rows = connection.execute(queries.select_items(status_value, task_name, limit)).all()
+        return [_item(row._mapping) for row in rows]
+
+    def get(self, item_id: str) -> DeadLetter | None:
+        """One item by id, or ``None``."""
+        with self._begin() as connection:
+            found = connection.execute(queries.select_by_id(item_id)).one_or_none()
+        return None if found is None else _item(found._mapping)
+
+    def stats(self) -> dict[str, int]:
+        """How many items each status has, plus ``total``."""
+        counts = {status.value: 0 for status in DeadLetterStatus}
+        with self._begin() as connection:
+            for status, count in connection.execute(queries.count_by_status()).all():
+                counts[status] = int(count)
+        counts["total"] = sum(counts.values())
+        return counts
+
+    def retry_now(self, item_id: str) -> bool:
+        """Make an item due at once (``pending``), whatever its status but ``retrying``."""
+        with self._begin() as connection:
+            result = connection.execute(queries.retry_now(item_id, self._db(self._clock())))
+        return bool(result.rowcount)
+
+    def purge(
+        self, status: str | DeadLetterStatus | None = None, older_than: timedelta | None = None
+    ) -> int:
+        """Delete items of ``status`` and/or not updated for ``older_than``; how many."""
+        status_value = DeadLetterStatus(status).value if status is not None else None
+        cutoff = self._db(self._clock() - older_than) if older_than is not None else None
+        with self._begin() as connection:
+            result = connection.execute(queries.purge(status_value, cutoff))
+        return int(result.rowcount)
+
+    def dispose(self) -> None:
+        """Close pooled connections (after a fork, or when done)."""
+        self.engine.dispose()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _db(self, moment: datetime) -> datetime:
+        return to_db_time(self.engine, moment)
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        self.ensure_schema()
+        try:
+            with self.engine.begin() as connection:
+                yield connection
+        except IntegrityError:
+            raise
+        except SQLAlchemyError as exc:
+            raise StoreUnavailable(f"dead-letter database error: {exc}") from exc
+
+    def ensure_schema(self) -> None:
+        """Create the tables if missing and check the schema version (once per object)."""
+        if self._schema_ready:
+            return
+        with self._schema_lock:
+            if self._schema_ready:
+                return
+            try:
+                self._create_or_check()
+            except (OperationalError, ProgrammingError, IntegrityError):
+                # Another process created the tables at the same moment: look again.
+                self._create_or_check()
+            self._schema_ready = True
+
+    def _create_or_check(self) -> None:
+        try:
+            with self.engine.begin() as connection:
+                if not inspect(connection).has_table(schema_versions.name):
+                    metadata.create_all(connection, checkfirst=True)
+                version = connection.execute(
+                    queries.select_schema_version(COMPONENT)
+                ).scalar_one_or_none()
+                if version is None:
+                    connection.execute(queries.insert_schema_version(COMPONENT, SCHEMA_VERSION))
+                    return
+        except OperationalError as exc:
+            if "connect" in str(exc).lower() or "unable to open" in str(exc).lower():
+                raise StoreUnavailable(f"dead-letter database unreachable: {exc}") from exc
+            raise
+        _check_version(int(version), self.url)
+
+
+def _check_version(version: int, url: str) -> None:
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"the dead-letter tables at {_safe(url)} are at schema version {version}, newer "
+            f"than this idempotent_tasks understands ({SCHEMA_VERSION}); upgrade "
+            "idempotent_tasks (or point idempotency_dlq_url at another database)"
+        )
+    if version < SCHEMA_VERSION:  # pragma: no cover - version 1 is the first there is
+        raise SchemaVersionError(
+            f"the dead-letter tables at {_safe(url)} are at schema version {version}, older "
+            f"than {SCHEMA_VERSION}, and no migration from it exists"
+        )
+
+
+def _safe(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _item(row: Any) -> DeadLetter:
+    return DeadLetter(
+        id=row["id"],
+        task_name=row["task_name"],
+        task_id=row["task_id"],
+        failure_id=row["failure_id"],
+        idempotency_key=row["idempotency_key"],
+        args=list(row["args"]),
+        kwargs=dict(row["kwargs"]),
+        options=dict(row["options"]),
+        error_type=row["error_type"],
+        error_message=row["error_message"],
+        traceback=row["traceback"],
+        retry_count=int(row["retry_count"]),
+        max_retries=int(row["max_retries"]),
+        next_retry_at=from_db_time(row["next_retry_at"]),
+        status=DeadLetterStatus(row["status"]),
+        sweep_id=row["sweep_id"],
+        created_at=from_db_time(row["created_at"]),  # type: ignore[arg-type]
+        updated_at=from_db_time(row["updated_at"]),  # type: ignore[arg-type]
+    )

@@ -1,0 +1,64 @@
+"""Tables of the dead-letter queue, and the schema version this code writes and reads."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.dialects import mysql
+
+#: Version of the tables below; a database at a higher version is refused.
+SCHEMA_VERSION = 1
+#: Name under which the dead-letter schema records its version.
+COMPONENT = "dead_letters"
+
+metadata = MetaData()
+
+# MySQL/MariaDB DATETIME keeps no fractions of a second unless told to.
+Timestamp = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+
+dead_letters = Table(
+    "idempotent_tasks_dead_letters",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("task_name", String(255), nullable=False),
+    Column("task_id", String(255), nullable=False),
+    # One row per failed delivery (task id and attempt): a write repeated after a lost reply
+    # or a database outage finds its row already there.
+    Column("failure_id", String(300), nullable=False, unique=True),
+    Column("idempotency_key", String(1024)),
+    Column("args", JSON, nullable=False),
+    Column("kwargs", JSON, nullable=False),
+    Column("options", JSON, nullable=False),
+    Column("error_type", String(255), nullable=False),
+    Column("error_message", LongText, nullable=False),
+    Column("traceback", LongText),
+    Column("retry_count", Integer, nullable=False),
+    Column("max_retries", Integer, nullable=False),
+    Column("next_retry_at", Timestamp),
+    Column("status", String(32), nullable=False),
+    # Which sweep took the row for re-publishing (its claim on the row).
+    Column("sweep_id", String(36)),
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
+    Index("ix_idempotent_tasks_dead_letters_due", "status", "next_retry_at"),
+    Index("ix_idempotent_tasks_dead_letters_task", "task_name", "status"),
+    Index("ix_idempotent_tasks_dead_letters_key", "idempotency_key", mysql_length=191),
+    Index("ix_idempotent_tasks_dead_letters_sweep", "sweep_id"),
+)
+
+schema_versions = Table(
+    "idempotent_tasks_schema_version",
+    metadata,
+    Column("component", String(64), primary_key=True),
+    Column("version", Integer, nullable=False),
+)
