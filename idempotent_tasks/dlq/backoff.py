@@ -11,7 +11,7 @@ JITTER_FRACTION = 0.25
 
 def retry_delay(retry_count: int, base_delay: float, rng: random.Random | None = None) -> float:
     """Seconds until the next try: ``base * 2**retry_count`` plus ``U(0, 0.25 * that)``."""
-    delay = base_delay * 2**retry_count
+    delay = base_delay * 2.0**retry_count
     jitter: float = (rng or random).uniform(0, JITTER_FRACTION * delay)
     return delay + jitter
 
