@@ -18,13 +18,11 @@ from typing import Any
 from . import signals
 from .codec import ResultCodec
 from .errors import StoreUnavailable
+from .heartbeat import keeper
 from .records import ClaimRequest, ClaimResult, CompleteOutcome, Outcome, Record
 from .stores.base import Store
 
 logger = logging.getLogger(__name__)
-
-#: Renew the lease this many times per lease period, so two renewals may fail before it lapses.
-HEARTBEATS_PER_LEASE = 3
 
 
 def new_owner() -> str:
@@ -75,21 +73,12 @@ class Attempt:
 
     @contextmanager
     def heartbeat(self) -> Iterator[None]:
-        """Renew the lease in a background thread while the body runs."""
-        stop = threading.Event()
-        interval = max(self.request.lease_seconds / HEARTBEATS_PER_LEASE, 0.05)
-        thread = threading.Thread(
-            target=self._renew_until,
-            args=(stop, interval),
-            name="idempotency-heartbeat",
-            daemon=True,
-        )
-        thread.start()
+        """Keep the lease renewed (by the process's lease keeper) while the body runs."""
+        lease = keeper.add(self._renew, self._on_lease_lost, self.request.lease_seconds)
         try:
             yield
         finally:
-            stop.set()
-            thread.join()
+            keeper.remove(lease)
 
     def complete(self, value: Any) -> CompleteOutcome:
         """Cache ``value`` and mark the key completed, if this attempt still holds it."""
@@ -129,19 +118,18 @@ class Attempt:
             return False
         return self.store.release(self.request, self.token)
 
-    def _renew_until(self, stop: threading.Event, interval: float) -> None:
-        while not stop.wait(interval):
-            try:
-                held = self.store.extend(self.request, self.token)
-            except StoreUnavailable as exc:
-                logger.warning("could not renew the lease of key %r: %s", self.request.key, exc)
-                continue
-            if not held:
-                self.lost.set()
-                logger.warning(
-                    "lease of key %r of %s was taken over while its body still runs",
-                    self.request.key,
-                    self.request.task_name,
-                )
-                signals.lease_lost.send(task_name=self.request.task_name, key=self.request.key)
-                return
+    def _renew(self) -> bool:
+        try:
+            return self.store.extend(self.request, self.token)
+        except StoreUnavailable as exc:
+            logger.warning("could not renew the lease of key %r: %s", self.request.key, exc)
+            return True  # unknown: keep trying until the store answers
+
+    def _on_lease_lost(self) -> None:
+        self.lost.set()
+        logger.warning(
+            "lease of key %r of %s was taken over while its body still runs",
+            self.request.key,
+            self.request.task_name,
+        )
+        signals.lease_lost.send(task_name=self.request.task_name, key=self.request.key)

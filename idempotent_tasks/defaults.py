@@ -51,4 +51,5 @@ APP_SETTINGS: Final[dict[str, Any]] = {
     "idempotency_dlq_max_retries": DLQ_MAX_RETRIES,
     "idempotency_dlq_poll_interval": DLQ_POLL_INTERVAL,
     "idempotency_dlq_retrying_timeout": DLQ_RETRYING_TIMEOUT,
+    "idempotency_dlq_write_retry_delay": DLQ_WRITE_RETRY_DELAY,
 }

@@ -354,15 +354,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             write_failure(self.app, failure, dead_letter_id)
         except (StoreUnavailable, SchemaVersionError) as exc:
+            delay = float(app_setting(self.app.conf, "idempotency_dlq_write_retry_delay"))
             logger.error(
                 "%s[%s]: could not write its dead letter (%s); will write it in %ss",
                 self.name,
                 self.request.id,
                 exc,
-                defaults.DLQ_WRITE_RETRY_DELAY,
+                delay,
             )
             self._republish_self(
-                defaults.DLQ_WRITE_RETRY_DELAY,
+                delay,
                 exc,
                 {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)},
             )
@@ -460,13 +461,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _attempt(
         self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any
     ) -> Attempt:
-        conf = self.app.conf
-        lease = resolve(
-            self.idempotency_lease,
-            conf.get("idempotency_lease"),
-            self.time_limit,
-            default=defaults.LEASE,
-        )
+        lease_seconds, ttl_seconds = self._lease_and_ttl
         claim = ClaimRequest(
             storage_key=storage_key(self.name, key),
             key=key,
@@ -474,16 +469,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
             task_id=request.id,
             owner=new_owner(),
             fingerprint=fingerprint(self.name, self._signature, args, kwargs),
-            lease_seconds=float(lease),
-            ttl_seconds=float(
-                resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
-            ),
+            lease_seconds=lease_seconds,
+            ttl_seconds=ttl_seconds,
             validate=bool(self.idempotency_validate),
             previous_owner=_request_header(request, PREVIOUS_OWNER_HEADER),
         )
         return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
 
     # -- per-task constants -----------------------------------------------------------------
+
+    @cached_property
+    def _lease_and_ttl(self) -> tuple[float, float]:
+        conf = self.app.conf
+        lease = resolve(
+            self.idempotency_lease,
+            conf.get("idempotency_lease"),
+            self.time_limit,
+            default=defaults.LEASE,
+        )
+        ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
+        return float(lease), float(ttl)
 
     @cached_property
     def _signature(self) -> inspect.Signature | None:

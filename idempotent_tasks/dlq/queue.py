@@ -77,8 +77,17 @@ class DeadLetterQueue:
             "traceback": failure.traceback,
             "retry_count": 0,
             "max_retries": failure.max_retries,
-            "status": DeadLetterStatus.PENDING.value,
-            "next_retry_at": self._db(next_retry_at(now, 0, self.base_delay, self._rng)),
+            # With no retries allowed, a dead letter is kept but never retried by itself.
+            "status": (
+                DeadLetterStatus.PENDING
+                if failure.max_retries > 0
+                else DeadLetterStatus.PERMANENT_FAILURE
+            ).value,
+            "next_retry_at": (
+                self._db(next_retry_at(now, 0, self.base_delay, self._rng))
+                if failure.max_retries > 0
+                else None
+            ),
             "created_at": self._db(now),
             "updated_at": self._db(now),
         }

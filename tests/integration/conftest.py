@@ -19,7 +19,10 @@ def it_env(redis_url: str) -> dict[str, str]:
     """Environment of tests.integration.worker_app for this session, on emptied databases."""
     for db in (BROKER_DB, BACKEND_DB, STORE_DB, LEDGER_DB):
         redis.Redis.from_url(f"{redis_url}/{db}").flushdb()
+    from tests.integration.databases import fresh_pg_database
+
     return {
+        "IT_DLQ_URL": fresh_pg_database("it_dead_letters"),
         "IT_BROKER_URL": f"{redis_url}/{BROKER_DB}",
         "IT_BACKEND_URL": f"{redis_url}/{BACKEND_DB}",
         "IT_STORE_URL": f"{redis_url}/{STORE_DB}",
@@ -28,13 +31,19 @@ def it_env(redis_url: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def worker_app(it_env: dict[str, str], monkeypatch_session: pytest.MonkeyPatch) -> object:
+def worker_app(
+    it_env: dict[str, str], monkeypatch_session: pytest.MonkeyPatch
+) -> Iterator[object]:
     """tests.integration.worker_app, imported with this session's environment."""
     for name, value in it_env.items():
         monkeypatch_session.setenv(name, value)
     from tests.integration import worker_app
 
-    return worker_app
+    yield worker_app
+    # Close this process's dead-letter connections before the interpreter tears them down.
+    from idempotent_tasks.app_store import dlq_for
+
+    dlq_for(worker_app.app).dispose()
 
 
 @pytest.fixture(scope="session")

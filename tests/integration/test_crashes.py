@@ -53,7 +53,9 @@ def own_store(request: pytest.FixtureRequest, tmp_path: Path, worker_app: Any) -
     worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
     yield server
     worker_app.app.conf.idempotency_store_url = previous
-    worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
+    cached = worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
+    if cached is not None:
+        cached[1].close()
     server.stop()
 
 

@@ -34,6 +34,13 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     task_default_retry_delay=0.2,
     broker_connection_retry_on_startup=True,
+    idempotency_dlq_url=os.environ.get(
+        "IT_DLQ_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/it_dead_letters"
+    ),
+    idempotency_dlq_base_delay=float(os.environ.get("IT_DLQ_BASE_DELAY", "0.5")),
+    idempotency_dlq_poll_interval=float(os.environ.get("IT_DLQ_POLL_INTERVAL", "1")),
+    idempotency_dlq_write_retry_delay=1.0,
+    beat_max_loop_interval=1,
 )
 
 ledger = redis.Redis.from_url(os.environ.get("IT_LEDGER_URL", "redis://127.0.0.1:6379/13"))
@@ -167,3 +174,41 @@ def big_result(name: str, size: int) -> str:
     """Returns ``size`` characters: over idempotency_result_max_bytes it is not cached."""
     note("start", name)
     return "x" * size
+
+
+@app.task(
+    base=IdempotentTask, autoretry_for=(TimeoutError,), max_retries=1, default_retry_delay=0.1
+)
+def recovers_after(name: str, failures: int) -> str:
+    """Fails ``failures`` times in all (across dead-letter retries), then succeeds."""
+    runs = note("start", name)
+    if runs <= failures:
+        raise TimeoutError(f"run {runs} of {name} timed out")
+    return f"{name} recovered on run {runs}"
+
+
+@app.task(base=IdempotentTask, dlq=False)
+def fails_without_dlq(name: str) -> None:
+    note("start", name)
+    raise RuntimeError(f"{name} fails, and is not dead-lettered")
+
+
+@app.task(base=IdempotentTask, dlq_max_retries=1)
+def fails_forever(name: str) -> None:
+    """Fails every time, with one dead-letter retry allowed."""
+    note("start", name)
+    raise RuntimeError(f"{name} fails every time")
+
+
+@app.task(base=IdempotentTask)
+def ledgered(name: str) -> str:
+    """Just records that it ran."""
+    note("start", name)
+    return name
+
+
+@app.task(base=IdempotentTask, dlq_max_retries=0)
+def fails_once_and_for_all(name: str, amount: int = 0) -> None:
+    """Fails; its dead letter allows no retries, so the row stays as written."""
+    note("start", name)
+    raise RuntimeError(f"{name} fails for good")

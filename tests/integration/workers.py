@@ -118,3 +118,43 @@ def running_workers(
     finally:
         for worker in workers:
             worker.stop()
+
+
+class BeatProcess:
+    """``celery beat`` running tests.integration.worker_app, its schedule in a temp folder."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.log_path = log_dir / "beat.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.integration.worker_app",
+                "beat",
+                "-l",
+                "info",
+                "-s",
+                str(log_dir / "beat-schedule"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self._log.close()

@@ -21,7 +21,6 @@ local ttl = tonumber(ARGV[5])
 
 local function acquire(takeover, created_at)
   local token = redis.call('INCR', KEYS[2])
-  redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1],
     'status', 'processing', 'owner', ARGV[1], 'token', token, 'task_id', ARGV[3],
     'fingerprint', ARGV[2], 'lease_expires_at', now + lease, 'created_at', created_at,
@@ -34,6 +33,8 @@ end
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
   'created_at', 'token')
 if not found[1] then
+  -- No record, or a corrupt one without a status (it protects nothing): start afresh.
+  redis.call('DEL', KEYS[1])
   return acquire(0, now)
 end
 

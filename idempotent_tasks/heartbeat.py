@@ -1,0 +1,100 @@
+"""One background thread per process that renews the leases of every running attempt.
+
+A thread per task would cost a thread start and join on every execution; this one sleeps until
+the earliest renewal is due. It is restarted lazily in a forked child, where threads do not
+survive the fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+#: Renew each lease this many times per lease period, so two renewals may fail before it lapses.
+RENEWALS_PER_LEASE = 3
+#: Never renew more often than this (seconds), however short the lease.
+MIN_INTERVAL = 0.05
+
+
+@dataclass(eq=False)
+class Lease:
+    """A running attempt's lease: ``renew`` returns whether the claim is still held."""
+
+    renew: Callable[[], bool]
+    on_lost: Callable[[], None]
+    interval: float
+    next_due: float = 0.0
+    finished: bool = field(default=False)
+
+
+class LeaseKeeper:
+    """Renews registered leases from a single daemon thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._leases: set[Lease] = set()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def add(
+        self, renew: Callable[[], bool], on_lost: Callable[[], None], lease_seconds: float
+    ) -> Lease:
+        """Start renewing a lease of ``lease_seconds``; returns the handle to remove it."""
+        interval = max(lease_seconds / RENEWALS_PER_LEASE, MIN_INTERVAL)
+        lease = Lease(
+            renew=renew, on_lost=on_lost, interval=interval, next_due=self._clock() + interval
+        )
+        with self._lock:
+            self._leases.add(lease)
+            self._ensure_thread()
+        self._wake.set()
+        return lease
+
+    def remove(self, lease: Lease) -> None:
+        """Stop renewing; a renewal already under way is then ignored."""
+        lease.finished = True
+        with self._lock:
+            self._leases.discard(lease)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+            return
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="idempotency-leases", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                now = self._clock()
+                due = [lease for lease in self._leases if lease.next_due <= now]
+                for lease in due:
+                    lease.next_due = now + lease.interval
+                wait = min((lease.next_due for lease in self._leases), default=now + 60) - now
+            for lease in due:
+                self._renew(lease)
+            if not due:
+                self._wake.wait(max(wait, 0.0))
+                self._wake.clear()
+
+    def _renew(self, lease: Lease) -> None:
+        try:
+            held = lease.renew()
+        except Exception:
+            logger.warning("could not renew a lease; will try again", exc_info=True)
+            return
+        if not held and not lease.finished:
+            self.remove(lease)
+            lease.on_lost()
+
+
+#: The keeper of this process.
+keeper = LeaseKeeper()

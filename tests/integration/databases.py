@@ -1,0 +1,56 @@
+"""PostgreSQL databases of the integration layer's own, and a way to take one offline."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from tests.services import require
+
+ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+def pg_url(database: str) -> str:
+    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
+
+
+def _admin() -> sa.Engine:
+    require("PostgreSQL")
+    return sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+
+
+def fresh_pg_database(name: str) -> str:
+    """Drop and create PostgreSQL database ``name``; its URL."""
+    engine = _admin()
+    with engine.connect() as connection:
+        connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return pg_url(name)
+
+
+def set_pg_database_online(name: str, online: bool) -> None:
+    """Let connections into ``name``, or refuse new ones and cut the open ones."""
+    engine = _admin()
+    with engine.connect() as connection:
+        connection.execute(
+            sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(online).lower()}')
+        )
+        if not online:
+            connection.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :name"
+                ),
+                {"name": name},
+            )
+    engine.dispose()
+
+
+def fresh_mariadb_database(name: str) -> str:
+    """Drop and create MariaDB database ``name``; its URL."""
+    require("MariaDB")
+    engine = sa.create_engine("mysql+pymysql://root@127.0.0.1:3306/test")
+    with engine.begin() as connection:
+        connection.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+        connection.execute(sa.text(f"CREATE DATABASE `{name}`"))
+    engine.dispose()
+    return f"mysql+pymysql://root@127.0.0.1:3306/{name}"

@@ -1,0 +1,98 @@
+"""Dead-letter sweeps racing, and a dead-letter database down at failure time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idempotent_tasks import DeadLettered
+from idempotent_tasks.dead_letters import SWEEP_TASK
+from idempotent_tasks.dlq import DeadLetterQueue, Failure
+from tests.integration import worker_app
+from tests.integration.databases import (
+    fresh_mariadb_database,
+    fresh_pg_database,
+    set_pg_database_online,
+)
+from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.workers import WorkerProcess
+
+app = worker_app.app
+
+
+def _failure(name: str) -> Failure:
+    return Failure(
+        failure_id=f"sweep-{name}",
+        task_name=worker_app.ledgered.name,
+        task_id=fresh("t"),
+        idempotency_key=name,
+        args=[name],
+        kwargs={},
+        options={"queue": "celery"},
+        error_type="RuntimeError",
+        error_message="seeded",
+        traceback=None,
+        max_retries=3,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+def test_four_sweeps_at_once_republish_each_row_exactly_once(
+    database: str, it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    # Given 120 due dead letters
+    url = (fresh_pg_database if database == "postgresql" else fresh_mariadb_database)("it_sweeps")
+    queue = DeadLetterQueue(url, base_delay=0)
+    names = [fresh(f"sweep{index}") for index in range(120)]
+    for name in names:
+        queue.add(_failure(name))
+    # When four sweeps run at once on two workers (two processes each)
+    env = {**it_env, "IT_DLQ_URL": url}
+    workers = [WorkerProcess(f"sweep{index}", env, tmp_path) for index in range(2)]
+    try:
+        sweeps = [app.send_task(SWEEP_TASK, kwargs={"batch": 5}) for _ in range(4)]
+        counts = [sweep.get(timeout=60) for sweep in sweeps]
+        # Then every row was re-published once in all, and each task ran once
+        assert sum(counts) == len(names)
+        wait_until(lambda: queue.stats()["succeeded"] == len(names), 60, "every re-published task")
+        assert all(ledger_events(name, "start") == 1 for name in names)
+    finally:
+        for worker in workers:
+            worker.stop()
+        queue.dispose()
+
+
+@pytest.mark.slow
+def test_database_down_at_failure_time_loses_nothing(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    # Given a dead-letter database that is offline when a task fails for good
+    url = fresh_pg_database("it_dlq_down")
+    queue = DeadLetterQueue(url)
+    queue.ensure_schema()
+    queue.dispose()
+    worker = WorkerProcess("down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
+    try:
+        set_pg_database_online("it_dlq_down", False)
+        name = fresh("down")
+        result = worker_app.fails_forever.apply_async((name,), idempotency_key=fresh("key"))
+        wait_until(
+            lambda: "could not write its dead letter" in worker.log(), 30, "the failed write"
+        )
+        # When the database comes back
+        set_pg_database_online("it_dlq_down", True)
+        # Then the failure is written once, and the task ends failed (not lost, not retried)
+        with pytest.raises(DeadLettered, match="RuntimeError"):
+            result.get(timeout=60)
+        queue = DeadLetterQueue(url)
+        rows = [row for row in queue.items() if row.task_id == result.id]
+        queue.dispose()
+        assert len(rows) == 1
+        assert rows[0].error_message == f"{name} fails every time"
+        assert ledger_events(name, "start") == 1
+    finally:
+        set_pg_database_online("it_dlq_down", True)
+        worker.stop()

@@ -1,0 +1,125 @@
+"""The dead-letter queue with real workers (and a real beat) on PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from idempotent_tasks import IdempotencyKeyMismatch
+from idempotent_tasks.app_store import dlq_for
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
+from tests.integration import worker_app
+from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.workers import BeatProcess, WorkerProcess
+
+app = worker_app.app
+
+
+def _row_of(task_id: str, queue: DeadLetterQueue | None = None) -> DeadLetter | None:
+    rows = [item for item in (queue or dlq_for(app)).items(limit=1000) if item.task_id == task_id]
+    assert len(rows) <= 1, rows
+    return rows[0] if rows else None
+
+
+@pytest.fixture(scope="module")
+def workers_and_beat(
+    it_env: dict[str, str], worker_app: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[list[WorkerProcess], BeatProcess]]:
+    logs = tmp_path_factory.mktemp("dlq")
+    workers = [WorkerProcess(f"dlq{index}", it_env, logs) for index in range(2)]
+    beat = BeatProcess(it_env, logs)
+    yield workers, beat
+    beat.stop()
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.mark.usefixtures("workers_and_beat")
+class TestWithBeat:
+    def test_failed_task_lands_with_every_field_right(self) -> None:
+        # Given a task that fails for good (its dead letter allows no retries, so it stays put)
+        name, key = fresh("failed"), fresh("key")
+        task = worker_app.fails_once_and_for_all
+        result = task.apply_async((name,), {"amount": 5}, idempotency_key=key, priority=3)
+        with pytest.raises(RuntimeError, match="fails for good"):
+            result.get(timeout=30)
+        # Then one row holds the call as it was sent, and its error
+        row = wait_until(lambda: _row_of(result.id), 10, "the dead letter")
+        assert row.task_name == task.name
+        assert (row.args, row.kwargs, row.idempotency_key) == ([name], {"amount": 5}, key)
+        assert row.options["queue"] == "celery"
+        assert row.error_type == "RuntimeError"
+        assert row.error_message == f"{name} fails for good"
+        assert row.traceback is not None and "RuntimeError" in row.traceback
+        assert (row.retry_count, row.max_retries) == (0, 0)
+        assert (row.status, row.next_retry_at) == (DeadLetterStatus.PERMANENT_FAILURE, None)
+        assert row.created_at.tzinfo is not None
+        assert row.failure_id == f"{result.id}:0"
+
+    def test_exhausted_task_lands_pending_with_its_backoff(self) -> None:
+        name, key = fresh("exhausted"), fresh("key")
+        result = worker_app.flaky.apply_async((name, 99), idempotency_key=key)
+        with pytest.raises(TimeoutError):
+            result.get(timeout=30)
+        row = wait_until(lambda: _row_of(result.id), 10, "the dead letter")
+        assert ledger_events(name, "start") == 6  # the first run and five retries
+        assert row.failure_id == f"{result.id}:5"
+        assert row.max_retries == 3  # idempotency_dlq_max_retries' default
+        assert row.error_type == "TimeoutError"
+
+    def test_beat_retries_a_dead_letter_until_it_succeeds(self) -> None:
+        # Given a task that fails twice in all: once, then once more on its own retry
+        name, key = fresh("recovers"), fresh("key")
+        result = worker_app.recovers_after.apply_async((name, 2), idempotency_key=key)
+        with pytest.raises(TimeoutError):
+            result.get(timeout=30)
+        assert ledger_events(name, "start") == 2
+        # When beat's sweep re-publishes it (same task id, same key)
+        row = wait_until(
+            lambda: (r := _row_of(result.id)) and r.status is DeadLetterStatus.SUCCEEDED and r,
+            30,
+            "the dead letter to succeed",
+        )
+        # Then it ran a third time and succeeded, and its key now answers from the cache
+        assert ledger_events(name, "start") == 3
+        assert row.retry_count == 0
+        value = f"{name} recovered on run 3"
+        assert app.AsyncResult(result.id).get(timeout=30) == value
+        again = worker_app.recovers_after.apply_async((name, 2), idempotency_key=key)
+        assert again.get(timeout=10) == value
+        assert again.id == result.id
+        assert ledger_events(name, "start") == 3
+
+    def test_dead_letter_retries_end_in_permanent_failure(self) -> None:
+        name, key = fresh("forever"), fresh("key")
+        result = worker_app.fails_forever.apply_async((name,), idempotency_key=key)
+        with pytest.raises(RuntimeError):
+            result.get(timeout=30)
+        row = wait_until(
+            lambda: (
+                (r := _row_of(result.id)) and r.status is DeadLetterStatus.PERMANENT_FAILURE and r
+            ),
+            30,
+            "permanent failure",
+        )
+        assert (row.retry_count, row.max_retries, row.next_retry_at) == (1, 1, None)
+        assert ledger_events(name, "start") == 2  # the first run and one dead-letter retry
+
+    def test_dlq_false_never_lands(self) -> None:
+        name = fresh("nodlq")
+        result = worker_app.fails_without_dlq.apply_async((name,), idempotency_key=fresh("k"))
+        with pytest.raises(RuntimeError):
+            result.get(timeout=30)
+        assert _row_of(result.id) is None
+
+    def test_key_mismatch_never_lands(self) -> None:
+        name, key = fresh("mismatch"), fresh("key")
+        worker_app.ledgered.apply_async((name,), idempotency_key=key).get(timeout=30)
+        other = app.send_task(
+            worker_app.ledgered.name, (fresh("other"),), headers={"idempotency_key": key}
+        )
+        with pytest.raises(IdempotencyKeyMismatch):
+            other.get(timeout=30)
+        assert _row_of(other.id) is None
