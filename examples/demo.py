@@ -8,7 +8,11 @@ shows, with values computed as it runs:
 2. later duplicates answered from the cache at publish time: nothing is published and the
    result's id is the original task id;
 3. a flaky task retried safely: each failed attempt releases its claim, the retry claims the
-   key afresh, and the body runs to success once.
+   key afresh, and the body runs to success once;
+4. dead letters: a task that fails for good lands in the dead-letter table (an SQLite file in
+   a temporary folder), and the sweep task ``idempotent_tasks.retry_dead_letters`` (which beat
+   sends every ``idempotency_dlq_poll_interval``; the demo sends it by hand) re-publishes it until
+   it succeeds, then its key answers from the cache, or it ends ``permanent_failure``.
 
 Prints ``OK`` and exits 0 when every guarantee shown held; prints ``FAILED: ...`` lines and
 exits 1 otherwise.
@@ -16,25 +20,45 @@ exits 1 otherwise.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
+from celery import states
 from celery.contrib.testing.worker import start_worker
 from celery.signals import after_task_publish
-from shop import RECEIPT_TIMEOUTS, app, charge, ledger, send_receipt
+from shop import (
+    COURIER_OUTAGE,
+    RECEIPT_TIMEOUTS,
+    app,
+    book_courier,
+    charge,
+    ledger,
+    notify_warehouse,
+    send_receipt,
+)
 
 from idempotent_tasks import signals
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
 
 #: Seconds to wait for any one result before declaring the demo failed.
 RESULT_TIMEOUT = 15.0
+#: Seconds between looks at a result in scene 4 (Celery's default half second adds up there).
+POLL = 0.02
 #: Threads of the in-process worker: enough for duplicates to run side by side.
 WORKER_THREADS = 4
 #: Environment variables through which Celery would leave memory for a server.
 SERVER_VARIABLES = ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "TEST_BROKER")
+#: The sweep task that re-publishes due dead letters.
+SWEEP_TASK = "idempotent_tasks.retry_dead_letters"
+#: Tasks of scene 4, which fail on purpose: their error logs would only repeat what it prints.
+FAILING_ON_PURPOSE = (notify_warehouse.name, book_courier.name)
 
 
 class Tally:
@@ -189,8 +213,185 @@ def flaky_retries(tally: Tally, checks: Checks) -> None:
     checks.expect(starts == len(expected), f"send_receipt body started {_times(starts)}")
 
 
+def _wait_for(found: Callable[[], Any], what: str) -> Any:
+    """Poll ``found`` until it returns something truthy; raise TimeoutError after a while."""
+    deadline = time.monotonic() + RESULT_TIMEOUT
+    while not (value := found()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {RESULT_TIMEOUT:.0f}s for {what}")
+        time.sleep(POLL)
+    return value
+
+
+def _state(item: DeadLetter) -> str:
+    return f"{item.status.value}, retry {item.retry_count}/{item.max_retries}"
+
+
+class Sweeps:
+    """Sends the sweep task as beat would, once the dead letter it is for is due."""
+
+    def __init__(self, queue: DeadLetterQueue) -> None:
+        self.queue = queue
+        self.sent = 0
+
+    def dead_letter_of(self, task_name: str, task_id: str) -> DeadLetter | None:
+        """The row a failed task left, if any."""
+        rows = [row for row in self.queue.items(task_name=task_name) if row.task_id == task_id]
+        return rows[0] if rows else None
+
+    def sweep(self, item: DeadLetter) -> tuple[int, DeadLetter]:
+        """Sweep once ``item`` is due; returns how many were re-published, and ``item`` once
+        its re-published task has run (no longer ``retrying``)."""
+        if item.next_retry_at is not None:
+            time.sleep(max((item.next_retry_at - datetime.now(timezone.utc)).total_seconds(), 0))
+        self.sent += 1
+        published = int(app.send_task(SWEEP_TASK).get(timeout=RESULT_TIMEOUT, interval=POLL))
+        settled = _wait_for(
+            lambda: (
+                (row := self.queue.get(item.id))
+                and row.status is not DeadLetterStatus.RETRYING
+                and row
+            ),
+            f"dead letter {item.id} to leave retrying",
+        )
+        return published, settled
+
+
+def dead_letters(tally: Tally, checks: Checks) -> list[DeadLetter]:
+    """Scene 4: a task that fails for good every time, then one that recovers on a dead-letter
+    retry; the sweep is sent by hand where beat would send it.
+
+    Returns:
+        The two dead letters, as they ended.
+    """
+    queue = DeadLetterQueue(str(app.conf.idempotency_dlq_url))
+    every = app.conf.beat_schedule.get(SWEEP_TASK, {}).get("schedule")
+    print(f"4. dead letters, kept in {queue.url}")
+    print(f"   retried by the task {SWEEP_TASK}: beat sends it every {every}s, here the demo does")
+    checks.expect(every is not None, f"no beat entry sends {SWEEP_TASK}")
+    sweeps = Sweeps(queue)
+    try:
+        given_up = _failing_for_good(sweeps, checks)
+        recovered = _recovering(sweeps, tally, checks)
+    finally:
+        queue.dispose()
+    return [item for item in (given_up, recovered) if item is not None]
+
+
+def _landed(sweeps: Sweeps, checks: Checks, name: str, task_id: str) -> DeadLetter | None:
+    """The dead letter a task that failed for good left: printed, and checked to be due."""
+    item = sweeps.dead_letter_of(name, task_id)
+    if not checks.expect(item is not None, f"{name} failed for good but left no dead letter"):
+        return None
+    assert item is not None
+    print(f"   dead letter: {item.task_name}, {item.error_type}, {_state(item)}")
+    checks.expect(
+        (item.error_type, item.status, item.retry_count) == ("ConnectionError", "pending", 0),
+        f"{name}'s dead letter is {item.error_type}, {_state(item)}",
+    )
+    return item
+
+
+def _ran(item: DeadLetter) -> str:
+    return "it ran" if item.status is DeadLetterStatus.SUCCEEDED else "failed again"
+
+
+def _failing_for_good(sweeps: Sweeps, checks: Checks) -> DeadLetter | None:
+    """A task that always fails: dead-lettered, swept until ``permanent_failure``, then left."""
+    name, retries = notify_warehouse.name, notify_warehouse.dlq_max_retries
+    print(
+        f"   notify_warehouse(42): warehouse API down for good, no Celery retries, "
+        f"dlq_max_retries={retries}"
+    )
+    failed = notify_warehouse.delay(42)
+    failed.get(timeout=RESULT_TIMEOUT, interval=POLL, propagate=False)
+    item = _landed(sweeps, checks, name, failed.id)
+    if item is None:
+        return None
+    for retry_count in range(1, retries + 1):
+        published, item = sweeps.sweep(item)
+        print(f"   sweep {sweeps.sent}: {published} re-published, {_ran(item)} -> {_state(item)}")
+        status = "permanent_failure" if retry_count == retries else "pending"
+        checks.expect(
+            published == 1 and (item.status, item.retry_count) == (status, retry_count),
+            f"sweep {sweeps.sent}: {published} re-published, then {_state(item)}; expected 1, "
+            f"then {status}, retry {retry_count}",
+        )
+    published, item = sweeps.sweep(item)
+    starts = ledger.starts[name, 42]
+    print(f"   sweep {sweeps.sent}: {published} re-published; body ran {_times(starts)} in all")
+    checks.expect(
+        published == 0 and item.status is DeadLetterStatus.PERMANENT_FAILURE,
+        f"a permanent failure was re-published ({published}) or changed to {_state(item)}",
+    )
+    checks.expect(starts == 1 + retries, f"{name} body ran {_times(starts)}")
+    return item
+
+
+def _recovering(sweeps: Sweeps, tally: Tally, checks: Checks) -> DeadLetter | None:
+    """A task that fails its Celery retries, succeeds on its dead letter's retry, and then
+    answers its key from the cache."""
+    name, key = book_courier.name, "courier-42"
+    celery_tries = 1 + book_courier.max_retries
+    print(
+        f'   book_courier(42), idempotency_key="{key}": courier API down for '
+        f"{COURIER_OUTAGE} tries (try + {book_courier.max_retries} Celery retry)"
+    )
+    first = book_courier.apply_async((42,), idempotency_key=key)
+    first.get(timeout=RESULT_TIMEOUT, interval=POLL, propagate=False)
+    item = _landed(sweeps, checks, name, first.id)
+    if item is None:
+        return None
+    checks.expect(
+        ledger.starts[name, 42] == celery_tries,
+        f"{name} ran {_times(ledger.starts[name, 42])} before it was dead-lettered",
+    )
+    published, item = sweeps.sweep(item)
+    # The re-published task ran under the original task id: that result is now its value.
+    result, value = app.AsyncResult(first.id), None
+    if item.status is DeadLetterStatus.SUCCEEDED:
+        _wait_for(lambda: result.state == states.SUCCESS, f"{name}'s retry to store its result")
+        value = result.result
+    print(
+        f"   sweep {sweeps.sent}: {published} re-published, {_ran(item)} -> {_state(item)}; "
+        f"got {value}"
+    )
+    checks.expect(
+        published == 1 and (item.status, item.retry_count) == ("succeeded", 0),
+        f"sweep {sweeps.sent}: {published} re-published, then {_state(item)}; expected 1, "
+        "then succeeded, retry 0",
+    )
+
+    before = tally["published", name]
+    again = book_courier.apply_async((42,), idempotency_key=key)
+    again_value = again.get(timeout=RESULT_TIMEOUT, interval=POLL)
+    published = tally["published", name] - before
+    starts = ledger.starts[name, 42]
+    same = again_value == value and again.id == first.id
+    print(
+        f"   sent again: {published} published, {'same' if same else 'OTHER'} task id and value; "
+        f"body ran {_times(starts)} in all"
+    )
+    checks.expect(published == 0, f"{published} bookings published for a completed key")
+    checks.expect(
+        same, f"the second booking got {again.id}={again_value!r}, not {first.id}={value!r}"
+    )
+    checks.expect(starts == celery_tries + 1, f"{name} body ran {_times(starts)}")
+    return item
+
+
+def _quiet_failures_on_purpose() -> None:
+    """Drop the error logs (with tracebacks) of scene 4's tasks, which fail on purpose."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not any(name in record.getMessage() for name in FAILING_ON_PURPOSE)
+
+    for logger in ("celery.app.trace", "idempotent_tasks.task", "idempotent_tasks.dead_letters"):
+        logging.getLogger(logger).addFilter(keep)
+
+
 def main() -> int:
-    """Run the three scenes against an in-process worker; 0 if every guarantee held, else 1."""
+    """Run the four scenes against an in-process worker; 0 if every guarantee held, else 1."""
     for variable in SERVER_VARIABLES:
         os.environ.pop(variable, None)  # keep Celery on memory even if the shell names a server
     where = {
@@ -201,10 +402,18 @@ def main() -> int:
     if any(not url.split("://")[0].endswith("memory") for url in where.values()):
         print(f"FAILED: the demo must run in memory, not on {where}", file=sys.stderr)
         return 1
+    dead_letter_url = str(app.conf.idempotency_dlq_url)
+    if not dead_letter_url.startswith("sqlite:///"):
+        print(
+            f"FAILED: the demo's dead letters must be in SQLite, not {dead_letter_url}",
+            file=sys.stderr,
+        )
+        return 1
 
     started = time.monotonic()
     tally, checks = Tally(), Checks()
     tally.connect()
+    _quiet_failures_on_purpose()
     print(
         f"idempotent_tasks demo, worker of {WORKER_THREADS} threads in this process: "
         + ", ".join(f"{role} {url}" for role, url in where.items())
@@ -219,9 +428,10 @@ def main() -> int:
         try:
             charged = duplicates(tally, checks)
             flaky_retries(tally, checks)
+            kept = dead_letters(tally, checks)
         except Exception as exc:  # a result that never came is a failed guarantee too
             checks.failures.append(f"{type(exc).__name__}: {exc}")
-            charged = {}
+            charged, kept = {}, []
 
     if checks.failures:
         for failure in checks.failures:
@@ -229,7 +439,8 @@ def main() -> int:
         return 1
     print(
         f"OK in {time.monotonic() - started:.1f}s: card charged once "
-        f"({charged.get('charge_id')}), receipt sent once, every caller got the same value"
+        f"({charged.get('charge_id')}), receipt sent once, every caller got the same value; "
+        f"dead letters: {', '.join(f'{item.task_name} {item.status.value}' for item in kept)}"
     )
     return 0
 

@@ -62,9 +62,7 @@ def write_failure(app: Any, failure: Failure, dead_letter_id: str | None) -> str
 
 def _log_item(item: DeadLetter) -> None:
     logger.error(
-        "%s[%s] dead-lettered as %s: %s, %s of %s retries used, next try %s",
-        item.task_name,
-        item.task_id,
+        "dead-lettered as %s: %s, %s of %s retries used, next try %s",
         item.id,
         item.status.value,
         item.retry_count,

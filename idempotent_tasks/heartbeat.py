@@ -43,6 +43,8 @@ class LeaseKeeper:
         self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        #: When the thread will next look at its leases (monotonic seconds).
+        self._wakes_at = 0.0
 
     def add(
         self, renew: Callable[[], bool], on_lost: Callable[[], None], lease_seconds: float
@@ -55,7 +57,11 @@ class LeaseKeeper:
         with self._lock:
             self._leases.add(lease)
             self._ensure_thread()
-        self._wake.set()
+            # Wake the thread only when this lease is due before it would wake anyway: waking
+            # it for every task would cost a context switch per task.
+            wake = lease.next_due < self._wakes_at
+        if wake:
+            self._wake.set()
         return lease
 
     def remove(self, lease: Lease) -> None:
@@ -68,6 +74,7 @@ class LeaseKeeper:
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
             return
         self._pid = os.getpid()
+        self._wakes_at = 0.0
         self._thread = threading.Thread(target=self._run, name="idempotency-leases", daemon=True)
         self._thread.start()
 
@@ -78,7 +85,8 @@ class LeaseKeeper:
                 due = [lease for lease in self._leases if lease.next_due <= now]
                 for lease in due:
                     lease.next_due = now + lease.interval
-                wait = min((lease.next_due for lease in self._leases), default=now + 60) - now
+                self._wakes_at = min((lease.next_due for lease in self._leases), default=now + 60)
+                wait = self._wakes_at - now
             for lease in due:
                 self._renew(lease)
             if not due:

@@ -231,9 +231,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             claim = attempt.claim()
         except StoreUnavailable as exc:
-            logger.warning(
-                "%s[%s]: store unreachable, will try again: %s", self.name, request.id, exc
-            )
+            logger.warning("store unreachable, will try again: %s", exc)
             self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
 
         if claim.outcome is Outcome.ACQUIRED:
@@ -323,9 +321,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         never lost. Override to add to this; call ``super()``.
         """
         request = self.request
-        logger.error(
-            "%s[%s] failed for good: %s: %s", self.name, request.id, type(exc).__name__, exc
-        )
+        logger.error("failed for good: %s: %s", type(exc).__name__, exc)
         if not self.dlq:
             return
         failure = Failure(
@@ -356,9 +352,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except (StoreUnavailable, SchemaVersionError) as exc:
             delay = float(app_setting(self.app.conf, "idempotency_dlq_write_retry_delay"))
             logger.error(
-                "%s[%s]: could not write its dead letter (%s); will write it in %ss",
-                self.name,
-                self.request.id,
+                "could not write its dead letter (%s); will write it in %ss",
                 exc,
                 delay,
             )
@@ -380,9 +374,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # failing it could lose the task (or fail the owner's task id), so it always waits.
         mode = "wait" if record.task_id == self.request.id else self.on_duplicate
         if mode == "skip":
-            logger.info(
-                "%s[%s]: key %r is in progress elsewhere, skipped", self.name, self.request.id, key
-            )
+            logger.info("key %r is in progress elsewhere, skipped", key)
             raise Ignore()
         if mode == "raise" or self.request.is_eager:
             raise IdempotencyConflict(key, self.name, record.task_id)
@@ -424,10 +416,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             except StoreUnavailable as exc:
                 if time.monotonic() + pause > deadline:
                     logger.error(
-                        "%s[%s] succeeded but its result could not be stored: %s; a duplicate "
+                        "succeeded but its result could not be stored: %s; a duplicate "
                         "may run it again once its lease ends",
-                        self.name,
-                        self.request.id,
                         exc,
                     )
                     return value

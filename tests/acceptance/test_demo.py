@@ -43,9 +43,28 @@ def test_demo_shows_each_guarantee_and_exits_zero() -> None:
         "each retry (0 takeovers)" in out
     )
     assert "sent again: 0 published, same task id and value; body started 3 times in all" in out
+    # 4. dead letters: kept in a temporary SQLite file, swept until given up or succeeded
+    table = re.search(r"4\. dead letters, kept in sqlite:///(\S+/dead_letters\.sqlite3)\n", out)
+    assert table is not None
+    assert not Path(table.group(1)).parent.exists()  # the temporary folder is gone
+    assert "retried by the task idempotent_tasks.retry_dead_letters: beat sends it every" in out
+    assert "dead letter: shop.notify_warehouse, ConnectionError, pending, retry 0/2" in out
+    assert "sweep 1: 1 re-published, failed again -> pending, retry 1/2" in out
+    assert "sweep 2: 1 re-published, failed again -> permanent_failure, retry 2/2" in out
+    assert "sweep 3: 0 re-published; body ran 3 times in all" in out
+    assert "dead letter: shop.book_courier, ConnectionError, pending, retry 0/2" in out
+    assert re.search(
+        r"sweep 4: 1 re-published, it ran -> succeeded, retry 0/2; "
+        r"got \{'tracking': 'trk_[0-9a-f]{10}', 'order_id': 42\}",
+        out,
+    )
+    assert "sent again: 0 published, same task id and value; body ran 3 times in all" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("OK in ")
     assert f"card charged once ({charged.group(1)})" in last
+    assert last.endswith(
+        "dead letters: shop.notify_warehouse permanent_failure, shop.book_courier succeeded"
+    )
 
 
 def test_quickstart_imports_without_connecting() -> None:

@@ -31,9 +31,7 @@ def it_env(redis_url: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def worker_app(
-    it_env: dict[str, str], monkeypatch_session: pytest.MonkeyPatch
-) -> Iterator[object]:
+def worker_app(it_env: dict[str, str], monkeypatch_session: pytest.MonkeyPatch) -> Iterator[object]:
     """tests.integration.worker_app, imported with this session's environment."""
     for name, value in it_env.items():
         monkeypatch_session.setenv(name, value)

@@ -1,0 +1,82 @@
+"""The process's lease keeper: one thread renewing every running attempt's lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from idempotent_tasks.heartbeat import LeaseKeeper
+
+
+def test_every_registered_lease_is_renewed_until_removed() -> None:
+    keeper = LeaseKeeper()
+    renewals = {"a": 0, "b": 0}
+
+    def renewer(name: str):  # type: ignore[no-untyped-def]
+        def renew() -> bool:
+            renewals[name] += 1
+            return True
+
+        return renew
+
+    first = keeper.add(renewer("a"), lambda: None, lease_seconds=0.3)  # every 0.1 s
+    second = keeper.add(renewer("b"), lambda: None, lease_seconds=0.6)  # every 0.2 s
+    time.sleep(0.65)
+    keeper.remove(first)
+    keeper.remove(second)
+    seen = dict(renewals)
+    assert 4 <= seen["a"] <= 7
+    assert 2 <= seen["b"] <= 4
+    time.sleep(0.3)
+    assert renewals == seen  # nothing renewed after removal
+
+
+def test_a_lost_lease_is_reported_once_and_dropped() -> None:
+    keeper = LeaseKeeper()
+    lost = threading.Event()
+    calls = []
+
+    def renew() -> bool:
+        calls.append(1)
+        return False
+
+    keeper.add(renew, lost.set, lease_seconds=0.15)
+    assert lost.wait(2)
+    time.sleep(0.2)
+    assert len(calls) == 1
+
+
+def test_a_renewal_failing_after_removal_is_not_reported() -> None:
+    # The attempt finished (and completed its key) while a renewal was under way.
+    keeper = LeaseKeeper()
+    lost = threading.Event()
+    started, finish = threading.Event(), threading.Event()
+    lease = None
+
+    def renew() -> bool:
+        started.set()
+        finish.wait(2)
+        return False
+
+    lease = keeper.add(renew, lost.set, lease_seconds=0.15)
+    assert started.wait(2)
+    keeper.remove(lease)
+    finish.set()
+    time.sleep(0.1)
+    assert not lost.is_set()
+
+
+def test_a_renewal_that_raises_is_retried() -> None:
+    keeper = LeaseKeeper()
+    attempts = []
+
+    def renew() -> bool:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionError("store restarting")
+        return True
+
+    lease = keeper.add(renew, lambda: None, lease_seconds=0.15)
+    time.sleep(0.3)
+    keeper.remove(lease)
+    assert len(attempts) >= 2
