@@ -26,9 +26,10 @@ def test_beat_entry_defaults_to_every_30_seconds() -> None:
 
 
 def test_poll_interval_setting_sets_the_schedule() -> None:
-    assert _finalized(idempotency_dlq_poll_interval=5).conf.beat_schedule[SWEEP_TASK][
-        "schedule"
-    ] == 5.0
+    assert (
+        _finalized(idempotency_dlq_poll_interval=5).conf.beat_schedule[SWEEP_TASK]["schedule"]
+        == 5.0
+    )
 
 
 def test_poll_interval_none_disables_the_entry() -> None:

@@ -1,0 +1,354 @@
+"""Throughput of plain Celery, celery-once and IdempotentTask, in one run.
+
+For each workload (every call its own key; N calls cycling over 100 keys) and each
+implementation: flush the benchmark's Redis DBs, start a prefork worker, run a fresh producer
+process (``benchmarks.produce``) that times from the first publish until every result is ready,
+stop the worker, and read how many times the task body ran. Prints a markdown table and writes
+it to ``benchmarks/results/latest.md``.
+
+    python -m benchmarks.run [--n 3000] [--keys 100] [--repeat 3] [--profile]
+
+Each cell shows the median of ``--repeat`` rounds (the rounds interleave the implementations).
+``--profile`` makes every pool process write a CPU-time cProfile dump under
+``benchmarks/results/profiles/`` (read with ``python -m pstats FILE``). Worker logs go to
+``benchmarks/results/logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import celery
+import redis
+
+from . import cpu
+from .app import (
+    BENCH_DBS,
+    COUNTER_DB,
+    IMPLEMENTATIONS,
+    PROFILE_ENV,
+    READY_KEY,
+    db_url,
+    runs_key,
+)
+from .produce import WORKLOADS
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+#: DBs the test suite uses: the benchmark must never flush them.
+TEST_DBS = frozenset(range(10, 14))
+
+WORKLOAD_TITLES = {
+    "distinct": "distinct keys",
+    "duplicates": "{keys} keys sent many times",
+}
+IMPL_TITLES = {
+    "plain": "plain Celery",
+    "once": "celery-once QueueOnce",
+    "idempotent": "IdempotentTask",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One (workload, implementation) measurement: the producer's figures plus body runs."""
+
+    produced: dict[str, Any]
+    body_runs: int
+
+    @property
+    def tasks_per_s(self) -> float:
+        """End-to-end calls per second."""
+        return float(self.produced["tasks_per_s"])
+
+
+def flush_bench_dbs() -> None:
+    """Empty the benchmark's own DBs (broker, backend, celery-once, store, counters)."""
+    if TEST_DBS.intersection(BENCH_DBS):
+        raise RuntimeError(f"benchmark DBs {BENCH_DBS} overlap the tests' DBs {set(TEST_DBS)}")
+    for db in BENCH_DBS:
+        client = redis.Redis.from_url(db_url(db))
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+
+
+def counter_value(key: str) -> int:
+    """An integer from the counter DB (0 when unset)."""
+    client = redis.Redis.from_url(db_url(COUNTER_DB))
+    try:
+        return int(client.get(key) or 0)
+    finally:
+        client.close()
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float) -> None:
+    """Warm-shut a process group we started, then kill whatever of it is left."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # pool children, even if the main one is gone
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=10)
+
+
+@contextmanager
+def worker(log: Path, concurrency: int, env: dict[str, str], ready_timeout: float) -> Iterator[int]:
+    """A prefork worker, started and ready on entry (yields its pid), stopped on exit."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        *"-m celery -A benchmarks.app worker -P prefork -l warning".split(),
+        *("-c", str(concurrency), "-n", f"bench-{uuid.uuid4().hex[:8]}@%h"),
+        *"--without-gossip --without-mingle --without-heartbeat".split(),
+    ]
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: _stop can reach the pool too
+        )
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while counter_value(READY_KEY) == 0:
+                if process.poll() is not None:
+                    raise RuntimeError(f"worker exited with {process.returncode}; see {log}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker not ready after {ready_timeout} s; see {log}")
+                time.sleep(0.05)
+            yield process.pid
+        finally:
+            _stop(process, grace=30)
+
+
+def produce(
+    args: argparse.Namespace, impl: str, workload: str, env: dict[str, str], worker_pid: int
+) -> dict[str, Any]:
+    """Run one fresh producer process and return its JSON measurement."""
+    command = [
+        sys.executable,
+        *("-m", "benchmarks.produce", "--impl", impl, "--workload", workload),
+        *("--n", str(args.n), "--keys", str(args.keys), "--timeout", str(args.timeout)),
+        *("--worker-pid", str(worker_pid)),
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=args.timeout + 30)
+    except BaseException:  # a timeout, or Ctrl-C: never leave a producer behind
+        process.kill()
+        process.communicate(timeout=10)
+        raise
+    if process.returncode != 0:
+        raise RuntimeError(f"producer failed ({process.returncode}):\n{stderr.decode()}")
+    return json.loads(stdout.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def measure(args: argparse.Namespace, impl: str, workload: str, round_: int) -> Cell:
+    """Flush, start a worker, run a producer, stop the worker, count the body's runs."""
+    env = dict(os.environ)
+    if args.profile:
+        env[PROFILE_ENV] = str(RESULTS / "profiles" / f"{workload}-{impl}-{round_}")
+    flush_bench_dbs()
+    log = RESULTS / "logs" / f"{workload}-{impl}-{round_}.log"
+    with worker(log, args.concurrency, env, ready_timeout=60) as worker_pid:
+        produced = produce(args, impl, workload, env, worker_pid)
+    # Read after the worker stopped, so no body is still running.
+    runs = counter_value(runs_key(impl)) - int(produced["runs_before"])
+    return Cell(produced=produced, body_runs=runs)
+
+
+def median_cell(cells: Sequence[Cell]) -> Cell:
+    """The round with the median throughput (the lower middle one for an even count)."""
+    ordered = sorted(cells, key=lambda cell: cell.tasks_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _rows(
+    args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]
+) -> Iterator[tuple[str, str, list[Cell], Cell, Cell | None]]:
+    """(workload title, implementation title, rounds, median round, plain's median round)."""
+    for workload in args.workloads:
+        title = WORKLOAD_TITLES[workload].format(keys=args.keys)
+        plain = cells.get((workload, "plain"))
+        for impl in args.impls:
+            rounds = cells.get((workload, impl))
+            if rounds:
+                median = median_cell(rounds)
+                yield title, IMPL_TITLES[impl], rounds, median, plain and median_cell(plain)
+
+
+def render(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) -> str:
+    """The markdown report: environment, results table, the issue's targets, CPU per call."""
+    client = redis.Redis.from_url(db_url(COUNTER_DB))
+    redis_version = client.info("server")["redis_version"]
+    client.close()
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# idempotent_tasks throughput benchmark",
+        "",
+        f"{now}; Python {platform.python_version()}, Celery {celery.__version__}, "
+        f"Redis {redis_version}, {os.cpu_count()} CPUs; Redis broker and result backend, "
+        f"prefork worker -c {args.concurrency}; N = {args.n} calls per measurement, "
+        f"median of {args.repeat} round(s).",
+        "",
+        "| workload | implementation | tasks/s | vs plain | seconds | published | "
+        "suppressed at publish | body runs | wrong results |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for title, impl, rounds, cell, plain in _rows(args, cells):
+        rate = cell.tasks_per_s
+        spread = ""
+        if len(rounds) > 1:
+            low, high = min(c.tasks_per_s for c in rounds), max(c.tasks_per_s for c in rounds)
+            spread = f" ({low:.0f}-{high:.0f})"
+        ratio = f"{rate / plain.tasks_per_s:.2f}x" if plain else "n/a"
+        p = cell.produced
+        lines.append(
+            f"| {title} | {impl} | {rate:.0f}{spread} | {ratio} | {p['seconds']:.2f} | "
+            f"{p['published']} | {p['suppressed_at_publish']} | {cell.body_runs} | "
+            f"{p['wrong_results']} |"
+        )
+    lines += ["", *targets(args, cells), ""]
+    lines += [
+        "CPU per call, in ms, while the clock ran (median round; all parties share "
+        f"{os.cpu_count()} CPUs):",
+        "",
+        "| workload | implementation | publish s | producer | worker main | pool | redis | "
+        "total | CPUs busy | other load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for title, impl, _, cell, _ in _rows(args, cells):
+        p = cell.produced
+        used = [p["cpu_seconds"][party] for party in cpu.PARTIES]
+        per_call = " | ".join(f"{1000 * seconds / p['n']:.2f}" for seconds in used)
+        others = max(p["cpu_seconds"][cpu.MACHINE] - sum(used), 0.0)
+        lines.append(
+            f"| {title} | {impl} | {p['publish_seconds']:.2f} | {per_call} | "
+            f"{1000 * sum(used) / p['n']:.2f} | {sum(used) / p['seconds']:.2f} | "
+            f"{others / p['seconds']:.2f} |"
+        )
+    lines += ["", *notes()]
+    misses = sum(c.produced["pubsub_misses"] for rounds in cells.values() for c in rounds)
+    if misses:
+        lines.append(
+            f"- {misses} result(s) never arrived on the result backend's pub/sub channel and "
+            "were read from their key after a 5 s wait: those rounds are slower than they "
+            "should be."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def targets(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) -> list[str]:
+    """The issue's targets for IdempotentTask, checked against this run."""
+
+    def ratio(workload: str) -> float | None:
+        idem, plain = cells.get((workload, "idempotent")), cells.get((workload, "plain"))
+        if not idem or not plain:
+            return None
+        return median_cell(idem).tasks_per_s / median_cell(plain).tasks_per_s
+
+    lines = ["Targets (IdempotentTask / plain):", ""]
+    distinct, duplicates = ratio("distinct"), ratio("duplicates")
+    if distinct is not None:
+        verdict = "met" if distinct >= 0.90 else "MISSED"
+        lines.append(f"- distinct keys >= 0.90x: {distinct:.2f}x, {verdict}")
+    if duplicates is not None:
+        verdict = "met" if duplicates > 1.0 else "MISSED"
+        lines.append(f"- {args.keys} keys sent many times > 1.00x: {duplicates:.2f}x, {verdict}")
+    return lines
+
+
+def notes() -> list[str]:
+    """How to read the columns."""
+    return [
+        "- tasks/s: calls / seconds, from the first publish until every call's result is "
+        "ready (a fresh producer process per measurement, worker started and ready before; "
+        "20 warm-up calls not counted). With several rounds, the range is in brackets.",
+        "- published: task messages sent; suppressed at publish: calls answered without one "
+        "(celery-once: dropped, no value; IdempotentTask: cached value or the owner's result).",
+        "- body runs: how many times the task body ran (a Redis INCR in the body).",
+        "- wrong results: calls whose result differs from the body's value for their "
+        "arguments (celery-once's dropped calls have no value and are not counted).",
+        "- plain Celery has no keys: in both workloads it runs every call.",
+        "- CPU: user + system seconds of the producer, the worker's main process, its pool "
+        "processes and redis-server (Linux /proc and Redis INFO), divided by N; CPUs busy = "
+        "their sum / wall seconds; other load: CPUs busy with anything else on the machine "
+        "meanwhile (/proc/stat, kernel network work included; several tenths mean the run "
+        "was disturbed). publish s: seconds the producer spent publishing.",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every (workload, implementation) measurement, print and save the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=3000, help="calls per measurement (>= 3000)")
+    parser.add_argument("--keys", type=int, default=100, help="keys of the duplicate workload")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the median is shown")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork pool processes")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per producer")
+    parser.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=IMPLEMENTATIONS)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=WORKLOADS)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile each pool process into benchmarks/results/profiles/",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS / "latest.md")
+    args = parser.parse_args(argv)
+    if args.n < 3000:
+        print(
+            f"note: --n {args.n} is below the issue's 3000 calls per measurement", file=sys.stderr
+        )
+
+    cells: dict[tuple[str, str], list[Cell]] = {}
+    try:
+        for round_ in range(1, args.repeat + 1):
+            # Rounds interleave the implementations, so slow drift hits all of them alike.
+            for workload in args.workloads:
+                for impl in args.impls:
+                    cell = measure(args, impl, workload, round_)
+                    cells.setdefault((workload, impl), []).append(cell)
+                    print(
+                        f"round {round_} {workload:<10} {impl:<10} "
+                        f"{cell.tasks_per_s:8.0f} tasks/s  ({cell.produced['seconds']:.2f} s, "
+                        f"{cell.body_runs} body runs)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        flush_bench_dbs()  # leave no queued messages, results or claims behind
+    report = render(args, cells)
+    print(report)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(report, encoding="utf-8")
+    print(f"written to {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
