@@ -36,9 +36,10 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(PY) -m mypy
 
-## Throughput against plain Celery and celery-once (Redis broker and backend, prefork worker).
+## Throughput against plain Celery and celery-once, then the dead-letter sweep on PostgreSQL.
 bench: $(VENV)/.installed-dev services
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.dlq_sweep
 
 services:
 	bash scripts/ensure-services.sh
