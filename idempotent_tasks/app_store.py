@@ -13,6 +13,7 @@ from celery.signals import worker_process_init
 
 from . import defaults
 from .dlq import DeadLetterQueue
+from .dlq.engine import default_sqlite_url
 from .settings import app_setting
 from .stores import Store, store_from_url
 
@@ -25,18 +26,15 @@ _DLQ = "_idempotent_tasks_dlq"
 
 
 def store_url(app: Any) -> str:
-    """The store URL an app uses: its setting, else its Redis result backend, else memory."""
+    """The store URL an app uses: its setting, else its Redis result backend, else the local
+    SQLite file ``claims.sqlite3`` (beside the dead-letter one)."""
     url = app_setting(app.conf, "idempotency_store_url")
     if url:
         return str(url)
     backend = str(app.conf.result_backend or "")
     if urlsplit(backend).scheme in ("redis", "rediss"):
         return backend
-    logger.warning(
-        "idempotency_store_url is not set and the result backend is not Redis: using memory://, "
-        "which only protects tasks within one process; set idempotency_store_url"
-    )
-    return "memory://"
+    return default_sqlite_url("claims.sqlite3")
 
 
 def store_for(app: Any) -> Store:

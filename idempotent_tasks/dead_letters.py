@@ -11,7 +11,7 @@ from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
 
 from . import defaults
-from .app_store import dlq_for
+from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
 from .dlq.queue import SWEEP_BATCH
 from .errors import StoreUnavailable
@@ -103,6 +103,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     after ``idempotency_dlq_retrying_timeout`` (their sweep died) are made due again first.
     """
     app = self.app
+    _clean_expired_claims(app)
     queue = dlq_for(app)
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
     recovered = queue.recover_stuck(timedelta(seconds=timeout))
@@ -121,6 +122,20 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
             published += 1
         if len(items) < batch:
             return published
+
+
+def _clean_expired_claims(app: Any) -> None:
+    """Stores that do not expire rows by themselves (SQL) are swept here, cheaply."""
+    cleanup = getattr(store_for(app), "cleanup", None)
+    if cleanup is None:
+        return
+    try:
+        removed = cleanup()
+    except StoreUnavailable as exc:
+        logger.warning("could not remove expired claims: %s", exc)
+        return
+    if removed:
+        logger.info("removed %s expired claims", removed)
 
 
 @connect_on_app_finalize  # type: ignore[untyped-decorator]

@@ -17,11 +17,11 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 _DRIVER_EXTRAS = {"postgresql": "sql", "mysql": "sql", "mariadb": "sql"}
 
 
-def default_sqlite_url() -> str:
-    """The local SQLite file used when no URL is set.
+def default_sqlite_url(filename: str = "dead_letters.sqlite3") -> str:
+    """A local SQLite file, used where no URL is set.
 
-    ``$IDEMPOTENT_TASKS_DATA_DIR/dead_letters.sqlite3``, else
-    ``$XDG_DATA_HOME/idempotent_tasks/...`` (``~/.local/share/idempotent_tasks/...``).
+    ``$IDEMPOTENT_TASKS_DATA_DIR/<filename>``, else ``$XDG_DATA_HOME/idempotent_tasks/<filename>``
+    (``~/.local/share/idempotent_tasks/<filename>``).
     """
     base = os.environ.get("IDEMPOTENT_TASKS_DATA_DIR")
     if base:
@@ -30,7 +30,7 @@ def default_sqlite_url() -> str:
         data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         folder = Path(data_home) / "idempotent_tasks"
     folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'dead_letters.sqlite3'}"
+    return f"sqlite:///{folder / filename}"
 
 
 def create_dlq_engine(url: str) -> Engine:

@@ -10,15 +10,16 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, inspect
-from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from ..errors import SchemaVersionError, StoreUnavailable
+from ..errors import StoreUnavailable
 from . import queries
 from .backoff import next_retry_at
 from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
 from .items import DeadLetter, DeadLetterStatus, Failure
-from .schema import COMPONENT, SCHEMA_VERSION, metadata, schema_versions
+from .schema import COMPONENT, SCHEMA_VERSION, dead_letters
+from .schema_setup import ensure_component
 
 #: Items a sweep takes at most per batch.
 SWEEP_BATCH = 100
@@ -248,49 +249,14 @@ class DeadLetterQueue:
         with self._schema_lock:
             if self._schema_ready:
                 return
-            try:
-                self._create_or_check()
-            except (OperationalError, ProgrammingError, IntegrityError):
-                # Another process created the tables at the same moment: look again.
-                self._create_or_check()
+            ensure_component(
+                self.engine,
+                component=COMPONENT,
+                version=SCHEMA_VERSION,
+                tables=[dead_letters],
+                what="dead-letter",
+            )
             self._schema_ready = True
-
-    def _create_or_check(self) -> None:
-        try:
-            with self.engine.begin() as connection:
-                if not inspect(connection).has_table(schema_versions.name):
-                    metadata.create_all(connection, checkfirst=True)
-                version = connection.execute(
-                    queries.select_schema_version(COMPONENT)
-                ).scalar_one_or_none()
-                if version is None:
-                    connection.execute(queries.insert_schema_version(COMPONENT, SCHEMA_VERSION))
-                    return
-        except OperationalError as exc:
-            if "connect" in str(exc).lower() or "unable to open" in str(exc).lower():
-                raise StoreUnavailable(f"dead-letter database unreachable: {exc}") from exc
-            raise
-        _check_version(int(version), self.url)
-
-
-def _check_version(version: int, url: str) -> None:
-    if version > SCHEMA_VERSION:
-        raise SchemaVersionError(
-            f"the dead-letter tables at {_safe(url)} are at schema version {version}, newer "
-            f"than this idempotent_tasks understands ({SCHEMA_VERSION}); upgrade "
-            "idempotent_tasks (or point idempotency_dlq_url at another database)"
-        )
-    if version < SCHEMA_VERSION:  # pragma: no cover - version 1 is the first there is
-        raise SchemaVersionError(
-            f"the dead-letter tables at {_safe(url)} are at schema version {version}, older "
-            f"than {SCHEMA_VERSION}, and no migration from it exists"
-        )
-
-
-def _safe(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def _item(row: Any) -> DeadLetter:

@@ -1,13 +1,17 @@
-"""Tables of the dead-letter queue, and the schema version this code writes and reads."""
+"""Every table idempotent_tasks keeps in SQL (dead letters, claims), and their schema versions."""
 
 from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
+    Boolean,
     Column,
     DateTime,
+    Double,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -61,4 +65,34 @@ schema_versions = Table(
     metadata,
     Column("component", String(64), primary_key=True),
     Column("version", Integer, nullable=False),
+)
+
+#: Version of the claims table of the SQL store.
+CLAIMS_SCHEMA_VERSION = 1
+CLAIMS_COMPONENT = "claims"
+
+# POSIX seconds as doubles: MySQL's FLOAT is single precision, too coarse for timestamps.
+claims = Table(
+    "idempotent_tasks_claims",
+    metadata,
+    # "<prefix>:<storage key>": storage keys are at most ~270 characters.
+    Column("id", String(320), primary_key=True),
+    Column("key", String(1024), nullable=False),
+    Column("task_name", String(255), nullable=False),
+    # processing | completed | released (a released claim is kept so tokens keep growing)
+    Column("status", String(16), nullable=False),
+    Column("owner", String(64), nullable=False),
+    Column("token", BigInteger, nullable=False),
+    Column("takeover", Boolean, nullable=False),
+    Column("task_id", String(255), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("lease_expires_at", Double, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=False),
+    Column("result_cached", Boolean, nullable=False),
+    Column("content_type", String(128)),
+    Column("content_encoding", String(64)),
+    Column("result", LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")),
+    Index("ix_idempotent_tasks_claims_expires", "expires_at"),
 )

@@ -1,4 +1,4 @@
-"""Claim stores, chosen by URL: ``redis://``, ``rediss://`` or ``memory://``."""
+"""Claim stores, chosen by URL: Redis, any SQLAlchemy database, or ``memory://``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from .base import Store
 from .memory import MemoryStore
 
 __all__ = ["MemoryStore", "Store", "store_from_url"]
+
+#: URL schemes (before any ``+driver``) that name an SQLAlchemy database.
+SQL_SCHEMES = frozenset({"postgresql", "postgres", "mysql", "mariadb", "sqlite"})
 
 
 def store_from_url(url: str, *, prefix: str) -> Store:
@@ -28,7 +31,12 @@ def store_from_url(url: str, *, prefix: str) -> Store:
                 "the Redis store needs redis-py: pip install 'idempotent-tasks[redis]'"
             ) from exc
         return RedisStore.from_url(url, prefix=prefix)
+    if scheme.split("+")[0] in SQL_SCHEMES:
+        from .sql import SqlStore
+
+        return SqlStore(url, prefix=prefix)
     raise ValueError(
-        f"idempotency_store_url {url!r}: no store for scheme {scheme!r} "
-        "(use redis://, rediss:// or memory://)"
+        f"idempotency_store_url {url!r}: no store for scheme {scheme!r} (use redis://, "
+        "rediss://, memory:// or an SQLAlchemy URL: postgresql+psycopg://, mysql+pymysql://, "
+        "sqlite:///)"
     )

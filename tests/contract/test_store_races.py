@@ -1,22 +1,25 @@
-"""Claims racing from several processes against the real Redis store: exactly one wins."""
+"""Claims racing from several processes against each real store: exactly one wins per key."""
 
 from __future__ import annotations
 
 import multiprocessing
+import time
 import uuid
 
-import redis
+import pytest
 
 from idempotent_tasks.records import ClaimRequest, Outcome
-from idempotent_tasks.stores.redis import RedisStore
-from tests.contract.conftest import CONTRACT_REDIS_DB
+from tests.contract.conftest import SERVER_STORES, open_store, store_url
 
-PROCESSES = 8
-ROUNDS = 25
+PROCESSES = 6
+ROUNDS = 20
 
 
-def _claim_all(url: str, keys: list[str], start: multiprocessing.synchronize.Event) -> list[str]:
-    store = RedisStore.from_url(url, prefix="race")
+def _claim_all(
+    kind: str, url: str, keys: list[str], lease: float, start: multiprocessing.synchronize.Event
+) -> list[str]:
+    store = open_store(kind, url, prefix="race")
+    store.get("warm-up")  # connect and create tables before the start line
     start.wait()
     outcomes = []
     for key in keys:
@@ -27,25 +30,53 @@ def _claim_all(url: str, keys: list[str], start: multiprocessing.synchronize.Eve
             task_id="x",
             owner=uuid.uuid4().hex,
             fingerprint="fp",
-            lease_seconds=30,
+            lease_seconds=lease,
             ttl_seconds=60,
         )
         outcomes.append(store.claim(request).outcome.value)
+    store.close()
     return outcomes
 
 
-def test_concurrent_claimers_in_many_processes_get_one_winner_per_key(redis_url: str) -> None:
-    url = f"{redis_url}/{CONTRACT_REDIS_DB}"
-    redis.Redis.from_url(url).flushdb()
-    keys = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(ROUNDS)]
+def _race(kind: str, url: str, keys: list[str], lease: float) -> list[list[str]]:
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:
         start = manager.Event()
         with context.Pool(PROCESSES) as pool:
-            pending = [pool.apply_async(_claim_all, (url, keys, start)) for _ in range(PROCESSES)]
+            jobs = [
+                pool.apply_async(_claim_all, (kind, url, keys, lease, start))
+                for _ in range(PROCESSES)
+            ]
+            time.sleep(0.5)
             start.set()
-            results = [job.get(timeout=60) for job in pending]
+            return [job.get(timeout=120) for job in jobs]
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
+def test_concurrent_claimers_in_many_processes_get_one_winner_per_key(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = store_url(kind, request)
+    keys = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(ROUNDS)]
+    results = _race(kind, url, keys, lease=30)
     for index in range(ROUNDS):
         per_key = [outcomes[index] for outcomes in results]
         assert per_key.count(Outcome.ACQUIRED.value) == 1, per_key
         assert per_key.count(Outcome.IN_PROGRESS.value) == PROCESSES - 1, per_key
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
+def test_concurrent_takeovers_of_an_expired_lease_get_one_winner(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    # Given keys whose owners died: their leases have run out
+    url = store_url(kind, request)
+    keys = [f"dead{i}-{uuid.uuid4().hex[:6]}" for i in range(ROUNDS)]
+    _race(kind, url, keys, lease=0.05)  # one winner each, leases of 50 ms
+    time.sleep(0.2)
+    # When several processes race to take each of them over
+    results = _race(kind, url, keys, lease=30)
+    # Then exactly one takes each key over
+    for index in range(ROUNDS):
+        per_key = [outcomes[index] for outcomes in results]
+        assert per_key.count(Outcome.ACQUIRED.value) == 1, per_key

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from celery import Celery
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.app_store import store_for, store_url
 from idempotent_tasks.stores import MemoryStore
+from idempotent_tasks.stores.sql import SqlStore
 
 
 def _app(**conf: object) -> Celery:
@@ -26,12 +29,15 @@ def test_explicit_store_url_wins_over_the_backend() -> None:
     assert isinstance(store_for(app), MemoryStore)
 
 
-def test_store_without_a_redis_backend_falls_back_to_memory_with_a_warning(
-    caplog: pytest.LogCaptureFixture,
+def test_store_without_a_redis_backend_is_a_local_sqlite_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("IDEMPOTENT_TASKS_DATA_DIR", str(tmp_path))
     app = _app(result_backend="cache+memory://")
-    assert store_url(app) == "memory://"
-    assert "only protects tasks within one process" in caplog.text
+    assert store_url(app) == f"sqlite:///{tmp_path / 'claims.sqlite3'}"
+    store = store_for(app)
+    assert isinstance(store, SqlStore)
+    store.close()
 
 
 def test_store_is_built_once_per_process() -> None:
