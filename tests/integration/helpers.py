@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -41,3 +42,22 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextmanager
+def app_store_url(app: Any, url: str) -> Iterator[None]:
+    """Point the test process's app at another claim store, closing each store it drops."""
+
+    def drop_store() -> None:
+        cached = app.__dict__.pop("_idempotent_tasks_store", None)
+        if cached is not None:
+            cached[1].close()
+
+    previous = app.conf.idempotency_store_url
+    drop_store()
+    app.conf.idempotency_store_url = url
+    try:
+        yield
+    finally:
+        drop_store()
+        app.conf.idempotency_store_url = previous

@@ -18,7 +18,7 @@ from idempotent_tasks.app_store import store_for
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Record, Status
 from tests.integration import worker_app
-from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
 from tests.integration.redis_server import RedisServer
 from tests.integration.workers import WorkerProcess
 
@@ -48,14 +48,8 @@ def start_worker(it_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
 def own_store(request: pytest.FixtureRequest, tmp_path: Path, worker_app: Any) -> Iterator[Any]:
     """A store on a Redis server of this test's own; the test process's app uses it too."""
     server = RedisServer(tmp_path, persistent=getattr(request, "param", True))
-    previous = worker_app.app.conf.idempotency_store_url
-    worker_app.app.conf.idempotency_store_url = server.url
-    worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
-    yield server
-    worker_app.app.conf.idempotency_store_url = previous
-    cached = worker_app.app.__dict__.pop("_idempotent_tasks_store", None)
-    if cached is not None:
-        cached[1].close()
+    with app_store_url(worker_app.app, server.url):
+        yield server
     server.stop()
 
 

@@ -1,0 +1,79 @@
+"""Real workers claiming through the SQL store on PostgreSQL: duplicates and a crash takeover."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idempotent_tasks.app_store import store_for
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Status
+from tests.integration import worker_app
+from tests.integration.databases import fresh_pg_database
+from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
+from tests.integration.workers import WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def sql_store_url(worker_app: Any) -> Iterator[str]:
+    """A PostgreSQL claim store, used by this module's workers and by the test process."""
+    url = fresh_pg_database("it_claims")
+    with app_store_url(worker_app.app, url):
+        yield url
+
+
+@pytest.fixture()
+def start_worker(it_env: dict[str, str], sql_store_url: str, tmp_path: Path) -> Iterator[Any]:
+    started: list[WorkerProcess] = []
+
+    def start(**env: str) -> WorkerProcess:
+        worker = WorkerProcess(
+            f"sql{len(started)}", {**it_env, "IT_STORE_URL": sql_store_url, **env}, tmp_path
+        )
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def test_duplicates_at_once_on_two_workers_run_once(start_worker: Any) -> None:
+    start_worker()
+    start_worker()
+    order, key = fresh("sql-order"), fresh("key")
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(
+            pool.map(
+                lambda _: worker_app.charge.apply_async(
+                    (order, 990), {"sleep": 0.5}, idempotency_key=key
+                ),
+                range(20),
+            )
+        )
+    values = [result.get(timeout=60) for result in results]
+    assert ledger_events(order, "start") == 1
+    assert all(value == values[0] for value in values)
+    record = store_for(worker_app.app).get(storage_key(worker_app.charge.name, key))
+    assert record is not None and record.status is Status.COMPLETED
+
+
+def test_worker_killed_mid_task_is_taken_over_after_the_lease(start_worker: Any) -> None:
+    env = {"IT_LEASE": "2", "IT_VISIBILITY_TIMEOUT": "3"}
+    first = start_worker(**env)
+    name, key = fresh("sql-killed"), fresh("key")
+    result = worker_app.slow_first.apply_async((name, 30.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    first.kill()
+    start_worker(**env)
+    assert result.get(timeout=60)["run"] == 2
+    assert ledger_events(name, "finish") == 1
+    record = store_for(worker_app.app).get(storage_key(worker_app.slow_first.name, key))
+    assert record is not None
+    assert (record.status, record.token) == (Status.COMPLETED, 2)
