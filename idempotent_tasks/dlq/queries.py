@@ -56,7 +56,11 @@ def claim_for_sweep(ids: Sequence[str], sweep_id: str, now: datetime) -> Update:
 
 def select_swept(sweep_id: str) -> Select[Any]:
     """The items one sweep took."""
-    return select(dead_letters).where(dead_letters.c.sweep_id == sweep_id)
+    return (
+        select(dead_letters)
+        .where(dead_letters.c.sweep_id == sweep_id)
+        .order_by(dead_letters.c.next_retry_at)
+    )
 
 
 def recover_stuck(stuck_before: datetime, now: datetime) -> Update:

@@ -23,6 +23,8 @@ from .schema_setup import ensure_component
 
 #: Items a sweep takes at most per batch.
 SWEEP_BATCH = 100
+#: Times a sweep picks again when concurrent sweeps took all it picked.
+TAKE_ROUNDS = 5
 
 
 def _utcnow() -> datetime:
@@ -108,16 +110,21 @@ class DeadLetterQueue:
         sweep has locked; everywhere, only rows still ``pending`` are marked, and each caller
         reads back just the rows its own mark took.
         """
-        now = self._clock()
-        sweep_id = str(uuid.uuid4())
-        with self._begin() as connection:
-            ids = list(connection.execute(queries.select_due_ids(self._db(now), limit)).scalars())
-            if not ids:
-                return []
-            connection.execute(queries.claim_for_sweep(ids, sweep_id, self._db(now)))
-        with self._begin() as connection:
-            rows = connection.execute(queries.select_swept(sweep_id)).all()
-        return [_item(row._mapping) for row in rows]
+        for _ in range(TAKE_ROUNDS):
+            now = self._clock()
+            sweep_id = str(uuid.uuid4())
+            with self._begin() as connection:
+                due = queries.select_due_ids(self._db(now), limit)
+                ids = list(connection.execute(due).scalars())
+                if not ids:
+                    return []
+                connection.execute(queries.claim_for_sweep(ids, sweep_id, self._db(now)))
+            with self._begin() as connection:
+                rows = connection.execute(queries.select_swept(sweep_id)).all()
+            if rows:
+                return [_item(row._mapping) for row in rows]
+            # Another sweep took every row this one picked (SQLite, no row locks): pick again.
+        return []
 
     def recover_stuck(self, timeout: timedelta) -> int:
         """Return items ``retrying`` for longer than ``timeout`` to ``pending``; how many."""

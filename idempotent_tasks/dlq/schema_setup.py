@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import random
+import time
+
 from sqlalchemy import Engine, Table, inspect
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
 from ..errors import SchemaVersionError, StoreUnavailable
 from . import queries
 from .schema import metadata, schema_versions
+
+#: Rounds of "look, create what is missing, record the version" before giving up: processes
+#: starting together on an empty database race to create the same tables.
+SETUP_ROUNDS = 8
 
 
 def ensure_component(
@@ -16,19 +23,26 @@ def ensure_component(
 ) -> None:
     """Create ``tables`` (and the version table) if missing, record or check ``version``.
 
+    Safe when several processes do it at once on an empty database: whoever loses a race to
+    create a table or record the version looks again.
+
     Raises:
         SchemaVersionError: the database records a newer version of ``component``.
         StoreUnavailable: the database cannot be reached.
     """
     try:
-        _create_or_check(engine, component, version, tables, what)
-    except (OperationalError, ProgrammingError, IntegrityError):
-        # Another process created the tables at the same moment, or the database is down:
-        # look once more, and call whatever is still wrong unreachable.
+        with engine.connect():
+            pass
+    except SQLAlchemyError as exc:
+        raise StoreUnavailable(f"{what} database unreachable: {exc}") from exc
+    for round_number in range(1, SETUP_ROUNDS + 1):
         try:
             _create_or_check(engine, component, version, tables, what)
+            return
         except (OperationalError, ProgrammingError, IntegrityError) as exc:
-            raise StoreUnavailable(f"{what} database unreachable or unusable: {exc}") from exc
+            if round_number == SETUP_ROUNDS:
+                raise StoreUnavailable(f"{what} database unusable: {exc}") from exc
+            time.sleep(random.uniform(0.02, 0.1) * round_number)
 
 
 def _create_or_check(

@@ -1,0 +1,808 @@
+"""The dead-letter queue contract, one body run on SQLite, PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.queues
+import multiprocessing.synchronize
+import queue as queue_module
+import random
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import pytest
+import sqlalchemy as sa
+
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.dlq.schema import (
+    COMPONENT,
+    SCHEMA_VERSION,
+    dead_letters,
+    metadata,
+    schema_versions,
+)
+from idempotent_tasks.errors import IdempotencyError, SchemaVersionError, StoreUnavailable
+from tests.services import require
+
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+MARIADB_URL = "mysql+pymysql://root@127.0.0.1:3306/test"
+#: Database name -> (service for ``tests.services.require``, URL); SQLite lives in ``tmp_path``.
+SERVERS = {"postgresql": ("PostgreSQL", PG_URL), "mariadb": ("MariaDB", MARIADB_URL)}
+DATABASES = ["sqlite", "postgresql", "mariadb"]
+
+BASE = 60.0  # seconds of the first backoff step
+SEED = 1234
+T0 = datetime(2024, 5, 17, 12, 30, 45, 123456, tzinfo=timezone.utc)
+SWEEPERS = 4
+SWEPT_ITEMS = 200
+FIRST_USE_ROUNDS = 10
+
+Statuses = DeadLetterStatus
+
+
+class Clock:
+    """A clock that stands still until the test moves it."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, **delta: float) -> datetime:
+        self.now += timedelta(**delta)
+        return self.now
+
+
+MakeQueue = Callable[..., DeadLetterQueue]
+#: What each child process reports: ("ok", its result) or ("error", a traceback).
+Results: TypeAlias = "multiprocessing.queues.Queue[tuple[str, Any]]"
+
+
+def _drop_dead_letter_tables(url: str) -> None:
+    # Only the dead-letter queue's two tables: other components may share the database.
+    engine = sa.create_engine(url)
+    try:
+        metadata.drop_all(engine, tables=[dead_letters, schema_versions])
+    finally:
+        engine.dispose()
+
+
+def _version_rows(engine: sa.Engine) -> list[tuple[str, int]]:
+    query = sa.select(schema_versions).where(schema_versions.c.component == COMPONENT)
+    with engine.connect() as connection:
+        return [(row.component, row.version) for row in connection.execute(query)]
+
+
+@pytest.fixture(params=DATABASES)
+def dlq_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database with no dead-letter tables (so every test also creates the schema)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
+    service, url = SERVERS[request.param]
+    require(service)
+    _drop_dead_letter_tables(url)
+    return url
+
+
+@pytest.fixture()
+def clock() -> Clock:
+    return Clock(T0)
+
+
+@pytest.fixture()
+def make_queue(dlq_url: str, clock: Clock) -> Iterator[MakeQueue]:
+    """Build queues on the test's database (fixed clock, seeded jitter), disposed afterwards."""
+    made: list[DeadLetterQueue] = []
+
+    def make(**overrides: Any) -> DeadLetterQueue:
+        options: dict[str, Any] = {
+            "base_delay": BASE,
+            "clock": clock,
+            "rng": random.Random(SEED),
+            **overrides,
+        }
+        dlq = DeadLetterQueue(dlq_url, **options)
+        made.append(dlq)
+        return dlq
+
+    yield make
+    for dlq in made:
+        dlq.dispose()
+
+
+@pytest.fixture()
+def dlq(make_queue: MakeQueue) -> DeadLetterQueue:
+    return make_queue()
+
+
+def _failure(**overrides: Any) -> Failure:
+    fields: dict[str, Any] = {
+        "failure_id": f"{uuid.uuid4()}:0",
+        "task_name": "tasks.charge",
+        "task_id": str(uuid.uuid4()),
+        "idempotency_key": f"key-{uuid.uuid4().hex[:8]}",
+        "args": [1, "two"],
+        "kwargs": {"amount": 5},
+        "options": {"queue": "celery"},
+        "error_type": "RuntimeError",
+        "error_message": "boom",
+        "traceback": "Traceback (most recent call last):\nRuntimeError: boom",
+        "max_retries": 3,
+        **overrides,
+    }
+    return Failure(**fields)
+
+
+def _add_at(dlq: DeadLetterQueue, clock: Clock, moment: datetime, **overrides: Any) -> DeadLetter:
+    clock.now = moment
+    return dlq.add(_failure(**overrides))
+
+
+def _due_window(now: datetime, retry_count: int) -> tuple[datetime, datetime]:
+    step = BASE * 2**retry_count
+    return now + timedelta(seconds=step), now + timedelta(seconds=1.25 * step)
+
+
+def _in_due_window(moment: datetime | None, now: datetime, retry_count: int) -> bool:
+    low, high = _due_window(now, retry_count)
+    return moment is not None and low <= moment <= high
+
+
+def _is_utc(moment: datetime | None) -> bool:
+    return moment is not None and moment.utcoffset() == timedelta(0)
+
+
+def _ids(items: list[DeadLetter]) -> set[str]:
+    return {item.id for item in items}
+
+
+# -- schema -------------------------------------------------------------------------------------
+
+
+def test_first_use_creates_both_tables_indexes_and_version(dlq: DeadLetterQueue) -> None:
+    assert dlq.stats()["total"] == 0
+    inspector = sa.inspect(dlq.engine)
+    assert inspector.has_table(dead_letters.name)
+    assert inspector.has_table(schema_versions.name)
+    index_names = {index["name"] for index in inspector.get_indexes(dead_letters.name)}
+    assert {index.name for index in dead_letters.indexes} <= index_names
+    columns = {column["name"] for column in inspector.get_columns(dead_letters.name)}
+    assert {column.name for column in dead_letters.columns} == columns
+    assert _version_rows(dlq.engine) == [(COMPONENT, SCHEMA_VERSION)]
+
+
+def test_a_second_queue_on_existing_tables_uses_them(make_queue: MakeQueue) -> None:
+    first = make_queue()
+    item = first.add(_failure())
+    second = make_queue()
+    assert second.get(item.id) == item
+    assert _version_rows(second.engine) == [(COMPONENT, SCHEMA_VERSION)]
+
+
+def test_a_newer_schema_is_refused_naming_both_versions(make_queue: MakeQueue) -> None:
+    # Given tables written by a newer idempotent_tasks
+    older = make_queue()
+    older.ensure_schema()
+    newer = SCHEMA_VERSION + 1
+    with older.engine.begin() as connection:
+        connection.execute(
+            sa.text(f"UPDATE {schema_versions.name} SET version = :version WHERE component = :c"),
+            {"version": newer, "c": COMPONENT},
+        )
+    # When a new queue first touches the database, Then it refuses, naming both versions
+    refused = make_queue()
+    with pytest.raises(SchemaVersionError) as raised:
+        refused.stats()
+    message = str(raised.value)
+    assert f"schema version {newer}" in message
+    assert f"({SCHEMA_VERSION})" in message
+    assert "upgrade" in message
+    assert isinstance(raised.value, IdempotencyError)
+    # And it keeps refusing, for every operation, without touching the rows
+    with pytest.raises(SchemaVersionError):
+        refused.add(_failure())
+    with pytest.raises(SchemaVersionError):
+        refused.take_due()
+    assert older.stats()["total"] == 0
+
+
+# -- add ----------------------------------------------------------------------------------------
+
+
+def test_add_stores_every_field(dlq: DeadLetterQueue, clock: Clock) -> None:
+    failure = _failure(
+        failure_id="task-1:0",
+        task_name="tasks.refund",
+        task_id="task-1",
+        idempotency_key="order-42",
+        args=[1, "zwei", [3.5, None], {"nested": True}],
+        kwargs={"amount": 5, "currency": "EUR", "note": "café ✓ 🎉", "tags": ["a", "b"]},
+        options={"queue": "payments", "routing_key": "pay.eu", "priority": 3},
+        error_type="PaymentDeclined",
+        error_message="card declined: ünïcödé ✓ 🎉",
+        # Longer than a MySQL TEXT column (64 KiB) can hold.
+        traceback="Traceback (most recent call last):\n" + "  frame\n" * 10_000,
+        max_retries=5,
+    )
+    item = dlq.add(failure)
+    # The twin of the queue's generator gives the jitter of its first draw.
+    jitter = random.Random(SEED).uniform(0, 0.25 * BASE)
+    expected_due = T0 + timedelta(seconds=BASE + jitter)
+    for found in (item, dlq.get(item.id)):
+        assert found is not None
+        uuid.UUID(found.id)
+        assert (found.task_name, found.task_id, found.failure_id) == (
+            "tasks.refund",
+            "task-1",
+            "task-1:0",
+        )
+        assert found.idempotency_key == "order-42"
+        assert found.args == [1, "zwei", [3.5, None], {"nested": True}]
+        assert found.kwargs == failure.kwargs
+        assert found.options == {"queue": "payments", "routing_key": "pay.eu", "priority": 3}
+        assert (found.error_type, found.error_message) == (
+            "PaymentDeclined",
+            "card declined: ünïcödé ✓ 🎉",
+        )
+        assert found.traceback == failure.traceback
+        assert (found.retry_count, found.max_retries) == (0, 5)
+        assert found.status is Statuses.PENDING
+        assert found.sweep_id is None
+        # Microseconds survive the round trip (MySQL keeps none unless told to).
+        assert found.next_retry_at == expected_due
+        assert _in_due_window(found.next_retry_at, T0, 0)
+        assert found.created_at == T0
+        assert found.updated_at == T0
+        assert all(
+            _is_utc(moment) for moment in (found.next_retry_at, found.created_at, found.updated_at)
+        )
+
+
+def test_add_keeps_a_missing_key_and_traceback(dlq: DeadLetterQueue) -> None:
+    item = dlq.add(_failure(idempotency_key=None, traceback=None, args=[], kwargs={}, options={}))
+    assert (item.idempotency_key, item.traceback) == (None, None)
+    assert (item.args, item.kwargs, item.options) == ([], {}, {})
+
+
+def test_add_with_no_retries_allowed_keeps_a_permanent_failure(dlq: DeadLetterQueue) -> None:
+    item = dlq.add(_failure(max_retries=0))
+    assert (item.status, item.next_retry_at, item.retry_count) == (
+        Statuses.PERMANENT_FAILURE,
+        None,
+        0,
+    )
+
+
+def test_clock_in_another_zone_is_stored_as_the_same_instant(make_queue: MakeQueue) -> None:
+    tokyo = timezone(timedelta(hours=9))
+    dlq = make_queue(clock=Clock(T0.astimezone(tokyo)))
+    item = dlq.add(_failure())
+    assert item.created_at == T0
+    assert item.created_at.utcoffset() == timedelta(0)
+
+
+SESSIONS_IN_TOKYO = {
+    "postgresql": f"{PG_URL}?options=-c%20TimeZone%3DAsia/Tokyo",
+    "mariadb": f"{MARIADB_URL}?init_command=SET%20time_zone%3D%27%2B09%3A00%27",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SESSIONS_IN_TOKYO))
+def test_timestamps_do_not_depend_on_the_session_time_zone(name: str, clock: Clock) -> None:
+    service, url = SERVERS[name]
+    require(service)
+    _drop_dead_letter_tables(url)
+    # Given a queue whose database sessions run in Tokyo time, and one in UTC
+    in_tokyo = DeadLetterQueue(SESSIONS_IN_TOKYO[name], base_delay=BASE, clock=clock)
+    in_utc = DeadLetterQueue(url, base_delay=BASE, clock=clock)
+    try:
+        item = in_tokyo.add(_failure())
+        # Then both read the same instants back
+        assert item.created_at == T0
+        assert in_utc.get(item.id) == item
+        # And "due" means the same instant: not a second before the first step, but after it
+        clock.now = T0 + timedelta(seconds=BASE - 1)
+        assert in_tokyo.take_due() == []
+        clock.now = T0 + timedelta(seconds=1.25 * BASE + 1)
+        assert _ids(in_tokyo.take_due()) == {item.id}
+    finally:
+        in_tokyo.dispose()
+        in_utc.dispose()
+
+
+def test_the_same_failure_twice_is_one_row(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # Given a write repeated after a lost reply (same failed delivery, later)
+    failure = _failure(failure_id="task-7:2")
+    first = dlq.add(failure)
+    clock.advance(seconds=5)
+    again = dlq.add(failure)
+    # Then the first row stands, unchanged
+    assert again == first
+    assert [item.id for item in dlq.items()] == [first.id]
+    assert dlq.stats()["total"] == 1
+
+
+def test_other_deliveries_of_one_task_are_separate_rows(dlq: DeadLetterQueue) -> None:
+    first = dlq.add(_failure(failure_id="task-8:0", task_id="task-8"))
+    second = dlq.add(_failure(failure_id="task-8:1", task_id="task-8"))
+    assert first.id != second.id
+    assert dlq.stats()["total"] == 2
+
+
+# -- status transitions -------------------------------------------------------------------------
+
+
+def test_take_due_takes_due_pending_items_oldest_first_up_to_limit(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given three items due at different times, added latest-due first, and one due later
+    third = _add_at(dlq, clock, T0 + timedelta(minutes=20))
+    second = _add_at(dlq, clock, T0 + timedelta(minutes=10))
+    first = _add_at(dlq, clock, T0)
+    future = _add_at(dlq, clock, T0 + timedelta(hours=1))
+    # When nothing is due yet, nothing is taken
+    clock.now = T0
+    assert dlq.take_due() == []
+    # When the three are due, a sweep of two takes the two due first
+    now = clock.now = T0 + timedelta(minutes=30)
+    taken = dlq.take_due(limit=2)
+    assert _ids(taken) == {first.id, second.id}
+    assert all(item.status is Statuses.RETRYING for item in taken)
+    assert all(item.updated_at == now for item in taken)
+    assert len({item.sweep_id for item in taken}) == 1
+    assert taken[0].sweep_id is not None
+    # And the next sweep takes the rest that is due, and then nothing
+    assert _ids(dlq.take_due(limit=10)) == {third.id}
+    assert dlq.take_due(limit=10) == []
+    still = dlq.get(future.id)
+    assert still is not None and still.status is Statuses.PENDING
+    assert dlq.stats()["retrying"] == 3
+
+
+def test_take_due_leaves_other_statuses_alone(dlq: DeadLetterQueue, clock: Clock) -> None:
+    permanent = dlq.add(_failure(max_retries=0))
+    succeeded = dlq.add(_failure())
+    assert dlq.mark_succeeded(succeeded.id)
+    clock.advance(days=1)
+    assert dlq.take_due() == []
+    assert dlq.stats()["total"] == 2
+    assert dlq.get(permanent.id) == permanent
+
+
+def test_mark_succeeded_ends_a_retrying_item_and_twice_is_harmless(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    item = dlq.add(_failure())
+    clock.advance(hours=1)
+    (taken,) = dlq.take_due()
+    now = clock.advance(seconds=3)
+    assert dlq.mark_succeeded(taken.id) is True
+    done = dlq.get(item.id)
+    assert done is not None
+    assert (done.status, done.next_retry_at, done.updated_at) == (Statuses.SUCCEEDED, None, now)
+    # A second report (a redelivered success) changes nothing
+    clock.advance(seconds=3)
+    assert dlq.mark_succeeded(taken.id) is False
+    assert dlq.get(item.id) == done
+    assert dlq.mark_succeeded(str(uuid.uuid4())) is False
+
+
+def test_a_failed_retry_reschedules_with_a_doubled_step_until_max_retries(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    item = dlq.add(_failure(max_retries=3))
+    for attempt in (1, 2, 3):
+        # Given the item is due and a sweep took it
+        clock.advance(days=1)
+        (taken,) = dlq.take_due()
+        assert taken.id == item.id
+        # When its re-published task fails for good again
+        now = clock.advance(seconds=10)
+        after = dlq.record_retry_failure(
+            item.id, f"Error{attempt}", f"failed again ({attempt})", f"tb {attempt}"
+        )
+        # Then the count goes up and the error is the latest
+        assert after is not None
+        assert after.retry_count == attempt
+        assert (after.error_type, after.error_message, after.traceback) == (
+            f"Error{attempt}",
+            f"failed again ({attempt})",
+            f"tb {attempt}",
+        )
+        assert (after.sweep_id, after.updated_at) == (None, now)
+        assert dlq.get(item.id) == after
+        if attempt < 3:
+            # rescheduled base * 2**retry_count (+ at most 25 %) from now
+            assert after.status is Statuses.PENDING
+            assert _in_due_window(after.next_retry_at, now, attempt)
+            assert dlq.take_due() == []  # not due yet
+        else:
+            # at max_retries it gives up
+            assert (after.status, after.next_retry_at) == (Statuses.PERMANENT_FAILURE, None)
+    clock.advance(days=365)
+    assert dlq.take_due() == []
+
+
+def test_record_retry_failure_changes_only_a_retrying_item(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    pending = dlq.add(_failure())
+    done = dlq.add(_failure())
+    dlq.mark_succeeded(done.id)
+    clock.advance(seconds=30)
+    for item_id in (pending.id, done.id):
+        before = dlq.get(item_id)
+        assert dlq.record_retry_failure(item_id, "Late", "late report", None) == before
+    assert dlq.record_retry_failure(str(uuid.uuid4()), "Late", "late report", None) is None
+
+
+def test_a_repeated_retry_failure_report_counts_once(dlq: DeadLetterQueue, clock: Clock) -> None:
+    item = dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    dlq.take_due()
+    first = dlq.record_retry_failure(item.id, "E", "once", None)
+    clock.advance(seconds=1)
+    again = dlq.record_retry_failure(item.id, "E", "twice", None)
+    assert first is not None and first.retry_count == 1
+    assert again == first
+
+
+def test_unclaim_puts_a_retrying_item_back_due_now(dlq: DeadLetterQueue, clock: Clock) -> None:
+    item = dlq.add(_failure())
+    clock.advance(hours=1)
+    dlq.take_due()
+    now = clock.advance(seconds=2)
+    assert dlq.unclaim(item.id) is True
+    back = dlq.get(item.id)
+    assert back is not None
+    assert (back.status, back.next_retry_at, back.sweep_id, back.updated_at) == (
+        Statuses.PENDING,
+        now,
+        None,
+        now,
+    )
+    assert back.retry_count == 0
+    # Only a retrying item can be unclaimed
+    assert dlq.unclaim(item.id) is False
+    assert dlq.unclaim(str(uuid.uuid4())) is False
+    assert _ids(dlq.take_due()) == {item.id}
+
+
+def test_retry_now_makes_an_item_pending_and_due(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # Given an item that gave up, and one not due for a minute
+    given_up = dlq.add(_failure(max_retries=0))
+    waiting = dlq.add(_failure())
+    now = clock.advance(seconds=1)
+    # When the operator retries both now
+    assert dlq.retry_now(given_up.id) is True
+    assert dlq.retry_now(waiting.id) is True
+    # Then both are pending, due now, and the next sweep takes them
+    for item_id in (given_up.id, waiting.id):
+        found = dlq.get(item_id)
+        assert found is not None
+        assert (found.status, found.next_retry_at, found.updated_at) == (
+            Statuses.PENDING,
+            now,
+            now,
+        )
+    assert _ids(dlq.take_due()) == {given_up.id, waiting.id}
+    # But an item being retried is left to its sweep
+    clock.advance(seconds=1)
+    before = dlq.get(waiting.id)
+    assert dlq.retry_now(waiting.id) is False
+    assert dlq.get(waiting.id) == before
+    assert dlq.retry_now(str(uuid.uuid4())) is False
+
+
+def test_retry_now_revives_a_succeeded_item(dlq: DeadLetterQueue, clock: Clock) -> None:
+    item = dlq.add(_failure())
+    dlq.mark_succeeded(item.id)
+    now = clock.advance(seconds=1)
+    assert dlq.retry_now(item.id) is True
+    found = dlq.get(item.id)
+    assert found is not None
+    assert (found.status, found.next_retry_at) == (Statuses.PENDING, now)
+
+
+# -- stuck items --------------------------------------------------------------------------------
+
+
+def test_an_item_stuck_in_retrying_returns_to_pending(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # Given one item taken 11 minutes ago and another taken 6 minutes ago
+    older = _add_at(dlq, clock, T0)
+    newer = _add_at(dlq, clock, T0 + timedelta(minutes=1))  # due after the older, jitter or not
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(dlq.take_due(limit=1)) == {older.id}
+    clock.advance(minutes=5)
+    assert _ids(dlq.take_due(limit=1)) == {newer.id}
+    now = clock.advance(minutes=6)
+    # When stuck items are recovered with a 10-minute timeout
+    assert dlq.recover_stuck(timedelta(minutes=10)) == 1
+    # Then only the older one is pending again, due now
+    back = dlq.get(older.id)
+    assert back is not None
+    assert (back.status, back.next_retry_at, back.sweep_id, back.updated_at) == (
+        Statuses.PENDING,
+        now,
+        None,
+        now,
+    )
+    assert back.retry_count == 0
+    kept = dlq.get(newer.id)
+    assert kept is not None and kept.status is Statuses.RETRYING
+    assert _ids(dlq.take_due()) == {older.id}
+
+
+def test_recover_stuck_touches_no_other_status(dlq: DeadLetterQueue, clock: Clock) -> None:
+    dlq.add(_failure())
+    dlq.add(_failure(max_retries=0))
+    done = dlq.add(_failure())
+    dlq.mark_succeeded(done.id)
+    clock.advance(days=30)
+    assert dlq.recover_stuck(timedelta(minutes=1)) == 0
+    assert dlq.stats() == {
+        "pending": 1,
+        "retrying": 0,
+        "succeeded": 1,
+        "permanent_failure": 1,
+        "total": 3,
+    }
+
+
+# -- the operator's API -------------------------------------------------------------------------
+
+
+def test_items_filter_by_status_and_task_newest_first(dlq: DeadLetterQueue, clock: Clock) -> None:
+    added = [
+        _add_at(dlq, clock, T0 + timedelta(minutes=minute), task_name=name)
+        for minute, name in enumerate(["tasks.a", "tasks.b", "tasks.a", "tasks.b", "tasks.a"])
+    ]
+    newest_first = [item.id for item in reversed(added)]
+    assert dlq.mark_succeeded(added[2].id)
+    assert dlq.mark_succeeded(added[3].id)
+
+    assert [item.id for item in dlq.items()] == newest_first
+    assert [item.id for item in dlq.items(limit=2)] == newest_first[:2]
+    assert [item.id for item in dlq.items(task_name="tasks.a")] == [
+        added[4].id,
+        added[2].id,
+        added[0].id,
+    ]
+    assert [item.id for item in dlq.items(status="succeeded")] == [added[3].id, added[2].id]
+    assert [item.id for item in dlq.items(status=Statuses.PENDING, task_name="tasks.a")] == [
+        added[4].id,
+        added[0].id,
+    ]
+    assert [item.id for item in dlq.items(status=Statuses.PENDING, limit=1)] == [added[4].id]
+    assert dlq.items(task_name="tasks.unknown") == []
+    assert dlq.items(status=Statuses.RETRYING) == []
+    assert dlq.items() == [dlq.get(item_id) for item_id in newest_first]
+
+
+def test_get_of_an_unknown_id_is_none(dlq: DeadLetterQueue) -> None:
+    dlq.add(_failure())
+    assert dlq.get(str(uuid.uuid4())) is None
+
+
+def test_stats_count_each_status_and_the_total(dlq: DeadLetterQueue, clock: Clock) -> None:
+    assert dlq.stats() == {
+        "pending": 0,
+        "retrying": 0,
+        "succeeded": 0,
+        "permanent_failure": 0,
+        "total": 0,
+    }
+    retried = _add_at(dlq, clock, T0)
+    _add_at(dlq, clock, T0 + timedelta(hours=2))
+    _add_at(dlq, clock, T0 + timedelta(hours=2))
+    done = dlq.add(_failure())
+    dlq.add(_failure(max_retries=0))
+    dlq.mark_succeeded(done.id)
+    assert _ids(dlq.take_due()) == {retried.id}
+    assert dlq.stats() == {
+        "pending": 2,
+        "retrying": 1,
+        "succeeded": 1,
+        "permanent_failure": 1,
+        "total": 5,
+    }
+
+
+def test_purge_by_status_and_age(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # Given, two hours ago, a failure that gave up and one still pending;
+    given_up = _add_at(dlq, clock, T0, max_retries=0)
+    old_pending = _add_at(dlq, clock, T0)
+    # and now, a success (of an old item) and a fresh failure
+    succeeded = _add_at(dlq, clock, T0)
+    clock.now = T0 + timedelta(hours=2)
+    dlq.mark_succeeded(succeeded.id)
+    fresh = dlq.add(_failure())
+    # When purging succeeded items older than an hour, Then none qualifies (both must hold)
+    assert dlq.purge(status=Statuses.SUCCEEDED, older_than=timedelta(hours=1)) == 0
+    # When purging succeeded items, Then only the success goes
+    assert dlq.purge(status="succeeded") == 1
+    assert dlq.get(succeeded.id) is None
+    # When purging anything not updated for an hour, Then the two old items go
+    assert dlq.purge(older_than=timedelta(hours=1)) == 2
+    assert dlq.get(given_up.id) is None
+    assert dlq.get(old_pending.id) is None
+    # And the fresh one stays
+    assert [item.id for item in dlq.items()] == [fresh.id]
+    assert dlq.purge(status=Statuses.PERMANENT_FAILURE) == 0
+    assert dlq.stats()["total"] == 1
+
+
+# -- several processes --------------------------------------------------------------------------
+
+
+def _sweep_until_empty(
+    url: str, barrier: multiprocessing.synchronize.Barrier, results: Results
+) -> None:
+    """In a child process: take due items ten at a time until none is pending; their ids."""
+    try:
+        dlq = DeadLetterQueue(url)
+        try:
+            dlq.ensure_schema()
+            barrier.wait(timeout=60)
+            taken: list[str] = []
+            deadline = time.monotonic() + 30
+            # A sweep that lost its whole batch to another gets nothing although items are
+            # still due, so keep going until none is pending.
+            while (batch := dlq.take_due(limit=10)) or dlq.stats()["pending"]:
+                taken.extend(item.id for item in batch)
+                if time.monotonic() > deadline:
+                    raise RuntimeError("due items stay pending: take_due does not take them")
+            results.put(("ok", taken))
+        finally:
+            dlq.dispose()
+    except BaseException:
+        barrier.abort()  # the others stop waiting for this one
+        results.put(("error", traceback.format_exc()))
+
+
+def _first_use(url: str, barrier: multiprocessing.synchronize.Barrier, results: Results) -> None:
+    """In a child process: in each round, touch a database with no tables with the others."""
+    errors: list[str] = []
+    try:
+        for round_ in range(FIRST_USE_ROUNDS):
+            dlq = DeadLetterQueue(url)
+            barrier.wait(timeout=60)
+            try:
+                dlq.stats()
+            except Exception as exc:
+                errors.append(f"round {round_}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            finally:
+                dlq.dispose()
+            # One process drops the tables for the next round while the others wait.
+            if barrier.wait(timeout=60) == 0 and round_ < FIRST_USE_ROUNDS - 1:
+                _drop_dead_letter_tables(url)
+            barrier.wait(timeout=60)
+        results.put(("ok", errors))
+    except BaseException:
+        barrier.abort()  # the others stop waiting for this one
+        results.put(("error", traceback.format_exc()))
+
+
+def _run_in_processes(target: Callable[..., None], url: str) -> list[Any]:
+    """Run ``target(url, barrier, results)`` in ``SWEEPERS`` spawned processes; their results."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(SWEEPERS)
+    results = context.Queue()
+    processes = [
+        context.Process(target=target, args=(url, barrier, results)) for _ in range(SWEEPERS)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = []
+    try:
+        for _ in processes:
+            outcomes.append(results.get(timeout=60))
+    except queue_module.Empty:
+        pytest.fail(f"a process never answered: {[p.exitcode for p in processes]}")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        results.close()
+        results.join_thread()
+    errors = [detail for status, detail in outcomes if status != "ok"]
+    assert not errors, "\n".join(errors)
+    return [detail for _, detail in outcomes]
+
+
+def test_concurrent_sweeps_take_every_item_exactly_once(dlq: DeadLetterQueue, dlq_url: str) -> None:
+    # Given many items due long ago (the fixed clock is in the past; the sweepers use real time)
+    added = {dlq.add(_failure()).id for _ in range(SWEPT_ITEMS)}
+    # When four processes sweep the same table at once, ten items at a time
+    taken_per_process = _run_in_processes(_sweep_until_empty, dlq_url)
+    # Then every item was taken by exactly one of them
+    taken = Counter(item_id for ids in taken_per_process for item_id in ids)
+    assert [item_id for item_id, times in taken.items() if times > 1] == []
+    assert set(taken) == added
+    assert dlq.stats()["retrying"] == SWEPT_ITEMS
+
+
+#: Where tables created by one process at the same moment as another's fail the other's first use.
+def test_concurrent_first_use_creates_the_schema_once(dlq_url: str) -> None:
+    # Given no tables, When four processes use the database at the same moment (a few rounds)
+    errors = [error for found in _run_in_processes(_first_use, dlq_url) for error in found]
+    # Then all of them work, and one version row is written
+    assert not errors, "\n".join(errors)
+    engine = sa.create_engine(dlq_url)
+    try:
+        assert _version_rows(engine) == [(COMPONENT, SCHEMA_VERSION)]
+    finally:
+        engine.dispose()
+
+
+# -- a database that is not there ---------------------------------------------------------------
+
+
+def _unreachable_sqlite(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'dead_letters.sqlite3'}"
+
+
+@pytest.mark.parametrize(
+    "make_url",
+    [
+        pytest.param(lambda _: "postgresql+psycopg://postgres@127.0.0.1:1/test", id="postgresql"),
+        pytest.param(lambda _: "mysql+pymysql://root@127.0.0.1:1/test", id="mariadb"),
+        pytest.param(_unreachable_sqlite, id="sqlite"),
+    ],
+)
+def test_an_unreachable_database_raises_store_unavailable(
+    make_url: Callable[[Path], str], tmp_path: Path
+) -> None:
+    dlq = DeadLetterQueue(make_url(tmp_path), clock=Clock(T0))
+    try:
+        # First use, and every use after it, fails the same documented way
+        with pytest.raises(StoreUnavailable):
+            dlq.stats()
+        with pytest.raises(StoreUnavailable):
+            dlq.add(_failure())
+        with pytest.raises(StoreUnavailable):
+            dlq.take_due()
+    finally:
+        dlq.dispose()
+
+
+def test_a_queue_works_once_its_database_appears(tmp_path: Path) -> None:
+    # Given a queue whose first use failed (its SQLite folder did not exist yet)
+    url = _unreachable_sqlite(tmp_path)
+    dlq = DeadLetterQueue(url, clock=Clock(T0))
+    try:
+        with pytest.raises(StoreUnavailable):
+            dlq.stats()
+        # When the folder appears, Then the same queue creates its tables and works
+        (tmp_path / "no" / "such" / "dir").mkdir(parents=True)
+        item = dlq.add(_failure())
+        assert dlq.get(item.id) == item
+    finally:
+        dlq.dispose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param(f"{PG_URL}_no_such_database", id="postgresql-unknown-db"),
+        pytest.param(f"{MARIADB_URL}_no_such_database", id="mariadb-unknown-db"),
+        pytest.param(MARIADB_URL.replace("root@", "no_such_user@"), id="mariadb-unknown-user"),
+    ],
+)
+def test_a_refused_login_raises_store_unavailable(url: str) -> None:
+    require("PostgreSQL" if url.startswith("postgresql") else "MariaDB")
+    dlq = DeadLetterQueue(url, clock=Clock(T0))
+    try:
+        with pytest.raises(StoreUnavailable):
+            dlq.stats()
+    finally:
+        dlq.dispose()
