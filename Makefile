@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast lint typecheck bench services clean
+.PHONY: demo test test-fast lint typecheck bench chaos compose-check services clean
 
 $(VENV)/.installed-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ typecheck: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev services
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.dlq_sweep
+
+## Crashes, restarts and redelivery under load, then an audit: nothing runs twice, nothing is lost.
+chaos: $(VENV)/.installed-dev services
+	$(PY) -m chaos.run
 
 services:
 	bash scripts/ensure-services.sh
