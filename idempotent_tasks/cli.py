@@ -2,9 +2,386 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
 import click
+from celery.bin.base import CLIContext
+from celery.exceptions import CeleryCommandException
+from celery.platforms import EX_UNAVAILABLE
+
+from . import cli_format, defaults
+from .app_store import dlq_for, store_for, store_url
+from .codec import ResultCodec
+from .dead_letters import SWEEP_TASK
+from .dlq import DeadLetterQueue, DeadLetterStatus
+from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
+from .keys import storage_key
+from .records import Record, Status
+from .stores import MemoryStore, Store
+
+STATUSES = click.Choice([status.value for status in DeadLetterStatus])
+
+
+#: Units of ``--older-than``, in seconds.
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> timedelta | None:
+    """``7d``, ``12h``, ``30m``, ``3600s`` (or ``3600``), also weeks: ``2w``."""
+    if value is None:
+        return None
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value.lower())
+    if found is None:
+        raise click.BadParameter(f"{value!r} is not a duration like 7d, 12h, 30m or 3600s")
+    return timedelta(seconds=float(found[1]) * DURATION_UNITS[found[2] or "s"])
 
 
 @click.group(name="idempotency")
 def idempotency() -> None:
-    """Inspect and manage idempotency keys and the dead-letter table."""
+    """Inspect and manage idempotency keys and the dead-letter table.
+
+    Every command uses the stores of the app given with celery -A proj. A store that cannot be
+    reached ends the command with exit code 69.
+    """
+
+
+# -- plumbing -------------------------------------------------------------------------------
+
+_WARNED_NO_APP = "idempotent_tasks.warned_no_app"
+
+
+def _app(ctx: click.Context) -> Any:
+    """The Celery app of ``celery -A proj``; Celery's default app (warned) without ``-A``."""
+    obj = ctx.find_object(CLIContext)
+    if obj is None:
+        raise click.UsageError("run this as a Celery subcommand: celery -A proj idempotency ...")
+    if ctx.find_root().params.get("app") is None and not ctx.meta.get(_WARNED_NO_APP):
+        ctx.meta[_WARNED_NO_APP] = True
+        _warn("no app given (celery -A proj ...): using the default app and default stores")
+    return obj.app
+
+
+def _warn(message: str) -> None:
+    click.echo(f"Warning: {message}", err=True)
+
+
+def _safe_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = netloc[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+
+
+@contextmanager
+def _reaching(what: str, url: str) -> Iterator[None]:
+    """Turn a store that cannot be used into a one-line error and exit code 69."""
+    try:
+        yield
+    except (StoreUnavailable, SchemaVersionError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CeleryCommandException(
+            message=f"cannot use the {what} at {_safe_url(url)}: {reason}",
+            exit_code=EX_UNAVAILABLE,
+        ) from exc
+
+
+def _queue(ctx: click.Context) -> DeadLetterQueue:
+    """The app's dead-letter queue, its connections closed when the command ends."""
+    app = _app(ctx)
+    try:
+        queue = dlq_for(app)
+    except (ImportError, ValueError) as exc:
+        raise click.ClickException(f"cannot open the dead-letter database: {exc}") from exc
+    ctx.call_on_close(queue.dispose)
+    return queue
+
+
+def _store(ctx: click.Context) -> tuple[Store, str]:
+    """The app's claim store and its URL, its connections closed when the command ends."""
+    app = _app(ctx)
+    url = store_url(app)
+    try:
+        store = store_for(app)
+    except (ImportError, ValueError) as exc:
+        raise click.ClickException(f"cannot open the claim store: {exc}") from exc
+    ctx.call_on_close(store.close)
+    if isinstance(store, MemoryStore):
+        _warn(f"the claim store is {url}: it lives inside each worker process, not here")
+    return store, url
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+# -- dead letters ---------------------------------------------------------------------------
+
+
+@idempotency.group()
+def dlq() -> None:
+    """Dead letters: tasks that failed for good.
+
+    The sweep task idempotent_tasks.retry_dead_letters, sent by celery beat, sends pending ones
+    again on a backoff.
+    """
+
+
+@dlq.command(name="list")
+@click.option("--status", type=STATUSES, help="Only items of this status.")
+@click.option("--task", "task_name", metavar="NAME", help="Only items of this task.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (every field of each item).")
+@click.pass_context
+def dlq_list(
+    ctx: click.Context, status: str | None, task_name: str | None, limit: int, as_json: bool
+) -> None:
+    """List dead letters, newest first."""
+    queue = _queue(ctx)
+    with _reaching("dead-letter database", queue.url):
+        items = queue.items(status=status, task_name=task_name, limit=limit)
+    if as_json:
+        click.echo(cli_format.to_json([cli_format.dead_letter_json(item) for item in items]))
+        return
+    if not items:
+        filtered = status is not None or task_name is not None
+        click.echo("No dead letters match." if filtered else "No dead letters.")
+        return
+    rows = [cli_format.dead_letter_row(item) for item in items]
+    click.echo(cli_format.table(cli_format.DEAD_LETTER_HEADERS, rows))
+    more = f" (the newest {limit}; --limit shows more)" if len(items) == limit else ""
+    click.echo(f"{_plural(len(items), 'dead letter')}{more}")
+
+
+@dlq.command(name="show")
+@click.argument("item_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def dlq_show(ctx: click.Context, item_id: str, as_json: bool) -> None:
+    """Show every field of one dead letter, its traceback included."""
+    queue = _queue(ctx)
+    with _reaching("dead-letter database", queue.url):
+        item = queue.get(item_id)
+    if item is None:
+        raise click.ClickException(f"no dead letter with id {item_id!r}")
+    if as_json:
+        click.echo(cli_format.to_json(cli_format.dead_letter_json(item)))
+    else:
+        click.echo(cli_format.dead_letter_detail(item, _now()))
+
+
+@dlq.command(name="retry")
+@click.argument("item_id", metavar="ID")
+@click.pass_context
+def dlq_retry(ctx: click.Context, item_id: str) -> None:
+    """Make a dead letter due now: the next sweep re-publishes its task.
+
+    Works on an item of any status but retrying (a sweep has it right now); a
+    permanent_failure or succeeded item becomes pending again.
+    """
+    queue = _queue(ctx)
+    with _reaching("dead-letter database", queue.url):
+        item = queue.get(item_id)
+        if item is None:
+            raise click.ClickException(f"no dead letter with id {item_id!r}")
+        if item.status is DeadLetterStatus.RETRYING:
+            raise click.ClickException(_being_retried(item_id))
+        if not queue.retry_now(item_id):
+            # Between the read and the write, a sweep took it or someone purged it.
+            now = queue.get(item_id)
+            raise click.ClickException(
+                _being_retried(item_id) if now else f"dead letter {item_id!r} was just deleted"
+            )
+    click.echo(
+        f"Dead letter {item.id} ({item.task_name}) is pending and due now "
+        f"(was {item.status.value}, retries {item.retry_count}/{item.max_retries}); "
+        f"the next sweep ({SWEEP_TASK}, sent by celery beat) re-publishes it."
+    )
+
+
+def _being_retried(item_id: str) -> str:
+    return f"dead letter {item_id!r} is being retried by a sweep right now (status retrying)"
+
+
+@dlq.command(name="purge")
+@click.option("--status", type=STATUSES, help="Only items of this status.")
+@click.option(
+    "--older-than",
+    callback=parse_duration,
+    metavar="DURATION",
+    help="Only items not updated for this long: 7d, 12h, 30m, 3600s.",
+)
+@click.option("--all", "purge_all", is_flag=True, help="Delete every item (no filter).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def dlq_purge(
+    ctx: click.Context,
+    status: str | None,
+    older_than: timedelta | None,
+    purge_all: bool,
+    yes: bool,
+) -> None:
+    """Delete dead letters by status and/or age.
+
+    --all deletes every one. Asks for confirmation unless --yes is given. There is no undo.
+    """
+    filtered = status is not None or older_than is not None
+    if filtered and purge_all:
+        raise click.UsageError("--all deletes every item: give it without --status/--older-than")
+    if not filtered and not purge_all:
+        raise click.UsageError("give --status and/or --older-than, or --all to delete every item")
+    queue = _queue(ctx)
+    if purge_all:
+        what = "every dead letter"
+    else:
+        what = "the dead letters" + (f" with status {status}" if status else "")
+        if older_than is not None:
+            what += f" not updated for {cli_format.span(older_than.total_seconds())}"
+    if not yes:
+        click.confirm(f"Delete {what} in {_safe_url(queue.url)}?", abort=True)
+    with _reaching("dead-letter database", queue.url):
+        deleted = queue.purge(status=status, older_than=older_than)
+    click.echo(f"Deleted {_plural(deleted, 'dead letter')}.")
+
+
+@dlq.command(name="stats")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def dlq_stats(ctx: click.Context, as_json: bool) -> None:
+    """Count dead letters by status, plus the total."""
+    queue = _queue(ctx)
+    with _reaching("dead-letter database", queue.url):
+        counts = queue.stats()
+    click.echo(cli_format.to_json(counts) if as_json else cli_format.stats_text(counts))
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+
+@idempotency.group()
+def key() -> None:
+    """Idempotency keys: show a key's record, or forget it."""
+
+
+TASK_OPTION = click.option(
+    "--task",
+    "task_name",
+    required=True,
+    metavar="NAME",
+    help="The task the key belongs to (keys are scoped by task name).",
+)
+
+
+@key.command(name="show")
+@click.argument("idempotency_key", metavar="KEY")
+@TASK_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def key_show(ctx: click.Context, idempotency_key: str, task_name: str, as_json: bool) -> None:
+    """Show a key's record and its cached result.
+
+    Status, owner task, fencing token, lease, expiry, fingerprint and the result, decoded with
+    the task's serializer (pickle only if the app allows it).
+    """
+    store, url = _store(ctx)
+    codec = _codec(_task(_app(ctx), task_name))
+    record = _record(store, url, task_name, idempotency_key)
+    decoded = _decode(codec, record)
+    if as_json:
+        click.echo(cli_format.to_json(cli_format.record_json(record, decoded)))
+    else:
+        click.echo(cli_format.record_detail(record, decoded, _now()))
+
+
+@key.command(name="forget")
+@click.argument("idempotency_key", metavar="KEY")
+@TASK_OPTION
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bool) -> None:
+    """Delete a key's record, so its next call runs the task again.
+
+    Asks for confirmation unless --yes is given.
+    """
+    store, url = _store(ctx)
+    _task(_app(ctx), task_name)  # warns about a misspelt task name
+    record = _record(store, url, task_name, idempotency_key)
+    if not yes:
+        running = (
+            f" It is processing (task {record.task_id}): a duplicate could then run beside it."
+            if record.status is Status.PROCESSING
+            else ""
+        )
+        click.confirm(
+            f"Forget key {idempotency_key!r} of task {task_name} ({record.status.value})?{running}",
+            abort=True,
+        )
+    with _reaching("claim store", url):
+        if not store.forget(record.storage_key):
+            raise click.ClickException(f"key {idempotency_key!r} of task {task_name} just vanished")
+    click.echo(
+        f"Forgot key {idempotency_key!r} of task {task_name} (it was {record.status.value})."
+    )
+
+
+def _record(store: Store, url: str, task_name: str, idempotency_key: str) -> Record:
+    """The key's record; a clear error when there is none or it cannot be read."""
+    with _reaching("claim store", url):
+        try:
+            record = store.get(storage_key(task_name, idempotency_key))
+        except CorruptRecord as exc:
+            raise click.ClickException(
+                f"the record of key {idempotency_key!r} of task {task_name} is unreadable: {exc}"
+            ) from exc
+    if record is None:
+        raise click.ClickException(
+            f"no record of key {idempotency_key!r} for task {task_name} "
+            "(never used, expired, or forgotten)"
+        )
+    return record
+
+
+def _task(app: Any, task_name: str) -> Any:
+    """The app's task of that name, or ``None`` (warned: the key is looked up anyway)."""
+    task = app.tasks.get(task_name)
+    if task is None:
+        try:
+            app.loader.import_default_modules()  # the app's include/imports, as a worker does
+        except ImportError as exc:
+            _warn(f"could not import the app's task modules: {exc}")
+        task = app.tasks.get(task_name)
+    if task is None:
+        _warn(f"task {task_name!r} is not registered in app {app.main!r}; looking it up anyway")
+    return task
+
+
+def _codec(task: Any) -> ResultCodec:
+    """The task's result codec, else one accepting a record's own type only (never pickle)."""
+    codec = getattr(task, "_codec", None)
+    if isinstance(codec, ResultCodec):
+        return codec
+    return ResultCodec(serializer=defaults.RESULT_SERIALIZER, max_bytes=defaults.RESULT_MAX_BYTES)
+
+
+def _decode(codec: ResultCodec, record: Record) -> cli_format.DecodedResult:
+    if record.result is None:
+        return cli_format.DecodedResult()
+    try:
+        return cli_format.DecodedResult(value=codec.decode(record.result))
+    except CorruptRecord as exc:
+        return cli_format.DecodedResult(error=str(exc))
