@@ -36,6 +36,8 @@ class Failure:
     error_message: str
     traceback: str | None
     max_retries: int
+    #: The adapter that wrote it, whose sweep re-publishes it: "celery" or "rq".
+    framework: str = "celery"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +62,4 @@ class DeadLetter:
     sweep_id: str | None
     created_at: datetime
     updated_at: datetime
+    framework: str = "celery"

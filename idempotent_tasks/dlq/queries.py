@@ -34,11 +34,15 @@ def select_by_failure(failure_id: str) -> Select[Any]:
     return select(dead_letters).where(dead_letters.c.failure_id == failure_id)
 
 
-def select_due_ids(now: datetime, limit: int) -> Select[Any]:
-    """Ids of due pending items, oldest due first, skipping rows another sweep has locked."""
+def select_due_ids(now: datetime, limit: int, framework: str = "celery") -> Select[Any]:
+    """Ids of one framework's due pending items, oldest due first, skipping locked rows."""
     return (
         select(dead_letters.c.id)
-        .where(dead_letters.c.status == PENDING, dead_letters.c.next_retry_at <= now)
+        .where(
+            dead_letters.c.status == PENDING,
+            dead_letters.c.framework == framework,
+            dead_letters.c.next_retry_at <= now,
+        )
         .order_by(dead_letters.c.next_retry_at)
         .limit(limit)
         .with_for_update(skip_locked=True)

@@ -70,6 +70,7 @@ class DeadLetterQueue:
             "id": str(uuid.uuid4()),
             "task_name": failure.task_name,
             "task_id": failure.task_id,
+            "framework": failure.framework,
             "failure_id": failure.failure_id,
             "idempotency_key": failure.idempotency_key,
             "args": list(failure.args),
@@ -103,8 +104,9 @@ class DeadLetterQueue:
             found = connection.execute(queries.select_by_failure(failure.failure_id)).one()
         return _item(found._mapping)
 
-    def take_due(self, limit: int = SWEEP_BATCH) -> list[DeadLetter]:
-        """Atomically take up to ``limit`` due ``pending`` items, marking them ``retrying``.
+    def take_due(self, limit: int = SWEEP_BATCH, framework: str = "celery") -> list[DeadLetter]:
+        """Atomically take up to ``limit`` due ``pending`` items of ``framework``, marking them
+        ``retrying``.
 
         Concurrent callers never take the same item: PostgreSQL and MySQL skip rows another
         sweep has locked; everywhere, only rows still ``pending`` are marked, and each caller
@@ -114,7 +116,7 @@ class DeadLetterQueue:
             now = self._clock()
             sweep_id = str(uuid.uuid4())
             with self._begin() as connection:
-                due = queries.select_due_ids(self._db(now), limit)
+                due = queries.select_due_ids(self._db(now), limit, framework)
                 ids = list(connection.execute(due).scalars())
                 if not ids:
                     return []
@@ -271,6 +273,7 @@ def _item(row: Any) -> DeadLetter:
         id=row["id"],
         task_name=row["task_name"],
         task_id=row["task_id"],
+        framework=row["framework"],
         failure_id=row["failure_id"],
         idempotency_key=row["idempotency_key"],
         args=list(row["args"]),

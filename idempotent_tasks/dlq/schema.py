@@ -36,6 +36,8 @@ dead_letters = Table(
     Column("id", String(36), primary_key=True),
     Column("task_name", String(255), nullable=False),
     Column("task_id", String(255), nullable=False),
+    # Which adapter wrote the row ("celery" or "rq"): each one's sweep re-publishes only its own.
+    Column("framework", String(16), nullable=False, server_default="celery"),
     # One row per failed delivery (task id and attempt): a write repeated after a lost reply
     # or a database outage finds its row already there.
     Column("failure_id", String(300), nullable=False, unique=True),
@@ -54,7 +56,7 @@ dead_letters = Table(
     Column("sweep_id", String(36)),
     Column("created_at", Timestamp, nullable=False),
     Column("updated_at", Timestamp, nullable=False),
-    Index("ix_idempotent_tasks_dead_letters_due", "status", "next_retry_at"),
+    Index("ix_idempotent_tasks_dead_letters_due", "status", "framework", "next_retry_at"),
     Index("ix_idempotent_tasks_dead_letters_task", "task_name", "status"),
     Index("ix_idempotent_tasks_dead_letters_key", "idempotency_key", mysql_length=191),
     Index("ix_idempotent_tasks_dead_letters_sweep", "sweep_id"),

@@ -1,0 +1,81 @@
+"""RQ's side of the dead-letter table: the rows RQ jobs write and how they are marked."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from ..dlq import DeadLetter, DeadLetterQueue, Failure
+from ..errors import StoreUnavailable
+from .options import FRAMEWORK
+
+logger = logging.getLogger(__name__)
+
+#: Bounds of what a dead letter keeps of an error.
+MAX_ERROR_MESSAGE_CHARS = 10_000
+MAX_TRACEBACK_CHARS = 60_000
+
+
+def row_options(queue_name: str, args_lossy: bool = False) -> dict[str, Any]:
+    """``options`` of an RQ row: its queue and the framework mark the RQ sweep selects on.
+
+    ``args_lossy`` marks rows whose arguments JSON could not hold (kept as ``repr`` for display):
+    such a row can be retried only while RQ still has the original job.
+    """
+    options: dict[str, Any] = {"queue": queue_name, "framework": FRAMEWORK}
+    if args_lossy:
+        options["args_lossy"] = True
+    return options
+
+
+def json_safe(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any], bool]:
+    """Arguments as the JSON columns can keep them; the flag says some became their ``repr``.
+
+    RQ pickles arguments, so they may hold anything; the original job keeps the real ones.
+    """
+    try:
+        json.dumps([args, kwargs])
+    except (TypeError, ValueError):
+        safe = json.loads(json.dumps([args, kwargs], default=repr))
+        return list(safe[0]), dict(safe[1]), True
+    return list(args), dict(kwargs), False
+
+
+def write_failure(queue: DeadLetterQueue, failure: Failure, dead_letter_id: str | None) -> str:
+    """Record a final failure: a new row, or the next failure of a re-enqueued row.
+
+    Returns the row's id. Raises StoreUnavailable (or SchemaVersionError) when the database
+    cannot be written.
+    """
+    if dead_letter_id is not None:
+        item = queue.record_retry_failure(
+            dead_letter_id, failure.error_type, failure.error_message, failure.traceback
+        )
+        if item is not None:
+            _log_item(failure.task_id, item)
+            return item.id
+    item = queue.add(failure)
+    _log_item(failure.task_id, item)
+    return item.id
+
+
+def mark_succeeded(queue: DeadLetterQueue, dead_letter_id: str) -> None:
+    """A re-enqueued dead letter succeeded; a database error is only logged (the row returns
+    to ``pending`` after the sweep's timeout, and its key then answers from the cache)."""
+    try:
+        queue.mark_succeeded(dead_letter_id)
+    except StoreUnavailable as exc:
+        logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
+
+
+def _log_item(job_id: str, item: DeadLetter) -> None:
+    logger.error(
+        "job %s dead-lettered as %s: %s, %s of %s retries used, next try %s",
+        job_id,
+        item.id,
+        item.status.value,
+        item.retry_count,
+        item.max_retries,
+        item.next_retry_at.isoformat() if item.next_retry_at else "never",
+    )

@@ -1,0 +1,529 @@
+"""``IdempotentJob``: RQ's job class, running the core claim protocol around the job function.
+
+Start workers with it (and with :class:`~idempotent_tasks.rq.IdempotentQueue`)::
+
+    rq worker --queue-class idempotent_tasks.rq.IdempotentQueue \\
+              --job-class idempotent_tasks.rq.IdempotentJob default
+
+Everything a worker needs travels in ``job.meta["idempotency"]`` (written by
+``IdempotentQueue``): the key, the argument fingerprint, the key prefix and, when the producer
+set them, ``store_url`` and ``dlq_url``. A worker therefore needs no configuration of its own:
+claims go to ``store_url`` or else to the worker's own Redis connection (the queue's), dead
+letters to ``dlq_url``, else ``$IDEMPOTENT_TASKS_DLQ_URL``, else the local SQLite file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from traceback import format_exc
+from typing import Any
+
+from redis.client import Pipeline
+from rq.job import Job, JobStatus, Retry
+from rq.queue import Queue
+
+from .. import defaults, signals
+from ..codec import ResultCodec
+from ..core import Attempt, new_owner
+from ..dlq import Failure
+from ..errors import (
+    CorruptRecord,
+    DeadLettered,
+    IdempotencyConflict,
+    IdempotencyKeyMismatch,
+    SchemaVersionError,
+    StoreUnavailable,
+)
+from ..keys import derive_key, fingerprint, storage_key
+from ..records import ClaimRequest, CompleteOutcome, Outcome, Record, Status
+from .dead_letters import (
+    MAX_ERROR_MESSAGE_CHARS,
+    MAX_TRACEBACK_CHARS,
+    json_safe,
+    mark_succeeded,
+    row_options,
+    write_failure,
+)
+from .options import (
+    DEFAULT_OPTIONS,
+    FRAMEWORK,
+    META_KEY,
+    IdempotencyOptions,
+    options_of,
+    signature_of,
+)
+from .resources import claim_store, dead_letter_queue
+
+logger = logging.getLogger(__name__)
+
+#: Cached results are JSON, whatever RQ's own serializer: pickle is never read back from the store.
+CODEC = ResultCodec(serializer=defaults.RESULT_SERIALIZER, max_bytes=defaults.RESULT_MAX_BYTES)
+#: ``worker_name`` RQ gives jobs that run inside ``enqueue`` (``Queue(is_async=False)``).
+SYNC_WORKER = "sync"
+
+
+class Requeue(Retry):
+    """What :meth:`IdempotentJob.perform` returns to put its job back at the end of its queue.
+
+    RQ hands a returned ``Retry`` to the job's ``_handle_retry_result``, which
+    :class:`IdempotentJob` overrides for this class: the job is re-enqueued at once, with no
+    result recorded and no retry counted. It never needs RQ's scheduler.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(max=2**31 - 1)
+        self.reason = reason
+
+
+class IdempotentJob(Job):
+    """An RQ job whose function runs to success at most once per idempotency key.
+
+    Before the function runs, the job claims its key (one store round trip):
+
+    * acquired: the function runs; its lease is renewed in the background; its result is cached
+      (only while this execution still holds the key: fencing) and returned;
+    * completed: the function does not run; the job returns the cached result;
+    * in progress elsewhere: per the function's ``on_duplicate`` — ``"wait"`` (default) polls
+      the owner inside the worker for up to ``wait_slice`` seconds, then goes back to the end
+      of the queue (no scheduler needed, no retry used, nothing dead-lettered) until the owner
+      finishes, and returns its value; it takes the key over if the owner dies and its lease
+      ends. ``"skip"`` finishes at once with ``None``; ``"raise"`` fails with
+      ``IdempotencyConflict``. A re-run of the owner's own job always waits.
+    * mismatch: fails with ``IdempotencyKeyMismatch`` (not retried, not dead-lettered).
+
+    A failure RQ will retry (``Retry(max=..., interval=...)``) releases the key first, so the
+    retry claims afresh. A final failure releases it and writes the dead-letter row; if the
+    database is down, the job goes back to its queue and writes the row on its next run. A
+    work horse that dies, or a job RQ finds abandoned, is dead-lettered too when RQ gives up
+    on it (through RQ's own failure handling; the key frees itself when its lease ends).
+
+    Jobs that neither came from an ``IdempotentQueue`` nor call an ``@idempotent`` function
+    run as plain RQ jobs.
+    """
+
+    def __init__(self, id: str | None = None, connection: Any = None, serializer: Any = None):
+        super().__init__(id, connection=connection, serializer=serializer)
+        #: This run's failure went through :meth:`perform` (so RQ's failure hook ignores it).
+        self._idempotency_settled = False
+        #: This run failed in a way no retry can fix (a caller's error, or already dead-lettered).
+        self._idempotency_no_retry = False
+
+    # -- what RQ calls ------------------------------------------------------------------------
+
+    def perform(self) -> Any:
+        """Claim the key, then run the function once, or answer as a duplicate."""
+        self._idempotency_settled = False
+        self._idempotency_no_retry = False
+        try:
+            value = self._perform_idempotently()
+        except BaseException:
+            # Whatever failed here was seen (and dead-lettered if it had to be): RQ's failure
+            # hook below must not write it again.
+            self._idempotency_settled = True
+            raise
+        self._result = value
+        return value
+
+    @property
+    def should_retry(self) -> bool:
+        """RQ's own answer, except for failures no retry can fix."""
+        if self._idempotency_no_retry:
+            return False
+        return super().should_retry
+
+    def _handle_retry_result(
+        self, queue: Queue, pipeline: Pipeline, retry: Retry, *args: Any, **kwargs: Any
+    ) -> None:
+        """RQ's handling of a returned ``Retry``; a :class:`Requeue` just re-enqueues the job."""
+        if not isinstance(retry, Requeue):
+            super()._handle_retry_result(queue, pipeline, retry, *args, **kwargs)
+            return
+        self._result = None
+        logger.info("job %s goes back to queue %s: %s", self.id, queue.name, retry.reason)
+        queue._enqueue_job(self, pipeline=pipeline)
+
+    def _handle_failure(
+        self, exc_string: str, pipeline: Pipeline, *args: Any, **kwargs: Any
+    ) -> None:
+        """RQ recording a final failure; dead-letters those no code of ours saw happen.
+
+        That is a work horse that died (killed, out of memory) and a job RQ's registry cleanup
+        found abandoned by a dead worker, once RQ has no retries left for it.
+        """
+        super()._handle_failure(exc_string, pipeline, *args, **kwargs)
+        if self._idempotency_settled or self.get_status(refresh=False) == JobStatus.STOPPED:
+            return
+        try:
+            self._dead_letter_lost(exc_string, kwargs.get("execution_id"))
+        except Exception:
+            logger.exception("could not dead-letter job %s, which failed for good", self.id)
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def _perform_idempotently(self) -> Any:
+        found = self.meta.get(META_KEY)
+        try:
+            func = self.func
+        except Exception:
+            if not isinstance(found, dict):
+                return super().perform()  # RQ reports the import error as it always does
+            # The function cannot be imported here: no claim, and a final failure (this very
+            # import error, raised again by RQ) is dead-lettered.
+            return self._run_body(None, found.get("key"), DEFAULT_OPTIONS, found)
+        options = options_of(func)
+        if options is None and not isinstance(found, dict):
+            return super().perform()
+        state: dict[str, Any] = found if isinstance(found, dict) else {}
+        self.meta[META_KEY] = state  # RQ saves meta whenever it re-enqueues the job
+        options = options or DEFAULT_OPTIONS
+
+        unwritten = state.get("unwritten_failure")
+        if unwritten:
+            return self._write_unwritten(Failure(**unwritten), state)
+        try:
+            key = self._job_key(func, options, state)
+        except ValueError:
+            self._caller_error()
+            raise
+        if key is None:
+            return self._run_body(None, None, options, state)
+        attempt = self._attempt(func, key, options, state)
+        return self._claim_and_run(attempt, options, state)
+
+    def _job_key(self, func: Any, options: IdempotencyOptions, state: dict[str, Any]) -> str | None:
+        key = state.get("key")
+        if key is None and options.key is not None:
+            key = derive_key(options.key, signature_of(func), self.args, self.kwargs)
+            state["key"] = key
+        return None if key is None else str(key)
+
+    def _attempt(
+        self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
+    ) -> Attempt:
+        task_name = self.func_name or ""
+        prefix = str(state.get("prefix") or defaults.KEY_PREFIX)
+        lease = options.lease
+        if lease is None:
+            lease = float(self.timeout) if self.timeout and self.timeout > 0 else defaults.LEASE
+        request = ClaimRequest(
+            storage_key=storage_key(task_name, key),
+            key=key,
+            task_name=task_name,
+            task_id=self.id,
+            owner=new_owner(),
+            fingerprint=state.get("fingerprint")
+            or fingerprint(task_name, signature_of(func), self.args, self.kwargs),
+            lease_seconds=float(lease),
+            ttl_seconds=float(options.ttl),
+            validate=options.validate,
+            previous_owner=state.get("previous_owner"),
+        )
+        store = claim_store(self.connection, prefix, state.get("store_url"))
+        return Attempt(store=store, request=request, codec=CODEC)
+
+    def _claim_and_run(
+        self, attempt: Attempt, options: IdempotencyOptions, state: dict[str, Any]
+    ) -> Any:
+        request = attempt.request
+        deadline = time.monotonic() + self._time_budget(options.wait_slice)
+        waits = 0
+        while True:
+            try:
+                claim = attempt.claim()
+            except StoreUnavailable as exc:
+                if self._is_sync:
+                    raise
+                delay = self._time_budget(defaults.STORE_UNAVAILABLE_DELAY)
+                logger.warning(
+                    "job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc
+                )
+                return self._requeue_later(delay, f"store: {exc}")
+            if claim.outcome is Outcome.ACQUIRED:
+                return self._run_body(attempt, request.key, options, state)
+            record = claim.record
+            assert record is not None
+            if claim.outcome is Outcome.MISMATCH:
+                self._caller_error()
+                raise IdempotencyKeyMismatch(
+                    request.key, request.task_name, record.fingerprint, request.fingerprint
+                )
+            if waits == 0:
+                signals.duplicate_suppressed.send(
+                    task_name=request.task_name, where="worker", outcome=claim.outcome
+                )
+            if claim.outcome is Outcome.COMPLETED:
+                value = attempt.cached_value(record)
+                self._dead_letter_succeeded(state)
+                return value
+            pause = self._on_in_progress(record, request, options, waits)
+            if pause is None:
+                return None
+            if time.monotonic() + pause > deadline:
+                state["waits"] = int(state.get("waits") or 0) + 1
+                return Requeue(f"key {request.key!r} is still held by job {record.task_id}")
+            time.sleep(pause)
+            waits += 1
+
+    def _on_in_progress(
+        self, record: Record, request: ClaimRequest, options: IdempotencyOptions, waits: int
+    ) -> float | None:
+        """Seconds to wait before looking again, or ``None`` to finish as a skipped duplicate."""
+        # A re-run of the owner's own job is no duplicate caller: dropping or failing it could
+        # lose the job, so it always waits.
+        mode = "wait" if record.task_id == self.id else options.on_duplicate
+        if mode == "skip":
+            logger.info("job %s: key %r is in progress elsewhere, skipped", self.id, request.key)
+            return None
+        if mode == "raise" or self._is_sync:
+            self._caller_error()
+            raise IdempotencyConflict(request.key, request.task_name, record.task_id)
+        delay = min(defaults.WAIT_INITIAL_DELAY * 2.0**waits, defaults.WAIT_MAX_DELAY)
+        return max(min(delay, record.lease_expires_at - time.time()), 0.05)
+
+    def _run_body(
+        self,
+        attempt: Attempt | None,
+        key: str | None,
+        options: IdempotencyOptions,
+        state: dict[str, Any],
+    ) -> Any:
+        try:
+            if attempt is None:
+                value = super().perform()
+            else:
+                with attempt.heartbeat():
+                    value = super().perform()
+        except Exception as exc:
+            will_retry = super().should_retry
+            if attempt is not None:
+                self._release_claim(attempt)
+                if will_retry:
+                    # The retry may take the key over at once even if the release was lost.
+                    state["previous_owner"] = attempt.request.owner
+            if will_retry:
+                raise
+            requeue = self._final_failure(
+                type(exc).__name__, str(exc), format_exc(), key, options, state, attempt
+            )
+            if requeue is not None:
+                return requeue
+            raise
+        except BaseException:
+            # Worker shutdown and the like: RQ re-enqueues or fails the job as it sees fit.
+            if attempt is not None:
+                self._release_claim(attempt)
+            raise
+        if isinstance(value, Retry):
+            return self._returned_retry(value, attempt, key, options, state)
+        if attempt is not None:
+            value = self._complete_claim(attempt, value)
+        self._dead_letter_succeeded(state)
+        return value
+
+    def _returned_retry(
+        self,
+        retry: Retry,
+        attempt: Attempt | None,
+        key: str | None,
+        options: IdempotencyOptions,
+        state: dict[str, Any],
+    ) -> Any:
+        """The function returned ``Retry`` (RQ's other retry): release; dead-letter if it is
+        the last one RQ allows."""
+        if attempt is not None:
+            self._release_claim(attempt)
+            state["previous_owner"] = attempt.request.owner
+        if (self.number_of_retries or 0) < retry.max:
+            return retry
+        message = f"returned Retry after {self.number_of_retries} retries (max {retry.max})"
+        requeue = self._final_failure(
+            "MaxRetriesExceeded", message, None, key, options, state, attempt
+        )
+        return requeue if requeue is not None else retry
+
+    def _complete_claim(self, attempt: Attempt, value: Any) -> Any:
+        """Store the result, trying for up to one lease (at most half the job's timeout) while
+        the store is unreachable.
+
+        Returns the job's value: its own, or, when it lost its claim to an execution that
+        completed first, that execution's cached value, so every caller sees one value.
+        """
+        deadline = time.monotonic() + self._time_budget(attempt.request.lease_seconds)
+        pause = 0.1
+        while True:
+            try:
+                if attempt.complete(value) is CompleteOutcome.STALE:
+                    return _winning_value(attempt, value)
+                return value
+            except StoreUnavailable as exc:
+                if time.monotonic() + pause > deadline:
+                    logger.error(
+                        "job %s succeeded but its result could not be stored: %s; a duplicate "
+                        "may run it again once its lease ends",
+                        self.id,
+                        exc,
+                    )
+                    return value
+                logger.warning("job %s: store unreachable while completing: %s", self.id, exc)
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
+    def _release_claim(self, attempt: Attempt) -> None:
+        try:
+            attempt.release()
+        except StoreUnavailable as exc:
+            logger.warning(
+                "job %s could not release key %r (%s); it frees itself when its lease ends",
+                self.id,
+                attempt.request.key,
+                exc,
+            )
+
+    # -- dead letters -------------------------------------------------------------------------
+
+    def _final_failure(
+        self,
+        error_type: str,
+        message: str,
+        traceback: str | None,
+        key: str | None,
+        options: IdempotencyOptions,
+        state: dict[str, Any],
+        attempt: Attempt | None,
+    ) -> Requeue | None:
+        """The function failed for good: write the dead letter (``None``), or, if the database
+        cannot be written, return the :class:`Requeue` that writes it on the next run."""
+        self._idempotency_settled = True
+        logger.error("job %s (%s) failed for good: %s", self.id, self.func_name, error_type)
+        if not options.dlq:
+            return None
+        failure = self._build_failure(
+            attempt.request.owner if attempt is not None else new_owner(),
+            error_type,
+            message,
+            traceback,
+            key,
+            options,
+        )
+        return self._write_failure(failure, state)
+
+    def _write_failure(self, failure: Failure, state: dict[str, Any]) -> Requeue | None:
+        try:
+            write_failure(
+                dead_letter_queue(state.get("dlq_url")), failure, state.get("dead_letter_id")
+            )
+        except (StoreUnavailable, SchemaVersionError) as exc:
+            if self._is_sync:
+                logger.error("job %s: could not write its dead letter: %s", self.id, exc)
+                return None
+            delay = self._time_budget(defaults.DLQ_WRITE_RETRY_DELAY)
+            logger.error(
+                "job %s: could not write its dead letter (%s); will write it in %ss",
+                self.id,
+                exc,
+                delay,
+            )
+            state["unwritten_failure"] = dataclasses.asdict(failure)
+            return self._requeue_later(delay, "its dead letter is still to be written")
+        return None
+
+    def _write_unwritten(self, failure: Failure, state: dict[str, Any]) -> Any:
+        """A run that only writes the dead letter an earlier run could not write."""
+        self._idempotency_settled = True
+        requeue = self._write_failure(failure, state)
+        if requeue is not None:
+            return requeue
+        state.pop("unwritten_failure", None)
+        self.save_meta()  # type: ignore[no-untyped-call]  # RQ saves no meta on failure
+        self._idempotency_no_retry = True
+        raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
+
+    def _build_failure(
+        self,
+        attempt_id: str,
+        error_type: str,
+        message: str,
+        traceback: str | None,
+        key: str | None,
+        options: IdempotencyOptions,
+    ) -> Failure:
+        args, kwargs, lossy = json_safe(list(self.args), dict(self.kwargs))
+        return Failure(
+            failure_id=f"{self.id}:{attempt_id}",
+            task_name=self.func_name or "",
+            task_id=self.id,
+            idempotency_key=key,
+            args=args,
+            kwargs=kwargs,
+            options=row_options(self.origin, lossy),
+            error_type=error_type,
+            error_message=message[:MAX_ERROR_MESSAGE_CHARS],
+            traceback=traceback[-MAX_TRACEBACK_CHARS:] if traceback else None,
+            max_retries=options.dlq_max_retries,
+            framework=FRAMEWORK,
+        )
+
+    def _dead_letter_lost(self, exc_string: str, execution_id: str | None) -> None:
+        try:
+            func = self.func
+        except Exception:
+            func = None  # not importable in this process: the meta still says what it was
+        options = options_of(func)
+        found = self.meta.get(META_KEY)
+        if options is None and not isinstance(found, dict):
+            return
+        state: dict[str, Any] = found if isinstance(found, dict) else {}
+        options = options or DEFAULT_OPTIONS
+        if not options.dlq:
+            return
+        abandoned = "AbandonedJobError" in exc_string
+        started = self.started_at.isoformat() if self.started_at else "unknown"
+        failure = self._build_failure(
+            f"lost:{execution_id or started}",
+            "AbandonedJobError" if abandoned else "WorkHorseKilled",
+            exc_string.strip().splitlines()[0] if exc_string.strip() else "work horse lost",
+            None,
+            self._job_key(func, options, state),
+            options,
+        )
+        write_failure(dead_letter_queue(state.get("dlq_url")), failure, state.get("dead_letter_id"))
+
+    def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
+        dead_letter_id = state.get("dead_letter_id")
+        if dead_letter_id:
+            mark_succeeded(dead_letter_queue(state.get("dlq_url")), str(dead_letter_id))
+
+    # -- small things -------------------------------------------------------------------------
+
+    @property
+    def _is_sync(self) -> bool:
+        return self.worker_name == SYNC_WORKER
+
+    def _caller_error(self) -> None:
+        """This run fails for a reason of the caller's: no retry, no dead letter."""
+        self._idempotency_no_retry = True
+        self._idempotency_settled = True
+
+    def _time_budget(self, wanted: float) -> float:
+        """``wanted`` seconds, but at most half the job's timeout (its death penalty)."""
+        if self.timeout and self.timeout > 0:
+            return min(wanted, float(self.timeout) / 2)
+        return wanted
+
+    def _requeue_later(self, delay: float, reason: str) -> Requeue:
+        """Pause ``delay`` s in the worker (so the job does not spin through its queue and no
+        scheduler is needed), then go back to the queue."""
+        time.sleep(delay)
+        return Requeue(reason)
+
+
+def _winning_value(attempt: Attempt, own_value: Any) -> Any:
+    try:
+        record = attempt.store.get(attempt.request.storage_key)
+    except (StoreUnavailable, CorruptRecord):
+        return own_value
+    if record is None or record.status is not Status.COMPLETED or not record.result_cached:
+        return own_value
+    return attempt.cached_value(record)

@@ -1,0 +1,144 @@
+"""Per-function settings of RQ jobs (the ``@idempotent`` decorator) and what a job carries.
+
+RQ has no task objects to hang options on, so options live on the job function itself: the
+decorator stores an :class:`IdempotencyOptions` as ``func.__idempotency__`` and returns the
+function unchanged (RQ still imports it by its dotted path). Producers read it when they
+enqueue; workers read it again when they run the job.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar, overload
+
+from .. import defaults
+from ..keys import KeySource
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Attribute of a decorated function holding its :class:`IdempotencyOptions`.
+OPTIONS_ATTRIBUTE: Final = "__idempotency__"
+#: ``job.meta`` entry holding everything idempotent_tasks carries with a job (a dict).
+META_KEY: Final = "idempotency"
+#: Environment variable naming the dead-letter database (SQLAlchemy URL) of workers and sweeps.
+DLQ_URL_ENV: Final = "IDEMPOTENT_TASKS_DLQ_URL"
+#: ``DeadLetter.options["framework"]`` of rows written by the RQ adapter.
+FRAMEWORK: Final = "rq"
+#: Longest a duplicate waits inside the worker for the key's owner before it goes back to the
+#: end of its queue (seconds; never more than half the job's timeout).
+WAIT_SLICE: Final = 10.0
+
+ON_DUPLICATE_CHOICES: Final = ("wait", "skip", "raise")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdempotencyOptions:
+    """How one job function behaves under ``IdempotentQueue`` / ``IdempotentJob``.
+
+    Attributes:
+        key: key when an enqueue gives none: a ``str.format`` template over the call's
+            arguments bound to parameter names (``"order:{order_id}"``) or a callable
+            ``(args, kwargs) -> str``.
+        key_required: refuse (``ValueError`` at enqueue) calls that end up without a key.
+        ttl: seconds a completed key answers duplicates with its cached result.
+        lease: seconds a claim lives without a heartbeat (default: the job's timeout, else 300).
+        validate: compare argument fingerprints of calls that share a key.
+        on_duplicate: what a job does while another execution holds its key: ``"wait"`` (until
+            the owner finishes, then return its value), ``"skip"`` (finish at once with
+            ``None``, running nothing) or ``"raise"`` (fail with ``IdempotencyConflict``).
+        wait_slice: longest a waiting duplicate stays in the worker before it goes back to the
+            end of its queue, freeing the worker (seconds).
+        dlq: write the job to the dead-letter table when it fails for good.
+        dlq_max_retries: dead-letter retries of this function's jobs.
+    """
+
+    key: KeySource | None = None
+    key_required: bool = False
+    ttl: float = defaults.TTL
+    lease: float | None = None
+    validate: bool = True
+    on_duplicate: str = defaults.ON_DUPLICATE
+    wait_slice: float = WAIT_SLICE
+    dlq: bool = True
+    dlq_max_retries: int = defaults.DLQ_MAX_RETRIES
+
+    def __post_init__(self) -> None:
+        if self.on_duplicate not in ON_DUPLICATE_CHOICES:
+            raise ValueError(
+                f"on_duplicate must be one of {', '.join(ON_DUPLICATE_CHOICES)}, "
+                f"not {self.on_duplicate!r}"
+            )
+        if self.key is not None and not callable(self.key) and not isinstance(self.key, str):
+            raise ValueError("key must be a str.format template or a callable (args, kwargs)")
+
+
+#: Options of functions that were never decorated.
+DEFAULT_OPTIONS: Final = IdempotencyOptions()
+
+
+@overload
+def idempotent(func: _F, /) -> _F: ...
+
+
+@overload
+def idempotent(
+    *,
+    key: KeySource | None = None,
+    key_required: bool = False,
+    ttl: float = defaults.TTL,
+    lease: float | None = None,
+    validate: bool = True,
+    on_duplicate: str = defaults.ON_DUPLICATE,
+    wait_slice: float = WAIT_SLICE,
+    dlq: bool = True,
+    dlq_max_retries: int = defaults.DLQ_MAX_RETRIES,
+) -> Callable[[_F], _F]: ...
+
+
+def idempotent(func: Any = None, /, **options: Any) -> Any:
+    """Give an RQ job function per-function idempotency options.
+
+    Usable bare (``@idempotent``) or with options (see :class:`IdempotencyOptions`)::
+
+        @idempotent(key="order:{order_id}", ttl=3600, on_duplicate="wait")
+        def charge(order_id, amount): ...
+
+        queue.enqueue(charge, 42, 990)                          # key "order:42"
+        queue.enqueue(charge, 42, 990, idempotency_key="o-42")  # a per-call key wins
+
+    The function is returned unchanged apart from its ``__idempotency__`` attribute, so RQ
+    pickles and imports it by its dotted path as usual. A decorated function is handled by
+    ``IdempotentJob`` even when a plain ``rq.Queue`` enqueued it (the key is then derived in
+    the worker).
+
+    Raises:
+        ValueError: for an unknown ``on_duplicate`` or a key that is neither a template nor a
+            callable.
+    """
+    settings = IdempotencyOptions(**options)
+
+    def decorate(function: _F) -> _F:
+        setattr(function, OPTIONS_ATTRIBUTE, settings)
+        return function
+
+    if func is not None:
+        return decorate(func)
+    return decorate
+
+
+def options_of(func: object) -> IdempotencyOptions | None:
+    """The options a function was decorated with, or ``None`` if it never was."""
+    found = getattr(func, OPTIONS_ATTRIBUTE, None)
+    return found if isinstance(found, IdempotencyOptions) else None
+
+
+def signature_of(func: object) -> inspect.Signature | None:
+    """The call signature used to bind arguments (``None`` when there is none to read)."""
+    if func is None or not callable(func):
+        return None
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None

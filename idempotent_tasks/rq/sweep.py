@@ -1,0 +1,172 @@
+"""Re-enqueueing RQ's due dead letters: :func:`retry_dead_letters`, meant to run periodically.
+
+Run it every 30 s or so, from any of:
+
+* cron: ``* * * * * idempotent-tasks rq retry-dead-letters --redis-url redis://host:6379/0``
+  (add ``--dlq-url``, or set ``IDEMPOTENT_TASKS_DLQ_URL``);
+* RQ's own cron scheduler (``rq cron``, in rq 3): a config file ::
+
+      from rq import cron
+      from idempotent_tasks.rq.sweep import retry_dead_letters_job
+
+      cron.register(retry_dead_letters_job, "default", interval=30)
+
+  run with ``rq cron --url redis://host:6379/0 cron_config.py`` beside your workers;
+* Python: ``retry_dead_letters(Redis(...))`` from any loop or scheduler of yours.
+
+Running it from several places at once is safe: each due row is taken by one sweep only
+(``DeadLetterQueue.take_due``).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from redis import Redis
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import JobStatus, get_current_job
+from rq.queue import Queue
+
+from .. import defaults
+from ..dlq import DeadLetter, DeadLetterQueue
+from ..dlq.queue import SWEEP_BATCH
+from .job import IdempotentJob
+from .options import FRAMEWORK, META_KEY
+from .resources import dlq_url_for
+
+logger = logging.getLogger(__name__)
+
+#: ``job.meta["idempotency"]`` entries that belong to one run, dropped when a row is retried.
+_RUN_STATE = ("unwritten_failure", "previous_owner", "waits")
+
+
+def retry_dead_letters(
+    connection: Redis,
+    dlq_url: str | None = None,
+    batch: int = SWEEP_BATCH,
+    *,
+    store_url: str | None = None,
+) -> int:
+    """Re-enqueue every due RQ dead letter, in batches; returns how many were re-enqueued.
+
+    Each due row written by the RQ adapter (``options["framework"] == "rq"``) is marked
+    ``retrying`` and its job enqueued again under its original id, on its original queue, with
+    its function path, arguments and idempotency key, carrying the row's id: when that run
+    succeeds (or finds its key completed) the row becomes ``succeeded``; when it fails for good
+    the row is rescheduled on the backoff, or becomes ``permanent_failure`` at its limit. While
+    RQ still has the original (failed) job, that very job is requeued, with its meta; each
+    re-enqueue gets one run (RQ's ``Retry`` of the original enqueue is used up).
+
+    Rows ``retrying`` for over an hour (their sweep died) are made due first. Rows of other
+    frameworks (Celery) sharing the table are left ``pending`` for their own sweep.
+
+    Args:
+        connection: RQ's Redis.
+        dlq_url: the dead-letter database; unset, ``$IDEMPOTENT_TASKS_DLQ_URL``, else the local
+            SQLite file (the workers' default too).
+        batch: rows taken per round.
+        store_url: the claim store, only for rows whose original job RQ no longer has, when
+            your queues use ``IdempotentQueue(store_url=...)``.
+    """
+    url = dlq_url_for(dlq_url)
+    queue = DeadLetterQueue(url)
+    try:
+        recovered = queue.recover_stuck(timedelta(seconds=defaults.DLQ_RETRYING_TIMEOUT))
+        if recovered:
+            logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
+        return _sweep(connection, queue, url, store_url, batch)
+    finally:
+        queue.dispose()
+
+
+def retry_dead_letters_job(dlq_url: str | None = None, batch: int = SWEEP_BATCH) -> int:
+    """:func:`retry_dead_letters` as an RQ job function (for ``rq cron``), on the worker's
+    own Redis connection."""
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("retry_dead_letters_job runs inside an RQ worker only")
+    return retry_dead_letters(job.connection, dlq_url, batch)
+
+
+def _sweep(
+    connection: Redis,
+    queue: DeadLetterQueue,
+    dlq_url: str | None,
+    store_url: str | None,
+    batch: int,
+) -> int:
+    enqueued = 0
+    while True:
+        items = queue.take_due(batch, framework=FRAMEWORK)
+        for item in items:
+            try:
+                _enqueue(connection, item, dlq_url, store_url)
+            except Exception as exc:
+                logger.error("could not re-enqueue dead letter %s: %s", item.id, exc)
+                queue.unclaim(item.id)
+                continue
+            enqueued += 1
+        if len(items) < batch:
+            return enqueued
+
+
+def _enqueue(
+    connection: Redis, item: DeadLetter, dlq_url: str | None, store_url: str | None
+) -> None:
+    """Send a dead letter's job again, under its original id."""
+    original = _failed_original(connection, item.task_id)
+    if original is not None:
+        state = _fresh_state(original.meta.get(META_KEY))
+        state["dead_letter_id"] = item.id
+        original.meta[META_KEY] = state
+        try:
+            original.failed_job_registry.requeue(original)
+        except InvalidJobOperation:
+            pass  # no longer in the failed registry: enqueue it anew below
+        else:
+            return
+    if item.options.get("args_lossy"):
+        raise ValueError("its arguments were not JSON and RQ no longer has the original job")
+    state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
+    state.update(dead_letter_id=item.id)
+    if item.idempotency_key is not None:
+        state["key"] = item.idempotency_key
+    state.setdefault("prefix", defaults.KEY_PREFIX)
+    if dlq_url:
+        state.setdefault("dlq_url", dlq_url)
+    if store_url:
+        state.setdefault("store_url", store_url)
+    rq_queue = Queue(
+        str(item.options.get("queue") or "default"),
+        connection=connection,
+        job_class=IdempotentJob,
+    )
+    rq_queue.enqueue_call(
+        item.task_name,
+        args=item.args,
+        kwargs=item.kwargs,
+        job_id=item.task_id,
+        meta={META_KEY: state},
+    )
+
+
+def _failed_original(connection: Redis, job_id: str) -> IdempotentJob | None:
+    """The original job, while RQ keeps it as failed (or stopped)."""
+    try:
+        job = IdempotentJob.fetch(job_id, connection=connection)
+    except (NoSuchJobError, ValueError):
+        return None
+    if not isinstance(job, IdempotentJob):  # pragma: no cover - fetch builds its own class
+        return None
+    if job.get_status(refresh=False) not in (JobStatus.FAILED, JobStatus.STOPPED):
+        return None
+    return job
+
+
+def _fresh_state(found: Any) -> dict[str, Any]:
+    state = dict(found) if isinstance(found, dict) else {}
+    for name in _RUN_STATE:
+        state.pop(name, None)
+    return state

@@ -1,0 +1,89 @@
+"""Job functions the RQ integration tests enqueue. Each records every start of its body in a
+Redis ledger list (``ledger:<name>``, db 8), so tests count how often a body really ran."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+
+from idempotent_tasks.rq import idempotent
+
+LEDGER_URL_ENV = "IT_RQ_LEDGER_URL"
+DEFAULT_LEDGER_URL = "redis://127.0.0.1:6379/8"
+
+_ledger: tuple[int, redis.Redis] | None = None
+
+
+def ledger() -> redis.Redis:
+    """This process's client of the ledger database."""
+    global _ledger
+    if _ledger is None or _ledger[0] != os.getpid():
+        client = redis.Redis.from_url(os.environ.get(LEDGER_URL_ENV, DEFAULT_LEDGER_URL))
+        _ledger = (os.getpid(), client)
+    return _ledger[1]
+
+
+def close_ledger() -> None:
+    global _ledger
+    if _ledger is not None and _ledger[0] == os.getpid():
+        _ledger[1].close()
+    _ledger = None
+
+
+def starts(name: str) -> int:
+    """How many times a body recorded under ``name`` started."""
+    return int(ledger().llen(f"ledger:{name}"))
+
+
+def _start(name: str) -> int:
+    return int(ledger().rpush(f"ledger:{name}", f"start:{os.getpid()}:{time.time()}"))
+
+
+def record(name: str, value: int, seconds: float = 0.0) -> dict[str, Any]:
+    """Record a start, take ``seconds``, return a value naming the run it came from."""
+    run = _start(name)
+    time.sleep(seconds)
+    return {"name": name, "value": value, "run": run}
+
+
+@idempotent(key="keyed:{name}", wait_slice=0.3)
+def record_keyed(name: str, value: int, seconds: float = 0.0) -> dict[str, Any]:
+    """:func:`record` keyed by its name; duplicates wait 0.3 s in the worker, then requeue."""
+    return record(name, value, seconds)
+
+
+@idempotent(key="skip:{name}", on_duplicate="skip")
+def record_or_skip(name: str, seconds: float = 0.0) -> dict[str, Any]:
+    """:func:`record` whose duplicates are dropped while it runs."""
+    return record(name, 0, seconds)
+
+
+@idempotent(key="raise:{name}", on_duplicate="raise")
+def record_or_raise(name: str, seconds: float = 0.0) -> dict[str, Any]:
+    """:func:`record` whose duplicates fail with IdempotencyConflict while it runs."""
+    return record(name, 0, seconds)
+
+
+@idempotent(key_required=True)
+def key_required(name: str) -> None:
+    """Refused at enqueue without a per-call key."""
+
+
+def flaky(name: str, failures: int) -> dict[str, Any]:
+    """Fail the first ``failures`` starts with TimeoutError, then succeed."""
+    run = _start(name)
+    if run <= failures:
+        raise TimeoutError(f"run {run} of {name} failed")
+    return {"name": name, "run": run}
+
+
+@idempotent(lease=2)
+def slow_first(name: str, seconds: float) -> dict[str, Any]:
+    """Take ``seconds`` on the first start only; claims live 2 s without a heartbeat."""
+    run = _start(name)
+    if run == 1:
+        time.sleep(seconds)
+    return {"name": name, "run": run}

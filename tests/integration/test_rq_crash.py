@@ -1,0 +1,151 @@
+"""Crashes and outages with real ``rq worker`` processes: nothing runs twice, nothing is lost.
+
+An ``rq worker`` killed mid-job: its key is taken over after the lease, and its abandoned job
+is not lost.
+
+How RQ itself recovers a job whose worker died: the job stays ``started`` in the queue's
+``StartedJobRegistry`` until its execution entry expires (the last heartbeat plus at least
+60 s), and the next maintenance run of any worker on that queue (every
+``--maintenance-interval`` seconds, 10 min by default) calls ``StartedJobRegistry.cleanup()``:
+a job with RQ retries left is re-enqueued, any other is failed as ``AbandonedJobError`` —
+which ``IdempotentJob`` dead-letters, so the sweep retries it. This test calls that cleanup
+itself, with a cut-off in the future, instead of waiting minutes for a worker to do it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from rq.registry import StartedJobRegistry
+
+from idempotent_tasks.dlq import DeadLetterStatus
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Status
+from idempotent_tasks.rq import IdempotentJob, IdempotentQueue, retry_dead_letters
+from tests.integration import rq_jobs
+from tests.integration.databases import set_pg_database_online
+from tests.integration.rq_support import (
+    DLQ_DATABASE,
+    RQEnv,
+    RQWorker,
+    rq_env_fixture,
+    start_workers,
+    status,
+    wait_failed,
+    wait_until,
+    wait_value,
+)
+
+pytestmark = pytest.mark.slow
+SLOW_FIRST = "tests.integration.rq_jobs.slow_first"
+
+
+@pytest.fixture(scope="module")
+def rq_env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RQEnv]:
+    yield from rq_env_fixture(redis_url, tmp_path_factory)
+
+
+def test_a_worker_killed_mid_job_is_taken_over_after_the_lease_and_its_job_is_not_lost(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"killed-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-crash-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
+    )
+    log_dir = tmp_path_factory.mktemp("rq-crash")
+    workers: list[RQWorker] = start_workers(2, rq_env, [queue.name], log_dir, prefix="crash")
+    try:
+        # Given a keyed job (2 s lease) that one worker runs for a long time
+        first = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
+        running = next(w for w in workers if f"({first.id})" in w.log())
+        idle = next(w for w in workers if w is not running)
+
+        # When that worker and its work horse are killed
+        running.kill()
+        # Then, while the lease lasts, enqueueing the call again returns the dead owner's job
+        # and enqueues nothing
+        again = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        assert again.id == first.id and queue.count == 0
+
+        # And once the lease has ended, a new enqueue runs on the other worker, taking over
+        record_key = storage_key(SLOW_FIRST, key)
+
+        def lease_ended() -> bool:
+            record = queue.store.get(record_key)
+            return record is not None and record.lease_expires_at < time.time()
+
+        wait_until(lease_ended, 10, "the dead owner's lease to end")
+        takeover = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        assert takeover.id != first.id
+        value = wait_value(takeover)
+        assert value == {"name": name, "run": 2}
+        record = queue.store.get(record_key)
+        assert record is not None and record.status is Status.COMPLETED
+        assert record.token == 2 and record.task_id == takeover.id
+        assert "took over key" in idle.log()
+
+        # When RQ's maintenance finds the killed worker's job abandoned (no retries left)
+        assert status(first).value == "started"
+        StartedJobRegistry(queue.name, rq_env.connection, job_class=IdempotentJob).cleanup(
+            timestamp=time.time() + 3600
+        )
+        # Then it is failed by RQ and dead-lettered by IdempotentJob
+        assert status(first).value == "failed"
+        (row,) = rq_env.rows_of(first.id)
+        assert row.error_type == "AbandonedJobError" and row.idempotency_key == key
+        assert row.status is DeadLetterStatus.PENDING
+
+        # And the sweep re-enqueues it: it answers from the cache and its row succeeds
+        rq_env.dlq.retry_now(row.id)
+        assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 1
+        assert wait_value(first) == value
+        wait_until(
+            lambda: rq_env.dlq.get(row.id).status is DeadLetterStatus.SUCCEEDED,  # type: ignore[union-attr]
+            10,
+            "the row to be marked succeeded",
+        )
+        assert rq_jobs.starts(name) == 2
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"outage-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-outage-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
+    )
+    workers = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-outage"))
+    try:
+        # Given the dead-letter database refusing connections
+        set_pg_database_online(DLQ_DATABASE, False)
+        try:
+            # When a job fails for good (a 4 s timeout: it looks again every 2 s)
+            job = queue.enqueue(rq_jobs.flaky, name, 99, idempotency_key=name, job_timeout=4)
+            wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
+            # Then it goes back to its queue rather than fail unrecorded
+            wait_until(
+                lambda: job.get_meta().get("idempotency", {}).get("unwritten_failure"),
+                10,
+                "the unwritten failure to be carried by the job",
+            )
+            assert status(job).value != "failed"
+        finally:
+            set_pg_database_online(DLQ_DATABASE, True)
+        # And once the database is back, its dead letter is written and the job fails
+        wait_failed(job, timeout=20)
+        (row,) = rq_env.rows_of(job.id)
+        assert row.error_type == "TimeoutError" and row.idempotency_key == name
+        assert row.status is DeadLetterStatus.PENDING
+        assert "unwritten_failure" not in job.get_meta()["idempotency"]
+        # Without running the body again
+        assert rq_jobs.starts(name) == 1
+    finally:
+        for worker in workers:
+            worker.stop()

@@ -1,0 +1,194 @@
+"""``IdempotentQueue`` on the producer's side: keys, validation and the publish short cut.
+
+No worker here: ``Queue(is_async=False)`` runs a job inside ``enqueue``, through
+``IdempotentJob``, which is enough to complete a key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from rq import Queue
+
+from idempotent_tasks.dlq import DeadLetterStatus, Failure
+from idempotent_tasks.errors import IdempotencyKeyMismatch
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue
+from idempotent_tasks.rq.options import META_KEY
+from idempotent_tasks.rq.sweep import retry_dead_letters_job
+from tests.integration import rq_jobs
+from tests.integration.rq_support import RQEnv, rq_env_fixture
+
+RECORD = "tests.integration.rq_jobs.record"
+
+
+@pytest.fixture(scope="module")
+def rq_env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RQEnv]:
+    yield from rq_env_fixture(redis_url, tmp_path_factory)
+
+
+def fresh(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture()
+def idle(rq_env: RQEnv) -> IdempotentQueue:
+    """A queue no worker consumes: what lands there stays put."""
+    return IdempotentQueue(fresh("idle"), connection=rq_env.connection, dlq_url=rq_env.dlq_url)
+
+
+@pytest.fixture()
+def sync(rq_env: RQEnv) -> IdempotentQueue:
+    """A queue that runs each job inside ``enqueue``."""
+    return IdempotentQueue(
+        fresh("sync"), connection=rq_env.connection, dlq_url=rq_env.dlq_url, is_async=False
+    )
+
+
+@pytest.mark.parametrize("bad", ["", "   ", 42, b"bytes", ["k"]])
+def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueued(
+    idle: IdempotentQueue, bad: object
+) -> None:
+    with pytest.raises(ValueError, match="non-empty str"):
+        idle.enqueue(rq_jobs.record, "x", 1, idempotency_key=bad)
+    with pytest.raises(ValueError, match="non-empty str"):
+        idle.enqueue_call(rq_jobs.record, ("x", 1), idempotency_key=bad)
+    assert idle.count == 0
+
+
+def test_a_function_that_requires_a_key_refuses_calls_without_one(idle: IdempotentQueue) -> None:
+    with pytest.raises(ValueError, match="requires an idempotency key"):
+        idle.enqueue(rq_jobs.key_required, "x")
+    assert idle.count == 0
+    job = idle.enqueue(rq_jobs.key_required, "x", idempotency_key="given")
+    assert job.meta[META_KEY]["key"] == "given"
+
+
+def test_the_key_and_fingerprint_travel_in_the_job_meta(
+    idle: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # A template key binds positional arguments to parameter names; the fingerprint is the
+    # same however the arguments are passed.
+    name = fresh("meta")
+    by_position = idle.enqueue(rq_jobs.record_keyed, name, 1)
+    by_name = IdempotentQueue(fresh("idle"), connection=rq_env.connection).enqueue_call(
+        rq_jobs.record_keyed, kwargs={"name": name, "value": 1, "seconds": 0.0}
+    )
+    carried = by_position.meta[META_KEY]
+    assert carried["key"] == f"keyed:{name}"
+    assert carried["dlq_url"] == rq_env.dlq_url
+    assert carried["fingerprint"] == by_name.meta[META_KEY]["fingerprint"]
+    assert "dlq_url" not in by_name.meta[META_KEY]
+
+
+def test_a_scheduled_job_carries_its_key(idle: IdempotentQueue) -> None:
+    with pytest.raises(ValueError, match="non-empty str"):
+        idle.enqueue_in(timedelta(minutes=5), rq_jobs.record, "x", 1, idempotency_key="")
+    job = idle.enqueue_in(timedelta(minutes=5), rq_jobs.record, "x", 1, idempotency_key="later")
+    assert job.meta[META_KEY]["key"] == "later" and job.kwargs == {}
+    assert job.get_status() == "scheduled" and idle.count == 0
+
+
+def test_a_completed_key_enqueues_nothing_and_answers_with_the_cached_value(
+    sync: IdempotentQueue, idle: IdempotentQueue
+) -> None:
+    name, key = fresh("done"), fresh("key")
+    first = sync.enqueue(rq_jobs.record, name, 7, idempotency_key=key)
+    assert first.return_value() == {"name": name, "value": 7, "run": 1}
+
+    # Another queue, same function (here by its path) and key: nothing is enqueued.
+    again = idle.enqueue(RECORD, name, 7, idempotency_key=key)
+    assert isinstance(again, CachedResultJob)
+    assert again.id == first.id
+    assert again.return_value() == again.result == {"name": name, "value": 7, "run": 1}
+    assert again.latest_result().return_value == again.return_value()
+    assert again.is_finished
+    assert idle.count == 0
+    assert rq_jobs.starts(name) == 1
+
+
+def test_a_completed_key_with_other_arguments_raises_a_mismatch(sync: IdempotentQueue) -> None:
+    name, key = fresh("mismatch"), fresh("key")
+    sync.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    with pytest.raises(IdempotencyKeyMismatch):
+        sync.enqueue(rq_jobs.record, name, 2, idempotency_key=key)
+    assert rq_jobs.starts(name) == 1
+
+
+def test_a_key_in_progress_returns_the_owners_job_and_enqueues_nothing(
+    idle: IdempotentQueue,
+) -> None:
+    # Given a job whose key a worker has claimed (done here by hand, as the worker would)
+    name, key = fresh("busy"), fresh("key")
+    owner = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    claim = idle.store.claim(
+        ClaimRequest(
+            storage_key=storage_key(RECORD, key),
+            key=key,
+            task_name=RECORD,
+            task_id=owner.id,
+            owner="worker-attempt",
+            fingerprint=owner.meta[META_KEY]["fingerprint"],
+            lease_seconds=30,
+            ttl_seconds=60,
+        )
+    )
+    assert claim.outcome is Outcome.ACQUIRED
+    # When the same call is enqueued again
+    again = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    # Then it is the owner's job, and the queue still holds only the owner
+    assert again.id == owner.id
+    assert isinstance(again, IdempotentJob)
+    assert idle.count == 1
+
+
+def test_the_queue_runs_jobs_as_idempotent_jobs(rq_env: RQEnv) -> None:
+    queue = IdempotentQueue(fresh("q"), connection=rq_env.connection)
+    assert queue.job_class is IdempotentJob
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    job = plain.enqueue(rq_jobs.record, "x", 1)
+    assert isinstance(queue.fetch_job(job.id), IdempotentJob)
+
+
+def test_the_rq_example_is_importable_and_charges_once(rq_env: RQEnv) -> None:
+    example = importlib.import_module("examples.rq_example")
+    queue = IdempotentQueue(
+        fresh("example"), connection=rq_env.connection, dlq_url=rq_env.dlq_url, is_async=False
+    )
+    order_id = int(uuid.uuid4().int % 10**9)
+    first = queue.enqueue(example.charge, order_id, 990)
+    second = queue.enqueue(example.charge, order_id, 990)
+    assert second.id == first.id
+    assert second.return_value() == first.return_value()
+
+
+def test_the_sweep_leaves_other_frameworks_rows_alone(rq_env: RQEnv) -> None:
+    # Given a due Celery row in the shared dead-letter table
+    celery_row = rq_env.dlq.add(
+        Failure(
+            failure_id=fresh("celery"),
+            task_name="shop.charge",
+            task_id=fresh("task"),
+            idempotency_key="k",
+            args=[42],
+            kwargs={},
+            options={"queue": "celery"},
+            error_type="TimeoutError",
+            error_message="slow",
+            traceback=None,
+            max_retries=3,
+        )
+    )
+    rq_env.dlq.retry_now(celery_row.id)
+    # When RQ's sweep runs, in a job of its own (as ``rq cron`` would run it)
+    sync = Queue(fresh("sweep"), connection=rq_env.connection, is_async=False)
+    job = sync.enqueue(retry_dead_letters_job, rq_env.dlq_url)
+    # Then it re-enqueued nothing and the row is still pending for Celery's sweep
+    assert job.return_value() == 0
+    item = rq_env.dlq.get(celery_row.id)
+    assert item is not None and item.status is DeadLetterStatus.PENDING

@@ -1,0 +1,237 @@
+"""``IdempotentJob`` in real ``rq worker`` processes: duplicates, retries and dead letters.
+
+Two workers (each forking a work horse per job) consume one queue shared by this module; every
+test uses keys and ledger names of its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from rq import Queue, Retry
+from rq.job import JobStatus
+from rq.results import Result
+
+from idempotent_tasks.dlq import DeadLetterStatus
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Status
+from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue, retry_dead_letters
+from idempotent_tasks.rq.options import META_KEY
+from tests.integration import rq_jobs
+from tests.integration.rq_support import (
+    ROOT,
+    RQEnv,
+    RQWorker,
+    rq_env_fixture,
+    start_workers,
+    status,
+    wait_failed,
+    wait_until,
+    wait_value,
+)
+
+FLAKY = "tests.integration.rq_jobs.flaky"
+
+
+@pytest.fixture(scope="module")
+def rq_env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RQEnv]:
+    yield from rq_env_fixture(redis_url, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def queue_name() -> str:
+    return f"it-rq-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def workers(
+    rq_env: RQEnv, queue_name: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[RQWorker]]:
+    started = start_workers(2, rq_env, [queue_name], tmp_path_factory.mktemp("rq-workers"))
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture()
+def queue(rq_env: RQEnv, queue_name: str, workers: list[RQWorker]) -> IdempotentQueue:
+    return IdempotentQueue(queue_name, connection=rq_env.connection, dlq_url=rq_env.dlq_url)
+
+
+def fresh(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:10]}"
+
+
+def logs(workers: list[RQWorker]) -> str:
+    return "\n".join(worker.log() for worker in workers)
+
+
+def test_duplicates_enqueued_at_once_run_once_and_share_the_result(
+    queue: IdempotentQueue,
+) -> None:
+    # Given eight producers enqueueing the same call with the same key at the same moment
+    name, key = fresh("dup"), fresh("key")
+    barrier = threading.Barrier(8)
+
+    def enqueue(_: int) -> Any:
+        barrier.wait()
+        return queue.enqueue(rq_jobs.record, name, 5, 1.0, idempotency_key=key)
+
+    with ThreadPoolExecutor(8) as pool:
+        jobs = list(pool.map(enqueue, range(8)))
+    # When both workers have consumed whatever was enqueued
+    values = [wait_value(job) for job in jobs]
+    # Then the body ran once and every producer's job answers with its value
+    assert rq_jobs.starts(name) == 1
+    assert values == [{"name": name, "value": 5, "run": 1}] * 8
+    # And a later duplicate enqueues nothing and answers from the cache
+    later = queue.enqueue(rq_jobs.record, name, 5, 1.0, idempotency_key=key)
+    assert isinstance(later, CachedResultJob)
+    assert later.return_value() == values[0]
+    assert later.id in {job.id for job in jobs}
+
+
+def test_a_duplicate_that_outwaits_its_slice_goes_back_to_the_queue_and_ends_with_the_value(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a keyed job running for 2 s (its duplicates wait 0.3 s per turn in a worker)
+    name = fresh("slice")
+    owner = queue.enqueue(rq_jobs.record_keyed, name, 3, 2.0)
+    wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the owner to start")
+    # When a duplicate arrives through a plain rq.Queue (no publish-side look: the worker
+    # derives the key from the function's template)
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    duplicate = plain.enqueue(rq_jobs.record_keyed, name, 3, 2.0)
+    # Then it goes back to the queue while the owner runs, and ends with the owner's value
+    assert wait_value(duplicate) == wait_value(owner) == {"name": name, "value": 3, "run": 1}
+    assert rq_jobs.starts(name) == 1
+    assert duplicate.get_meta()[META_KEY]["waits"] >= 1  # turns it went back to the queue
+    assert [result.type for result in duplicate.results()] == [Result.Type.SUCCESSFUL]
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_duplicates_of_skip_and_raise_functions(
+    queue: IdempotentQueue, rq_env: RQEnv, mode: str
+) -> None:
+    # Given a keyed job running for 1.5 s on one worker, whose function skips or fails its
+    # duplicates
+    function = rq_jobs.record_or_skip if mode == "skip" else rq_jobs.record_or_raise
+    name = fresh(mode)
+    owner = queue.enqueue(function, name, 1.5)
+    wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the owner to start")
+    # When a duplicate reaches the other worker meanwhile
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    duplicate = plain.enqueue(function, name, 1.5)
+    if mode == "skip":
+        # Then it finishes with None, running nothing
+        assert wait_value(duplicate) is None
+    else:
+        # Then it fails with a conflict, neither retried nor dead-lettered
+        wait_failed(duplicate)
+        latest = duplicate.latest_result()
+        assert latest is not None and "IdempotencyConflict" in (latest.exc_string or "")
+        assert rq_env.rows_of(duplicate.id) == []
+    assert wait_value(owner) == {"name": name, "value": 0, "run": 1}
+    assert rq_jobs.starts(name) == 1
+
+
+def test_a_retried_job_releases_its_key_and_claims_it_again(
+    queue: IdempotentQueue, workers: list[RQWorker]
+) -> None:
+    # Given a job that fails twice and may be retried twice by RQ
+    name, key = fresh("retry"), fresh("key")
+    job = queue.enqueue(rq_jobs.flaky, name, 2, idempotency_key=key, retry=Retry(max=2))
+    # Then its third run succeeds: each retry claimed the released key afresh (no takeover)
+    assert wait_value(job) == {"name": name, "run": 3}
+    assert rq_jobs.starts(name) == 3
+    record = queue.store.get(storage_key(FLAKY, key))
+    assert record is not None and record.status is Status.COMPLETED
+    assert record.token == 3 and record.task_id == job.id
+    assert "took over key" not in logs(workers)
+    # And a duplicate is answered from the cache, as the original job
+    again = queue.enqueue(rq_jobs.flaky, name, 2, idempotency_key=key, retry=Retry(max=2))
+    assert again.id == job.id and again.return_value() == {"name": name, "run": 3}
+
+
+def test_an_exhausted_job_is_dead_lettered_and_swept_once(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a job that always fails, retried once by RQ
+    name, key = fresh("dead"), fresh("key")
+    job = queue.enqueue(rq_jobs.flaky, name, 99, idempotency_key=key, retry=Retry(max=1))
+    wait_failed(job)
+    assert rq_jobs.starts(name) == 2
+    # Then its final failure is a pending dead letter, and its key is free again
+    (row,) = rq_env.rows_of(job.id)
+    assert row.status is DeadLetterStatus.PENDING
+    assert (row.task_name, row.args, row.kwargs) == (FLAKY, [name, 99], {})
+    assert row.options == {"queue": queue.name, "framework": "rq"}
+    assert row.idempotency_key == key and row.error_type == "TimeoutError"
+    assert queue.store.get(storage_key(FLAKY, key)) is None
+
+    # When it is due and two sweeps run at once
+    rq_env.dlq.retry_now(row.id)
+    with ThreadPoolExecutor(2) as pool:
+        counts = list(
+            pool.map(lambda _: retry_dead_letters(rq_env.connection, rq_env.dlq_url), range(2))
+        )
+    # Then the job was re-enqueued once (the same job), ran once more and failed again: the
+    # row is rescheduled with one retry used
+    assert sum(counts) == 1
+    wait_until(
+        lambda: rq_env.dlq.get(row.id).retry_count == 1,  # type: ignore[union-attr]
+        20,
+        "the re-run's failure to be recorded",
+    )
+    item = rq_env.dlq.get(row.id)
+    assert item is not None and item.status is DeadLetterStatus.PENDING
+    assert rq_jobs.starts(name) == 3
+    assert status(job) is JobStatus.FAILED
+    assert rq_env.rows_of(job.id) == [item]
+    assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 0
+
+
+def test_a_dead_letter_whose_function_recovers_ends_succeeded_through_the_cli(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a dead-lettered job whose function fails twice only (unkeyed: still dead-lettered)
+    name = fresh("recover")
+    job = queue.enqueue(rq_jobs.flaky, name, 2, retry=Retry(max=1))
+    wait_failed(job)
+    (row,) = rq_env.rows_of(job.id)
+    assert row.idempotency_key is None
+    rq_env.dlq.retry_now(row.id)
+    # When the sweep command runs
+    swept = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "idempotent_tasks.rq.cli",
+            "rq",
+            "retry-dead-letters",
+            "--redis-url",
+            rq_env.rq_url,
+            "--dlq-url",
+            rq_env.dlq_url,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert swept.stdout.strip() == "re-enqueued 1 dead letter"
+    # Then the same job runs again, succeeds, and its row is marked succeeded
+    assert wait_value(job) == {"name": name, "run": 3}
+    wait_until(
+        lambda: rq_env.dlq.get(row.id).status is DeadLetterStatus.SUCCEEDED,  # type: ignore[union-attr]
+        10,
+        "the row to be marked succeeded",
+    )
