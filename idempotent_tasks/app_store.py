@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init
 
 from . import defaults
 from .dlq import DeadLetterQueue
@@ -73,6 +74,15 @@ def _per_process(app: Any, attribute: str, build: Callable[[], _T]) -> _T:
         built = build()
         setattr(app, attribute, (pid, built))
         return built
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def _enable_metrics(**_: Any) -> None:
+    """Workers export Prometheus metrics by themselves when prometheus_client is installed."""
+    if importlib.util.find_spec("prometheus_client") is not None:
+        from .prometheus import enable
+
+        enable()
 
 
 @worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]

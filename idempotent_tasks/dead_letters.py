@@ -10,7 +10,7 @@ from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
 
-from . import defaults
+from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
 from .dlq.queue import SWEEP_BATCH
@@ -61,6 +61,7 @@ def write_failure(app: Any, failure: Failure, dead_letter_id: str | None) -> str
 
 
 def _log_item(item: DeadLetter) -> None:
+    signals.dead_letter_written.send(task_name=item.task_name, status=item.status.value)
     logger.error(
         "dead-lettered as %s: %s, %s of %s retries used, next try %s",
         item.id,
@@ -121,7 +122,17 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
                 continue
             published += 1
         if len(items) < batch:
+            _count_rows(queue)
             return published
+
+
+def _count_rows(queue: Any) -> None:
+    """Tell metrics how many rows each status has (one cheap query per sweep, not per task)."""
+    try:
+        counts = queue.stats()
+    except StoreUnavailable:
+        return
+    signals.dead_letters_counted.send(counts=counts)
 
 
 def _clean_expired_claims(app: Any) -> None:

@@ -55,6 +55,13 @@ stale_complete_refused = Signal(
     "An owner whose claim was taken over tried to complete: task_name, key.",
 )
 lease_lost = Signal("lease_lost", "A heartbeat found its claim taken over: task_name, key.")
+dead_letter_written = Signal(
+    "dead_letter_written",
+    "A final failure was written to the dead-letter table: task_name, status (its row's).",
+)
+dead_letters_counted = Signal(
+    "dead_letters_counted", "A sweep counted the dead-letter rows: counts (status -> rows)."
+)
 result_not_cached = Signal(
     "result_not_cached", "A result was too big or not serializable: task_name, key, reason."
 )

@@ -1,0 +1,135 @@
+"""Prometheus metrics after a real run: a Celery worker in this process, then the counters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from prometheus_client import CollectorRegistry
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.dlq import DeadLetterQueue, Failure
+from idempotent_tasks.prometheus import enable
+
+app = Celery("metrics", broker="memory://", backend="cache+memory://", set_as_current=False)
+app.conf.update(
+    idempotency_store_url="memory://",
+    broker_transport_options={"polling_interval": 0.01},
+    broker_connection_retry_on_startup=True,
+)
+runs: list[int] = []
+
+
+@app.task(base=IdempotentTask, name="metrics.charge")
+def charge(order_id: int) -> int:
+    runs.append(order_id)
+    return order_id * 10
+
+
+@app.task(base=IdempotentTask, name="metrics.big", shared=False)
+def big() -> str:
+    return "x" * 2_000_000
+
+
+@app.task(base=IdempotentTask, name="metrics.fails", shared=False)
+def fails() -> None:
+    raise RuntimeError("fails for good")
+
+
+@pytest.fixture(scope="module")
+def registry() -> Iterator[CollectorRegistry]:
+    registry = CollectorRegistry()
+    enable(registry)
+    with start_worker(
+        app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"
+    ):
+        yield registry
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_claims_and_duplicates_are_counted_after_a_run(registry: CollectorRegistry) -> None:
+    # Given one key sent three times: twice at the worker (send_task), once after completion
+    first = app.send_task("metrics.charge", (7,), headers={"idempotency_key": "order-7"})
+    assert first.get(timeout=10) == 70
+    second = app.send_task("metrics.charge", (7,), headers={"idempotency_key": "order-7"})
+    assert second.get(timeout=10) == 70
+    third = charge.apply_async((7,), idempotency_key="order-7")
+    assert third.get(timeout=10) == 70
+    # Then the counters say what happened, and the body ran once
+    assert runs.count(7) == 1
+    task = "metrics.charge"
+    assert value(registry, "idempotent_tasks_claims_total", task=task, outcome="acquired") == 1
+    assert value(registry, "idempotent_tasks_claims_total", task=task, outcome="completed") == 1
+    assert (
+        value(registry, "idempotent_tasks_duplicates_suppressed_total", task=task, where="worker")
+        == 1
+    )
+    assert (
+        value(registry, "idempotent_tasks_duplicates_suppressed_total", task=task, where="publish")
+        == 1
+    )
+
+
+def test_result_not_cached_is_counted(registry: CollectorRegistry) -> None:
+    assert len(big.apply_async(idempotency_key="big-1").get(timeout=10)) == 2_000_000
+    assert value(registry, "idempotent_tasks_results_not_cached_total", task="metrics.big") == 1
+
+
+def test_dead_letter_rows_are_counted_by_the_sweep(
+    registry: CollectorRegistry, tmp_path: Any
+) -> None:
+    # Given a dead-letter table with two rows, one of them not retried
+    url = f"sqlite:///{tmp_path / 'dlq.sqlite3'}"
+    queue = DeadLetterQueue(url, base_delay=3600)
+    for index, retries in enumerate((3, 0)):
+        queue.add(
+            Failure(
+                failure_id=f"t{index}:0",
+                task_name="metrics.charge",
+                task_id=f"t{index}",
+                idempotency_key=None,
+                args=[],
+                kwargs={},
+                options={},
+                error_type="E",
+                error_message="m",
+                traceback=None,
+                max_retries=retries,
+            )
+        )
+    queue.dispose()
+    app.conf.idempotency_dlq_url = url
+    app.__dict__.pop("_idempotent_tasks_dlq", None)
+    # And a task that fails for good, so its row is written by the worker
+    with pytest.raises(RuntimeError):
+        fails.apply_async(idempotency_key="fails-1").get(timeout=10)
+    # When the sweep runs (nothing is due yet)
+    assert app.send_task("idempotent_tasks.retry_dead_letters").get(timeout=20) == 0
+    # Then the gauge shows the rows by status, and the worker's write was counted
+    assert value(registry, "idempotent_tasks_dead_letters", status="pending") == 2
+    assert value(registry, "idempotent_tasks_dead_letters", status="permanent_failure") == 1
+    assert (
+        value(
+            registry,
+            "idempotent_tasks_dead_letters_written_total",
+            task="metrics.fails",
+            status="pending",
+        )
+        == 1
+    )
+    cached = app.__dict__.pop("_idempotent_tasks_dlq", None)
+    if cached is not None:
+        cached[1].dispose()
+
+
+def test_importing_the_package_does_not_import_prometheus_client() -> None:
+    check = "import idempotent_tasks, sys; assert 'prometheus_client' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
