@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,9 +18,9 @@ from typing import Any
 
 from . import signals
 from .codec import ResultCodec
-from .errors import StoreUnavailable
+from .errors import CorruptRecord, StoreUnavailable
 from .heartbeat import keeper
-from .records import ClaimRequest, ClaimResult, CompleteOutcome, Outcome, Record
+from .records import ClaimRequest, ClaimResult, CompleteOutcome, Outcome, Record, Status
 from .stores.base import Store
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,59 @@ class Attempt:
                 self.request.task_name,
             )
         return outcome
+
+    def finish(self, value: Any, patience_seconds: float) -> Any:
+        """Complete with ``value``, trying for up to ``patience_seconds`` while the store is
+        unreachable; returns the value every caller should see.
+
+        That is ``value`` itself, or, when this attempt lost its claim to an execution that
+        completed first, that execution's cached value. If the store stays unreachable, the
+        result is not stored (logged): a duplicate may run the body again once the lease ends.
+        """
+        deadline = time.monotonic() + patience_seconds
+        pause = 0.1
+        while True:
+            try:
+                if self.complete(value) is CompleteOutcome.STALE:
+                    return self._winning_value(value)
+                return value
+            except StoreUnavailable as exc:
+                if time.monotonic() + pause > deadline:
+                    logger.error(
+                        "%s succeeded but its result for key %r could not be stored: %s; a "
+                        "duplicate may run it again once its lease ends",
+                        self.request.task_name,
+                        self.request.key,
+                        exc,
+                    )
+                    return value
+                logger.warning(
+                    "store unreachable while completing key %r, retrying: %s",
+                    self.request.key,
+                    exc,
+                )
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
+    def _winning_value(self, own_value: Any) -> Any:
+        try:
+            record = self.store.get(self.request.storage_key)
+        except (StoreUnavailable, CorruptRecord):
+            return own_value
+        if record is None or record.status is not Status.COMPLETED or not record.result_cached:
+            return own_value
+        return self.cached_value(record)
+
+    def release_quietly(self) -> None:
+        """Release, logging (not raising) an unreachable store: the lease frees the key anyway."""
+        try:
+            self.release()
+        except StoreUnavailable as exc:
+            logger.warning(
+                "could not release key %r (%s); it frees itself when its lease ends",
+                self.request.key,
+                exc,
+            )
 
     def release(self) -> bool:
         """Give the key up so a retry can claim it; ``False`` if it was no longer held."""

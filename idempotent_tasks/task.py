@@ -36,7 +36,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
-from .records import ClaimRequest, CompleteOutcome, Outcome, Record, Status
+from .records import ClaimRequest, Outcome, Record, Status
 from .settings import app_setting, resolve
 
 logger = get_task_logger(__name__)
@@ -271,20 +271,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Retry:
             # retry() released the claim before publishing; a Retry raised by hand did not.
             if getattr(self.request, "idempotency_attempt", None) is attempt:
-                self._release(attempt)
+                attempt.release_quietly()
             raise
         except (Ignore, Reject):
-            self._release(attempt)
+            attempt.release_quietly()
             raise
         except Exception as exc:
-            self._release(attempt)
+            attempt.release_quietly()
             self.on_final_failure(exc, attempt.request.key, args, kwargs)
             raise
         except BaseException:
             # Worker shutdown and the like: the message is redelivered (acks_late).
-            self._release(attempt)
+            attempt.release_quietly()
             raise
-        value = self._complete(attempt, value)
+        value = attempt.finish(value, attempt.request.lease_seconds)
         self._dead_letter_succeeded()
         return value
 
@@ -307,7 +307,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         attempt: Attempt | None = getattr(self.request, "idempotency_attempt", None)
         if attempt is not None:
             self.request.idempotency_attempt = None
-            self._release(attempt)
+            attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
@@ -399,54 +399,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # The broker is unreachable too: hand the message back rather than lose it.
             raise Reject(publish_error, requeue=True) from publish_error
         raise Retry(exc=exc, when=countdown, sig=signature)
-
-    def _complete(self, attempt: Attempt, value: Any) -> Any:
-        """Store the result, trying for up to one lease while the store is unreachable.
-
-        Returns the task's value: its own, or, when it lost its claim to an execution that
-        completed first, that execution's cached value, so every caller sees one value.
-        """
-        deadline = time.monotonic() + attempt.request.lease_seconds
-        pause = 0.1
-        while True:
-            try:
-                if attempt.complete(value) is CompleteOutcome.STALE:
-                    return self._winning_value(attempt, value)
-                return value
-            except StoreUnavailable as exc:
-                if time.monotonic() + pause > deadline:
-                    logger.error(
-                        "succeeded but its result could not be stored: %s; a duplicate "
-                        "may run it again once its lease ends",
-                        exc,
-                    )
-                    return value
-                logger.warning(
-                    "store unreachable while completing key %r, retrying: %s",
-                    attempt.request.key,
-                    exc,
-                )
-                time.sleep(pause)
-                pause = min(pause * 2, 5.0)
-
-    def _winning_value(self, attempt: Attempt, own_value: Any) -> Any:
-        try:
-            record = attempt.store.get(attempt.request.storage_key)
-        except (StoreUnavailable, CorruptRecord):
-            return own_value
-        if record is None or record.status is not Status.COMPLETED or not record.result_cached:
-            return own_value
-        return attempt.cached_value(record)
-
-    def _release(self, attempt: Attempt) -> None:
-        try:
-            attempt.release()
-        except StoreUnavailable as exc:
-            logger.warning(
-                "could not release key %r (%s); it frees itself when its lease ends",
-                attempt.request.key,
-                exc,
-            )
 
     def _attempt(
         self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any

@@ -29,7 +29,6 @@ from ..codec import ResultCodec
 from ..core import Attempt, new_owner
 from ..dlq import Failure
 from ..errors import (
-    CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
@@ -37,7 +36,7 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..keys import derive_key, fingerprint, storage_key
-from ..records import ClaimRequest, CompleteOutcome, Outcome, Record, Status
+from ..records import ClaimRequest, Outcome, Record
 from .dead_letters import (
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TRACEBACK_CHARS,
@@ -298,7 +297,7 @@ class IdempotentJob(Job):
         except Exception as exc:
             will_retry = super().should_retry
             if attempt is not None:
-                self._release_claim(attempt)
+                attempt.release_quietly()
                 if will_retry:
                     # The retry may take the key over at once even if the release was lost.
                     state["previous_owner"] = attempt.request.owner
@@ -313,12 +312,12 @@ class IdempotentJob(Job):
         except BaseException:
             # Worker shutdown and the like: RQ re-enqueues or fails the job as it sees fit.
             if attempt is not None:
-                self._release_claim(attempt)
+                attempt.release_quietly()
             raise
         if isinstance(value, Retry):
             return self._returned_retry(value, attempt, key, options, state)
         if attempt is not None:
-            value = self._complete_claim(attempt, value)
+            value = attempt.finish(value, self._time_budget(attempt.request.lease_seconds))
         self._dead_letter_succeeded(state)
         return value
 
@@ -333,7 +332,7 @@ class IdempotentJob(Job):
         """The function returned ``Retry`` (RQ's other retry): release; dead-letter if it is
         the last one RQ allows."""
         if attempt is not None:
-            self._release_claim(attempt)
+            attempt.release_quietly()
             state["previous_owner"] = attempt.request.owner
         if (self.number_of_retries or 0) < retry.max:
             return retry
@@ -342,44 +341,6 @@ class IdempotentJob(Job):
             "MaxRetriesExceeded", message, None, key, options, state, attempt
         )
         return requeue if requeue is not None else retry
-
-    def _complete_claim(self, attempt: Attempt, value: Any) -> Any:
-        """Store the result, trying for up to one lease (at most half the job's timeout) while
-        the store is unreachable.
-
-        Returns the job's value: its own, or, when it lost its claim to an execution that
-        completed first, that execution's cached value, so every caller sees one value.
-        """
-        deadline = time.monotonic() + self._time_budget(attempt.request.lease_seconds)
-        pause = 0.1
-        while True:
-            try:
-                if attempt.complete(value) is CompleteOutcome.STALE:
-                    return _winning_value(attempt, value)
-                return value
-            except StoreUnavailable as exc:
-                if time.monotonic() + pause > deadline:
-                    logger.error(
-                        "job %s succeeded but its result could not be stored: %s; a duplicate "
-                        "may run it again once its lease ends",
-                        self.id,
-                        exc,
-                    )
-                    return value
-                logger.warning("job %s: store unreachable while completing: %s", self.id, exc)
-                time.sleep(pause)
-                pause = min(pause * 2, 5.0)
-
-    def _release_claim(self, attempt: Attempt) -> None:
-        try:
-            attempt.release()
-        except StoreUnavailable as exc:
-            logger.warning(
-                "job %s could not release key %r (%s); it frees itself when its lease ends",
-                self.id,
-                attempt.request.key,
-                exc,
-            )
 
     # -- dead letters -------------------------------------------------------------------------
 
@@ -517,13 +478,3 @@ class IdempotentJob(Job):
         scheduler is needed), then go back to the queue."""
         time.sleep(delay)
         return Requeue(reason)
-
-
-def _winning_value(attempt: Attempt, own_value: Any) -> Any:
-    try:
-        record = attempt.store.get(attempt.request.storage_key)
-    except (StoreUnavailable, CorruptRecord):
-        return own_value
-    if record is None or record.status is not Status.COMPLETED or not record.result_cached:
-        return own_value
-    return attempt.cached_value(record)
