@@ -4,6 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY idempotent_tasks ./idempotent_tasks
 COPY examples ./examples
-RUN pip install --no-cache-dir ".[redis,sql]"
+# kombu[redis] brings what kombu's Redis transport imports besides redis (packaging).
+RUN pip install --no-cache-dir ".[redis,sql]" "kombu[redis]"
 USER nobody
 CMD ["celery", "-A", "examples.compose_app", "worker", "-l", "info"]

@@ -45,6 +45,10 @@ bench: $(VENV)/.installed-dev services
 chaos: $(VENV)/.installed-dev services
 	$(PY) -m chaos.run
 
+## Validate docker-compose.yml with a real Compose implementation (no engine needed).
+compose-check:
+	bash scripts/check-compose.sh
+
 services:
 	bash scripts/ensure-services.sh
 

@@ -14,8 +14,11 @@ import random
 import uuid
 
 from celery import Celery
+from celery.utils.log import get_task_logger
 
 from idempotent_tasks import IdempotentTask
+
+logger = get_task_logger(__name__)
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/shop")
@@ -37,6 +40,7 @@ class GatewayTimeout(TimeoutError):
 
 def call_gateway(order_id: int, amount: int, idempotency_key: str) -> str:
     """A stand-in payment gateway: sometimes times out, else returns a charge id."""
+    logger.info("charging order %s", order_id)
     if random.random() < GATEWAY_TIMEOUT_RATE:
         raise GatewayTimeout(f"gateway timed out charging order {order_id}")
     return f"ch_{uuid.uuid5(uuid.NAMESPACE_URL, idempotency_key).hex[:12]}"

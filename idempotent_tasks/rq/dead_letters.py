@@ -6,6 +6,7 @@ import json
 import logging
 from typing import Any
 
+from .. import signals
 from ..dlq import DeadLetter, DeadLetterQueue, Failure
 from ..errors import StoreUnavailable
 from .options import FRAMEWORK
@@ -70,6 +71,7 @@ def mark_succeeded(queue: DeadLetterQueue, dead_letter_id: str) -> None:
 
 
 def _log_item(job_id: str, item: DeadLetter) -> None:
+    signals.dead_letter_written.send(task_name=item.task_name, status=item.status.value)
     logger.error(
         "job %s dead-lettered as %s: %s, %s of %s retries used, next try %s",
         job_id,
