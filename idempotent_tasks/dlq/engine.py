@@ -55,8 +55,9 @@ def create_dlq_engine(url: str) -> Engine:
 
 def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # The busy timeout first: switching to WAL needs a lock another process may hold.
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
 
 
