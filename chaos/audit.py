@@ -707,9 +707,9 @@ def report(result: AuditResult) -> str:
         )
     if result.rows_recovered:
         notes.append(
-            f"{len(set(result.rows_recovered))} dead-letter rows re-published again after the "
-            f"retrying timeout ({DLQ_RETRYING_TIMEOUT_S:g}s): their first re-publication never "
-            f"ran (e.g. row {result.rows_recovered[0]})"
+            f"{_plural(len(set(result.rows_recovered)), 'dead-letter row')} re-published again "
+            f"after the retrying timeout ({DLQ_RETRYING_TIMEOUT_S:g}s), the earlier "
+            f"re-publication having never run (e.g. row {result.rows_recovered[0]})"
         )
     if result.unexpected_exits:
         notes.append(

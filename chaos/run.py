@@ -192,12 +192,13 @@ def _versions() -> str:
         redis_version = out.stdout.split("v=")[1].split()[0] if "v=" in out.stdout else "?"
     from chaos.services import postgres_bindir
 
-    postgres = subprocess.run(
+    out = subprocess.run(
         [str(postgres_bindir() / "postgres"), "--version"],
         capture_output=True,
         text=True,
         check=False,
-    ).stdout.split()[-1]
+    ).stdout  # "postgres (PostgreSQL) 15.20 (Debian 15.20-0+deb12u1)"
+    postgres = out.split("(PostgreSQL)")[-1].split()[0] if "(PostgreSQL)" in out else "?"
     return f"Celery {celery.__version__}, Redis {redis_version}, PostgreSQL {postgres}"
 
 
