@@ -71,6 +71,9 @@ app.conf.update(
         # default sweeps every ~100 s).
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # The lock a restore sweep holds: a worker SIGKILLed while holding it blocks every
+        # restore until it expires (kombu's default: 300 s, which stalls the whole run).
+        "unacked_mutex_expire": 10,
     },
     # Keep storing a task's result while the result backend (the run's Redis) restarts:
     # Celery's default gives up at once and the caller sees ConnectionError instead.
