@@ -309,7 +309,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.request.idempotency_attempt = None
             attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
-        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        try:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except Reject as rejected:
+            # Celery rejects without requeueing when it cannot publish the retry (broker down):
+            # that would drop the task, so hand the message back to the broker instead.
+            if rejected.requeue:
+                raise
+            raise Reject(rejected.reason, requeue=True) from rejected
 
     def on_final_failure(
         self, exc: Exception, key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
