@@ -47,6 +47,9 @@ class Attempt:
     token: int = 0
     #: Set when a heartbeat found the claim taken over by another owner.
     lost: threading.Event = field(default_factory=threading.Event)
+    #: Set by :meth:`finish` when another execution holds the key and has not completed yet:
+    #: the adapter must then wait for that execution's value instead of returning its own.
+    superseded: bool = False
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
@@ -150,6 +153,11 @@ class Attempt:
         try:
             record = self.store.get(self.request.storage_key)
         except (StoreUnavailable, CorruptRecord):
+            return own_value
+        if record is not None and record.status is Status.PROCESSING:
+            # The execution that took the key over is still running: this value must not be
+            # handed to callers as the key's result (it may never be the one stored).
+            self.superseded = True
             return own_value
         if record is None or record.status is not Status.COMPLETED or not record.result_cached:
             return own_value

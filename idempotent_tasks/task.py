@@ -285,6 +285,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             raise
         value = attempt.finish(value, attempt.request.lease_seconds)
+        if attempt.superseded:
+            # Taken over while the body ran, and the new owner has not finished: wait for its
+            # value like a duplicate, so every caller of this task id gets the stored one.
+            self._republish_self(defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0})
         self._dead_letter_succeeded()
         return value
 

@@ -318,6 +318,11 @@ class IdempotentJob(Job):
             return self._returned_retry(value, attempt, key, options, state)
         if attempt is not None:
             value = attempt.finish(value, self._time_budget(attempt.request.lease_seconds))
+            if attempt.superseded:
+                # Taken over mid-run and the new owner is still running: wait for its value.
+                return self._requeue_later(
+                    defaults.WAIT_INITIAL_DELAY, f"key {attempt.request.key!r} was taken over"
+                )
         self._dead_letter_succeeded(state)
         return value
 
