@@ -13,6 +13,7 @@ Ledger events written here (one per line of what a worker did):
 - ``refused`` / ``lease_lost``: the product's signals: a stale owner's completion was refused, a
   heartbeat found its claim taken over.
 - ``republished``: the dead-letter sweep re-published a row (from ``after_task_publish``).
+- ``pickup_republished``: the pickup guard published a message no worker had claimed in time.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from idempotent_tasks import IdempotentTask, signals
 from idempotent_tasks.dead_letters import DEAD_LETTER_HEADER, SWEEP_TASK
 from idempotent_tasks.dlq import DeadLetterQueue
 from idempotent_tasks.errors import StoreUnavailable
+from idempotent_tasks.pickups import REPUBLISHED_HEADER
 
 KEY_HEADER = "idempotency_key"
 #: Seconds between the tries of a flaky task, and of the first retry of a doomed one.
@@ -246,8 +248,17 @@ def _record_lease_lost(task_name: str = "", key: str = "", **_: Any) -> None:
 
 @after_task_publish.connect(weak=False)  # type: ignore[untyped-decorator]
 def _record_republication(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """The dead-letter sweep re-published a row: one ledger entry per re-publication."""
+    """The dead-letter sweep re-published a row: one ledger entry per re-publication. The
+    pickup guard's re-publications (same sweep task) are recorded apart."""
     headers = headers or {}
+    if headers.get(REPUBLISHED_HEADER) is not None:
+        ledger.write(
+            "pickup_republished",
+            key=headers.get(KEY_HEADER),
+            task_id=headers.get("id"),
+            times=headers[REPUBLISHED_HEADER],
+        )
+        return
     row_id = headers.get(DEAD_LETTER_HEADER)
     if row_id is None or getattr(current_task, "name", None) != SWEEP_TASK:
         return

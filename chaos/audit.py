@@ -124,6 +124,8 @@ class AuditResult:
     never_received: list[str] = field(default_factory=list)
     rows: int = 0
     republications: int = 0
+    #: Messages the pickup guard published again (lost by the broker, or only slow).
+    pickup_republications: int = 0
     rows_republished_twice: list[str] = field(default_factory=list)
     rows_recovered: list[str] = field(default_factory=list)
     callers: int = 0
@@ -393,6 +395,8 @@ def _check_republications(
 ) -> None:
     by_row: dict[str, list[Event]] = defaultdict(list)
     for event in events:
+        if event.kind == "pickup_republished":
+            result.pickup_republications += 1
         if event.kind == "republished":
             by_row[str(event.data["row"])].append(event)
     rounds_run: dict[str, set[int]] = defaultdict(set)
@@ -634,7 +638,8 @@ def report(result: AuditResult) -> str:
         f"after completion, {result.mode_counts['mixed']} both)",
         f"  calls: {result.callers} ({result.how_counts['published']} published, "
         f"{result.how_counts['cached']} answered from the cache, {result.how_counts['joined']} "
-        f"joined a running owner)",
+        f"joined a running owner; {result.pickup_republications} unclaimed messages published "
+        "again by the pickup guard)",
         "  faults: "
         + (
             ", ".join(

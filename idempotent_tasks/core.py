@@ -20,7 +20,15 @@ from . import signals
 from .codec import ResultCodec
 from .errors import CorruptRecord, StoreUnavailable
 from .heartbeat import keeper
-from .records import ClaimRequest, ClaimResult, CompleteOutcome, Outcome, Record, Status
+from .records import (
+    ClaimRequest,
+    ClaimResult,
+    CompleteOutcome,
+    Outcome,
+    Pickup,
+    Record,
+    Status,
+)
 from .stores.base import Store
 
 logger = logging.getLogger(__name__)
@@ -154,19 +162,19 @@ class Attempt:
             record = self.store.get(self.request.storage_key)
         except (StoreUnavailable, CorruptRecord):
             return own_value
-        if record is not None and record.status is Status.PROCESSING:
-            # The execution that took the key over is still running: this value must not be
-            # handed to callers as the key's result (it may never be the one stored).
+        if record is not None and record.status in (Status.PROCESSING, Status.QUEUED):
+            # The execution that took the key over is still running (or retrying): this value
+            # must not be handed to callers as the key's result (it may never be the one stored).
             self.superseded = True
             return own_value
         if record is None or record.status is not Status.COMPLETED or not record.result_cached:
             return own_value
         return self.cached_value(record)
 
-    def release_quietly(self) -> None:
+    def release_quietly(self, pickup: Pickup | None = None) -> None:
         """Release, logging (not raising) an unreachable store: the lease frees the key anyway."""
         try:
-            self.release()
+            self.release(pickup)
         except StoreUnavailable as exc:
             logger.warning(
                 "could not release key %r (%s); it frees itself when its lease ends",
@@ -174,11 +182,15 @@ class Attempt:
                 exc,
             )
 
-    def release(self) -> bool:
-        """Give the key up so a retry can claim it; ``False`` if it was no longer held."""
+    def release(self, pickup: Pickup | None = None) -> bool:
+        """Give the key up so a retry can claim it; ``False`` if it was no longer held.
+
+        With ``pickup`` (the retry's message), the key stays queued for this task id, so the
+        retry is published again should its message be lost.
+        """
         if not self.token:
             return False
-        return self.store.release(self.request, self.token)
+        return self.store.release(self.request, self.token, pickup)
 
     def _renew(self) -> bool:
         try:

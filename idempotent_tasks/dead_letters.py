@@ -15,6 +15,7 @@ from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
 from .dlq.queue import SWEEP_BATCH
 from .errors import StoreUnavailable
+from .pickups import republish_lost
 from .settings import app_setting
 
 logger = get_task_logger(__name__)
@@ -102,8 +103,11 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
 
     Runs from beat every ``idempotency_dlq_poll_interval`` seconds. Items still ``retrying``
     after ``idempotency_dlq_retrying_timeout`` (their sweep died) are made due again first.
+    The same sweep publishes again keyed messages the broker lost (see
+    :mod:`idempotent_tasks.pickups`) and removes expired claims from SQL stores.
     """
     app = self.app
+    republish_lost(app, store_for(app))
     _clean_expired_claims(app)
     queue = dlq_for(app)
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))

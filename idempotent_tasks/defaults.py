@@ -28,6 +28,9 @@ WAIT_INITIAL_DELAY: Final = 0.25
 WAIT_MAX_DELAY: Final = 5.0
 #: Pause before a task whose store was unreachable is tried again.
 STORE_UNAVAILABLE_DELAY: Final = 5.0
+#: Seconds after which a queued keyed message no worker claimed counts as lost and is published
+#: again, when the broker sets no ``visibility_timeout`` (the Redis transport's own default).
+PICKUP_TIMEOUT: Final = 3600
 #: Dead-letter queue: base delay, retries and how often beat sweeps it.
 DLQ_BASE_DELAY: Final = 60
 DLQ_MAX_RETRIES: Final = 3
@@ -47,6 +50,7 @@ APP_SETTINGS: Final[dict[str, Any]] = {
     "idempotency_result_max_bytes": RESULT_MAX_BYTES,
     "idempotency_result_serializer": None,
     "idempotency_allow_pickle": False,
+    "idempotency_pickup_timeout": None,
     "idempotency_dlq_base_delay": DLQ_BASE_DELAY,
     "idempotency_dlq_max_retries": DLQ_MAX_RETRIES,
     "idempotency_dlq_poll_interval": DLQ_POLL_INTERVAL,

@@ -46,8 +46,9 @@ class Metrics:
     ``idempotent_tasks_claims_total{task,outcome}``, ``..._takeovers_total{task}``,
     ``..._duplicates_suppressed_total{task,where}`` (``where`` is ``publish`` or ``worker``),
     ``..._stale_completes_refused_total{task}``, ``..._leases_lost_total{task}``,
-    ``..._results_not_cached_total{task}``, ``..._dead_letters_written_total{task,status}``
-    and the gauge ``idempotent_tasks_dead_letters{status}``.
+    ``..._results_not_cached_total{task}``, ``..._dead_letters_written_total{task,status}``,
+    ``..._lost_messages_republished_total{task}`` and the gauge
+    ``idempotent_tasks_dead_letters{status}``.
     """
 
     def __init__(self, registry: Any) -> None:
@@ -94,6 +95,12 @@ class Metrics:
             ["task", "status"],
             registry=registry,
         )
+        self.lost_republished = counter(
+            f"{PREFIX}_lost_messages_republished",
+            "Queued messages no worker claimed in time, published again.",
+            ["task"],
+            registry=registry,
+        )
         self.dead_letters = gauge(
             f"{PREFIX}_dead_letters",
             "Dead-letter rows by status (as of the last count).",
@@ -109,6 +116,7 @@ class Metrics:
             (signals.result_not_cached, self._on_not_cached),
             (signals.dead_letter_written, self._on_dead_letter),
             (signals.dead_letters_counted, self._on_counted),
+            (signals.lost_message_republished, self._on_lost_republished),
         )
 
     def connect(self) -> None:
@@ -146,6 +154,9 @@ class Metrics:
 
     def _on_dead_letter(self, *, task_name: str, status: str, **_: Any) -> None:
         self.dead_letters_written.labels(task_name, status).inc()
+
+    def _on_lost_republished(self, *, task_name: str, **_: Any) -> None:
+        self.lost_republished.labels(task_name).inc()
 
     def _on_counted(self, *, counts: dict[str, int], **_: Any) -> None:
         self.set_dead_letters(counts)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 class Status(str, enum.Enum):
     """State of a key's record."""
 
+    #: A message for the key was published and no worker has claimed it yet.
+    QUEUED = "queued"
     PROCESSING = "processing"
     COMPLETED = "completed"
 
@@ -95,3 +97,32 @@ class ClaimResult:
     token: int = 0
     record: Record | None = None
     takeover: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pickup:
+    """What a store keeps of a published message until a worker claims its key, so the
+    message can be published again if the broker loses it.
+
+    ``envelope`` is opaque to the store (the adapter's own encoding of the message). The
+    message counts as lost ``due_in`` seconds from now; each later re-publication waits twice
+    as long as the one before, starting from ``timeout``.
+    """
+
+    envelope: bytes
+    due_in: float
+    timeout: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DuePickup:
+    """A queued key whose message no worker claimed in time, taken by one sweep.
+
+    ``republished`` counts re-publications including this one (1 the first time).
+    """
+
+    storage_key: str
+    task_name: str
+    task_id: str
+    envelope: bytes
+    republished: int

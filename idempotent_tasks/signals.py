@@ -65,3 +65,7 @@ dead_letters_counted = Signal(
 result_not_cached = Signal(
     "result_not_cached", "A result was too big or not serializable: task_name, key, reason."
 )
+lost_message_republished = Signal(
+    "lost_message_republished",
+    "A queued key's message no worker claimed in time was published again: task_name.",
+)

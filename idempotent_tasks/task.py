@@ -13,6 +13,7 @@ from typing import Any, ClassVar, NoReturn
 from celery import Task, states
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult, EagerResult
+from celery.utils import uuid
 from celery.utils.log import get_task_logger
 
 from . import defaults, signals
@@ -36,6 +37,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
+from .pickups import envelope, make_pickup, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
 from .settings import app_setting, resolve
 
@@ -135,9 +137,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 headers[KEY_HEADER] = key
             options["headers"] = headers
         if key is not None and republish_headers is None:
-            short_circuit = self._peek(key, args, kwargs)
+            task_id = task_id or uuid()
+            message_options = {**options, "link": link, "link_error": link_error}
+            reservation, short_circuit = self._reserve(key, args, kwargs, task_id, message_options)
             if short_circuit is not None:
                 return short_circuit
+            if reservation is not None:
+                try:
+                    return super().apply_async(
+                        args, kwargs, task_id, producer, link, link_error, shadow, **options
+                    )
+                except Exception:
+                    self._cancel_reservation(reservation)
+                    raise
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
         )
@@ -175,41 +187,69 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         return None
 
-    def _peek(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Publish-side short cut (an optimisation only: the worker's claim is the guarantee)."""
+    def _reserve(
+        self,
+        key: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        task_id: str,
+        options: dict[str, Any],
+    ) -> tuple[ClaimRequest | None, Any]:
+        """Queue the key for this message (the pickup guard), or answer from its record.
+
+        Returns the reservation to cancel if the publish fails, and the result to return
+        instead of publishing. Only an optimisation and a safety net: the worker's claim is
+        the guarantee, so an unreachable store lets the message go out unguarded.
+        """
+        request = self._claim_request(key, args, kwargs, task_id, owner="")
+        body = envelope(args, kwargs, options)
+        wait = seconds_until(options.get("countdown"), options.get("eta"))
+        pickup = None if body is None else make_pickup(body, self.app.conf, wait)
+        store = store_for(self.app)
         try:
-            record = store_for(self.app).get(storage_key(self.name, key))
+            if pickup is None:
+                record = store.get(request.storage_key)
+            else:
+                record = store.reserve(request, pickup)
         except (StoreUnavailable, CorruptRecord) as exc:
             module_logger.warning("publishing %s without a look at its key: %s", self.name, exc)
-            return None
+            return None, None
         if record is None:
-            return None
-        self._check_fingerprint(record, key, args, kwargs)
+            return (None if pickup is None else request), None
+        return None, self._answer_from_record(record, request)
+
+    def _cancel_reservation(self, request: ClaimRequest) -> None:
+        try:
+            store_for(self.app).cancel_reservation(request)
+        except (StoreUnavailable, CorruptRecord) as exc:
+            module_logger.warning(
+                "could not cancel the reservation of key %r (%s): it will be published later",
+                request.key,
+                exc,
+            )
+
+    def _answer_from_record(self, record: Record, request: ClaimRequest) -> Any:
+        """What a publish of a key that has a record returns instead (``None``: publish)."""
+        if self.idempotency_validate and record.fingerprint != request.fingerprint:
+            raise IdempotencyKeyMismatch(
+                request.key, self.name, record.fingerprint, request.fingerprint
+            )
         if record.status is Status.COMPLETED:
             try:
                 value = self._codec.decode(record.result) if record.result else None
             except CorruptRecord as exc:
-                module_logger.warning("cached result of key %r is unreadable: %s", key, exc)
+                module_logger.warning("cached result of key %r is unreadable: %s", request.key, exc)
                 return None
             signals.duplicate_suppressed.send(
                 task_name=self.name, where="publish", outcome=Outcome.COMPLETED
             )
             return EagerResult(record.task_id, value, states.SUCCESS, name=self.name)
-        if record.lease_expires_at > time.time():
+        if record.status is Status.QUEUED or record.lease_expires_at > time.time():
             signals.duplicate_suppressed.send(
                 task_name=self.name, where="publish", outcome=Outcome.IN_PROGRESS
             )
             return self.AsyncResult(record.task_id)
         return None
-
-    def _check_fingerprint(
-        self, record: Record, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        if not self.idempotency_validate:
-            return
-        expected = fingerprint(self.name, self._signature, args, kwargs)
-        if record.fingerprint != expected:
-            raise IdempotencyKeyMismatch(key, self.name, record.fingerprint, expected)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -311,7 +351,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         attempt: Attempt | None = getattr(self.request, "idempotency_attempt", None)
         if attempt is not None:
             self.request.idempotency_attempt = None
-            attempt.release_quietly()
+            limit = self.max_retries if max_retries is None else max_retries
+            will_publish = not self.request.is_eager and (
+                limit is None or self.request.retries < limit
+            )
+            pickup = None
+            if will_publish:
+                wait = seconds_until(
+                    self.default_retry_delay if countdown is None and eta is None else countdown,
+                    eta,
+                )
+                pickup = self._retry_pickup(attempt, args, kwargs, wait)
+            attempt.release_quietly(pickup)
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
@@ -321,6 +372,31 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if rejected.requeue:
                 raise
             raise Reject(rejected.reason, requeue=True) from rejected
+
+    def _retry_pickup(self, attempt: Attempt, args: Any, kwargs: Any, wait: float) -> Any:
+        """The retry's message as the pickup guard keeps it, so a lost retry runs anyway."""
+        request = self.request
+        headers = {KEY_HEADER: attempt.request.key, PREVIOUS_OWNER_HEADER: attempt.request.owner}
+        dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
+        if dead_letter_id is not None:
+            headers[DEAD_LETTER_HEADER] = dead_letter_id
+        options = {
+            **routing_options(request.delivery_info),
+            "headers": headers,
+            "retries": request.retries + 1,
+            "link": request.callbacks,
+            "link_error": request.errbacks,
+            "chain": request.chain,
+            "group_id": request.group,
+            "root_id": request.root_id,
+            "parent_id": request.parent_id,
+        }
+        body = envelope(
+            request.args if args is None else args,
+            request.kwargs if kwargs is None else kwargs,
+            options,
+        )
+        return None if body is None else make_pickup(body, self.app.conf, wait)
 
     def on_final_failure(
         self, exc: Exception, key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -414,20 +490,39 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _attempt(
         self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any
     ) -> Attempt:
+        claim = self._claim_request(
+            key,
+            args,
+            kwargs,
+            request.id,
+            owner=new_owner(),
+            previous_owner=_request_header(request, PREVIOUS_OWNER_HEADER),
+        )
+        return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
+
+    def _claim_request(
+        self,
+        key: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        task_id: str,
+        *,
+        owner: str,
+        previous_owner: str | None = None,
+    ) -> ClaimRequest:
         lease_seconds, ttl_seconds = self._lease_and_ttl
-        claim = ClaimRequest(
+        return ClaimRequest(
             storage_key=storage_key(self.name, key),
             key=key,
             task_name=self.name,
-            task_id=request.id,
-            owner=new_owner(),
+            task_id=task_id,
+            owner=owner,
             fingerprint=fingerprint(self.name, self._signature, args, kwargs),
             lease_seconds=lease_seconds,
             ttl_seconds=ttl_seconds,
             validate=bool(self.idempotency_validate),
-            previous_owner=_request_header(request, PREVIOUS_OWNER_HEADER),
+            previous_owner=previous_owner,
         )
-        return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
 
     # -- per-task constants -----------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Every table idempotent_tasks keeps in SQL (dead letters, claims), and their schema versions."""
+"""Every table idempotent_tasks keeps in SQL (dead letters, claims, pickups), and their schema
+versions."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ metadata = MetaData()
 # MySQL/MariaDB DATETIME keeps no fractions of a second unless told to.
 Timestamp = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+# MySQL/MariaDB BLOB holds only 64 KiB.
+LongBlob = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 dead_letters = Table(
     "idempotent_tasks_dead_letters",
@@ -81,7 +84,8 @@ claims = Table(
     Column("id", String(320), primary_key=True),
     Column("key", String(1024), nullable=False),
     Column("task_name", String(255), nullable=False),
-    # processing | completed | released (a released claim is kept so tokens keep growing)
+    # queued | processing | completed | released (a released claim is kept so tokens keep
+    # growing)
     Column("status", String(16), nullable=False),
     Column("owner", String(64), nullable=False),
     Column("token", BigInteger, nullable=False),
@@ -97,4 +101,27 @@ claims = Table(
     Column("content_encoding", String(64)),
     Column("result", LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")),
     Index("ix_idempotent_tasks_claims_expires", "expires_at"),
+)
+
+#: Version of the pickups table of the SQL store (the pickup guard's outbox).
+PICKUPS_SCHEMA_VERSION = 1
+PICKUPS_COMPONENT = "pickups"
+
+# The message of a queued claim, kept until a worker claims the key so a sweep can publish it
+# again. A row is only meaningful while its claim row is ``queued`` for the same task id; rows
+# left behind by a claim are dropped by the sweep that finds them due.
+pickups = Table(
+    "idempotent_tasks_pickups",
+    metadata,
+    # The id of the claim row.
+    Column("id", String(320), primary_key=True),
+    Column("task_id", String(255), nullable=False),
+    Column("task_name", String(255), nullable=False),
+    Column("envelope", LongBlob, nullable=False),
+    # Seconds of the first re-publication backoff (doubled each time).
+    Column("timeout", Double, nullable=False),
+    Column("republished", Integer, nullable=False),
+    # When the message counts as lost (mirrored in the claim row's lease_expires_at).
+    Column("due_at", Double, nullable=False),
+    Index("ix_idempotent_tasks_pickups_due", "due_at"),
 )

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ..records import ClaimRequest, ClaimResult, CompleteOutcome, EncodedResult, Record
+from ..records import (
+    ClaimRequest,
+    ClaimResult,
+    CompleteOutcome,
+    DuePickup,
+    EncodedResult,
+    Pickup,
+    Record,
+)
 
 
 @runtime_checkable
@@ -17,10 +25,35 @@ class Store(Protocol):
     Every write is checked against the caller's ``owner`` and fencing ``token``.
     """
 
+    def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
+        """Record, before its message is published, that ``request.task_id`` will run the key.
+
+        When the key has no live record, writes a ``queued`` one (task id, fingerprint, the
+        ``pickup``; ``lease_expires_at`` is when the message counts as lost) and returns
+        ``None``. Otherwise writes nothing and returns the record found, whatever its state.
+        ``request.owner`` and ``request.lease_seconds`` are not used.
+        """
+        ...
+
+    def cancel_reservation(self, request: ClaimRequest) -> bool:
+        """Delete the ``queued`` record of ``request.task_id`` (its publish failed); whether
+        there was one."""
+        ...
+
+    def take_due(self, limit: int) -> list[DuePickup]:
+        """Up to ``limit`` queued keys whose message counts as lost, for re-publication.
+
+        Each one taken has its due time moved on (``timeout * 2 ** republished`` from now) in
+        the same atomic step, so concurrent sweeps never take one key in the same period.
+        Index entries of keys no longer queued are dropped on the way.
+        """
+        ...
+
     def claim(self, request: ClaimRequest) -> ClaimResult:
         """Atomically claim ``request.storage_key`` for ``request.owner``.
 
-        Acquired when there is no record, when the record is ``processing`` under an expired
+        Acquired when there is no record or a ``queued`` one (the fingerprint is still
+        compared), when the record is ``processing`` under an expired
         lease or under ``request.previous_owner`` (a takeover: the fencing token is incremented),
         or when it is already held by this very owner (a retried call). Otherwise returns the
         record found: ``MISMATCH`` if validation is on and its fingerprint differs, else
@@ -34,15 +67,19 @@ class Store(Protocol):
         """Mark the key ``completed`` with ``result`` for ``request.ttl_seconds``.
 
         Only while ``request.owner`` still holds ``token``: returns ``STALE`` and writes nothing if
-        another owner took over; ``RECOVERED`` if the record had vanished and was written anew.
+        another owner took over; ``RECOVERED`` if the record had vanished (or was only
+        ``queued`` again by a new publish) and was written anew.
         ``result=None`` records that the result was not cached (duplicates get ``None``).
         """
         ...
 
-    def release(self, request: ClaimRequest, token: int) -> bool:
-        """Delete a ``processing`` claim held by ``request.owner`` with ``token``.
+    def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
+        """Give up a ``processing`` claim held by ``request.owner`` with ``token``.
 
-        Returns whether it was deleted; the fencing counter is kept, so tokens keep growing.
+        Without ``pickup`` the record is deleted; with one (a retry is being published) it
+        becomes ``queued`` for ``request.task_id`` with that pickup, as :meth:`reserve` writes
+        it. Returns whether the claim was held; the fencing counter is kept, so tokens keep
+        growing.
         """
         ...
 

@@ -15,11 +15,24 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    DuePickup,
     EncodedResult,
     Outcome,
+    Pickup,
     Record,
     Status,
 )
+
+#: Largest power of two a pickup's re-publication backoff grows to.
+MAX_BACKOFF_EXPONENT = 20
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A queued key's pickup: its message and how often it was published again."""
+
+    pickup: Pickup
+    republished: int = 0
 
 
 class MemoryStore:
@@ -30,11 +43,66 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._records: dict[str, Record] = {}
         self._fences: dict[str, int] = {}
+        self._pending: dict[str, _Pending] = {}
+
+    def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
+        with self._lock:
+            now = self._clock()
+            found = self._live(request.storage_key, now)
+            if found is not None:
+                return found
+            self._queue(request, pickup, now, created_at=now, token=0)
+            return None
+
+    def cancel_reservation(self, request: ClaimRequest) -> bool:
+        with self._lock:
+            found = self._live(request.storage_key, self._clock())
+            if found is None or found.status is not Status.QUEUED:
+                return False
+            if found.task_id != request.task_id:
+                return False
+            self._drop(request.storage_key)
+            return True
+
+    def take_due(self, limit: int) -> list[DuePickup]:
+        with self._lock:
+            now = self._clock()
+            taken: list[DuePickup] = []
+            for storage_key in list(self._pending):
+                if len(taken) == limit:
+                    break
+                found = self._live(storage_key, now)
+                if found is None or found.status is not Status.QUEUED:
+                    self._pending.pop(storage_key, None)
+                    continue
+                if found.lease_expires_at > now:
+                    continue
+                pending = self._pending[storage_key]
+                pending.republished += 1
+                backoff = 2 ** min(pending.republished, MAX_BACKOFF_EXPONENT)
+                self._records[storage_key] = dataclasses.replace(
+                    found, lease_expires_at=now + pending.pickup.timeout * backoff, updated_at=now
+                )
+                taken.append(
+                    DuePickup(
+                        storage_key=storage_key,
+                        task_name=found.task_name,
+                        task_id=found.task_id,
+                        envelope=pending.pickup.envelope,
+                        republished=pending.republished,
+                    )
+                )
+            return taken
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
         with self._lock:
             now = self._clock()
             found = self._live(request.storage_key, now)
+            if found is not None and found.status is Status.QUEUED:
+                if request.validate and found.fingerprint != request.fingerprint:
+                    return ClaimResult(outcome=Outcome.MISMATCH, record=found)
+                self._pending.pop(request.storage_key, None)
+                return self._acquire(request, now, created_at=found.created_at, takeover=False)
             if found is None:
                 return self._acquire(request, now, created_at=now, takeover=False)
             if found.status is Status.PROCESSING and found.owner == request.owner:
@@ -55,8 +123,9 @@ class MemoryStore:
             now = self._clock()
             found = self._live(request.storage_key, now)
             outcome = CompleteOutcome.STORED
-            if found is None:
+            if found is None or found.status is Status.QUEUED:
                 outcome = CompleteOutcome.RECOVERED
+                self._pending.pop(request.storage_key, None)
                 found = self._new_record(request, token, now, created_at=now)
             elif found.owner != request.owner or found.token != token:
                 return CompleteOutcome.STALE
@@ -72,11 +141,15 @@ class MemoryStore:
             )
             return outcome
 
-    def release(self, request: ClaimRequest, token: int) -> bool:
+    def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         with self._lock:
             if not self._held(request, token):
                 return False
-            del self._records[request.storage_key]
+            if pickup is None:
+                del self._records[request.storage_key]
+                return True
+            found = self._records[request.storage_key]
+            self._queue(request, pickup, self._clock(), found.created_at, found.token)
             return True
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
@@ -99,6 +172,7 @@ class MemoryStore:
 
     def forget(self, storage_key: str) -> bool:
         with self._lock:
+            self._pending.pop(storage_key, None)
             return self._records.pop(storage_key, None) is not None
 
     def close(self) -> None:
@@ -116,9 +190,32 @@ class MemoryStore:
     def _live(self, storage_key: str, now: float) -> Record | None:
         found = self._records.get(storage_key)
         if found is not None and found.expires_at <= now:
-            del self._records[storage_key]
+            self._drop(storage_key)
             return None
         return found
+
+    def _drop(self, storage_key: str) -> None:
+        self._records.pop(storage_key, None)
+        self._pending.pop(storage_key, None)
+
+    def _queue(
+        self, request: ClaimRequest, pickup: Pickup, now: float, created_at: float, token: int
+    ) -> None:
+        self._records[request.storage_key] = Record(
+            storage_key=request.storage_key,
+            key=request.key,
+            task_name=request.task_name,
+            status=Status.QUEUED,
+            owner="",
+            token=token,
+            task_id=request.task_id,
+            fingerprint=request.fingerprint,
+            lease_expires_at=now + pickup.due_in,
+            created_at=created_at,
+            updated_at=now,
+            expires_at=now + pickup.due_in + request.ttl_seconds,
+        )
+        self._pending[request.storage_key] = _Pending(pickup)
 
     def _acquire(
         self, request: ClaimRequest, now: float, *, created_at: float, takeover: bool

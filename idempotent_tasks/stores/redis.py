@@ -1,7 +1,9 @@
 """Claim store on Redis: one Lua script per operation, one round trip each.
 
-Each key's record is a hash and its fencing counter a string; both names carry the same hash
-tag, so they live in one Redis Cluster slot and every script touches one slot only.
+Each key's record is a hash and its fencing counter a string. Keys are spread over
+:data:`SHARDS` shards; each shard also has a sorted set of its queued keys by due time (the
+pickup guard's index). Every name carries its shard's hash tag, so a key's record, counter and
+index share one Redis Cluster slot and every script touches one slot only.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any, TypeVar
+from zlib import crc32
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -21,14 +24,18 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    DuePickup,
     EncodedResult,
     Outcome,
+    Pickup,
     Record,
     Status,
 )
 
 _T = TypeVar("_T")
-_SCRIPTS = ("claim", "complete", "release", "extend")
+_SCRIPTS = ("reserve", "cancel", "due", "take", "claim", "complete", "release", "extend")
+#: Shards keys are spread over (each one Redis Cluster slot, with its own due index).
+SHARDS = 256
 #: Connection errors after which redis-py reconnects and tries the command again.
 _RETRIED_ERRORS: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError]
 
@@ -67,13 +74,70 @@ class RedisStore:
 
     def names(self, storage_key: str) -> list[str]:
         """Redis names of a key's record and fencing counter (one hash tag, one slot)."""
-        record = f"{self.prefix}:{{{storage_key}}}"
-        return [record, f"{record}:fence"]
+        shard = self._shard(storage_key)
+        return [f"{shard}:r:{storage_key}", f"{shard}:f:{storage_key}"]
+
+    def index_name(self, storage_key: str) -> str:
+        """Redis name of the due index of a key's shard."""
+        return f"{self._shard(storage_key)}:due"
+
+    def _shard(self, storage_key: str) -> str:
+        return f"{self.prefix}:{{{crc32(storage_key.encode()) % SHARDS:02x}}}"
+
+    def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
+        record_name = self.names(request.storage_key)[0]
+        reply = self._run(
+            "reserve",
+            [record_name, self.index_name(request.storage_key)],
+            [
+                request.task_id,
+                request.fingerprint,
+                request.key,
+                request.task_name,
+                _ms(pickup.due_in),
+                _ms(pickup.timeout),
+                _ms(request.ttl_seconds),
+                pickup.envelope,
+                request.storage_key,
+            ],
+        )
+        if not reply:
+            return None
+        return _record(request.storage_key, _pairs(reply))
+
+    def cancel_reservation(self, request: ClaimRequest) -> bool:
+        keys = [self.names(request.storage_key)[0], self.index_name(request.storage_key)]
+        return bool(self._run("cancel", keys, [request.task_id, request.storage_key]))
+
+    def take_due(self, limit: int) -> list[DuePickup]:
+        indexes = [f"{self.prefix}:{{{shard:02x}}}:due" for shard in range(SHARDS)]
+        with _translated_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for index in indexes:
+                self._scripts["due"](keys=[index], args=[limit], client=pipe)
+            members = [_text(m) for found in pipe.execute() for m in found]
+        taken: list[DuePickup] = []
+        for storage_key in members:
+            keys = [self.names(storage_key)[0], self.index_name(storage_key)]
+            reply = self._run("take", keys, [storage_key])
+            if reply:
+                taken.append(
+                    DuePickup(
+                        storage_key=storage_key,
+                        task_id=_text(reply[0]),
+                        task_name=_text(reply[1]),
+                        envelope=_bytes(reply[2]),
+                        republished=int(reply[3]),
+                    )
+                )
+                if len(taken) == limit:
+                    break
+        return taken
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
         reply = self._run(
             "claim",
-            self.names(request.storage_key),
+            [*self.names(request.storage_key), self.index_name(request.storage_key)],
             [
                 request.owner,
                 request.fingerprint,
@@ -84,6 +148,7 @@ class RedisStore:
                 request.previous_owner or "",
                 request.key,
                 request.task_name,
+                request.storage_key,
             ],
         )
         outcome = Outcome(_text(reply[0]))
@@ -97,7 +162,7 @@ class RedisStore:
     ) -> CompleteOutcome:
         reply = self._run(
             "complete",
-            self.names(request.storage_key),
+            [*self.names(request.storage_key), self.index_name(request.storage_key)],
             [
                 request.owner,
                 token,
@@ -110,13 +175,26 @@ class RedisStore:
                 request.task_id,
                 request.key,
                 request.task_name,
+                request.storage_key,
             ],
         )
         return CompleteOutcome(_text(reply))
 
-    def release(self, request: ClaimRequest, token: int) -> bool:
-        names = self.names(request.storage_key)[:1]
-        return bool(self._run("release", names, [request.owner, token]))
+    def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
+        keys = [self.names(request.storage_key)[0], self.index_name(request.storage_key)]
+        args: list[Any] = [request.owner, token]
+        if pickup is None:
+            args += ["", "", "", "", "", ""]
+        else:
+            args += [
+                _ms(pickup.due_in),
+                _ms(pickup.timeout),
+                _ms(request.ttl_seconds),
+                pickup.envelope,
+                request.task_id,
+                request.storage_key,
+            ]
+        return bool(self._run("release", keys, args))
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
         args = [request.owner, token, _ms(request.lease_seconds), _ms(request.ttl_seconds)]

@@ -6,6 +6,11 @@ read, decided on exactly as the Redis script decides, and taken over (when allow
 racing for an expired lease cannot both win, on any database, without locks. Released claims
 keep their row (``status = released``) so fencing tokens keep growing. Times are POSIX seconds
 from this process's clock.
+
+The pickup guard keeps a ``queued`` claim row per published message, and the message itself in
+a pickups row of the same id. Transactions that write both always write the claim row first,
+so they cannot deadlock one another; the claim path never touches pickups rows, and the
+sweep's :meth:`SqlStore.take_due` drops those a claim left behind.
 """
 
 from __future__ import annotations
@@ -16,27 +21,53 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Delete, Engine, Insert, Select, Update, delete, insert, select
+from sqlalchemy import (
+    Connection,
+    Delete,
+    Engine,
+    Executable,
+    Insert,
+    RowMapping,
+    Select,
+    Update,
+    delete,
+    insert,
+    select,
+)
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..dlq.engine import create_dlq_engine
-from ..dlq.schema import CLAIMS_COMPONENT, CLAIMS_SCHEMA_VERSION, claims
+from ..dlq.schema import (
+    CLAIMS_COMPONENT,
+    CLAIMS_SCHEMA_VERSION,
+    PICKUPS_COMPONENT,
+    PICKUPS_SCHEMA_VERSION,
+    claims,
+    pickups,
+)
 from ..dlq.schema_setup import ensure_component
 from ..errors import CorruptRecord, StoreUnavailable
 from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    DuePickup,
     EncodedResult,
     Outcome,
+    Pickup,
     Record,
     Status,
 )
 
-PROCESSING, COMPLETED, RELEASED = "processing", "completed", "released"
-#: Compare-and-set rounds a claim tries before calling the key contended.
+QUEUED, PROCESSING, COMPLETED, RELEASED = "queued", "processing", "completed", "released"
+#: Compare-and-set rounds a claim (or reservation) tries before calling the key contended.
 MAX_CLAIM_ROUNDS = 10
+#: Largest power of two a pickup's re-publication backoff grows to.
+MAX_BACKOFF_EXPONENT = 20
+#: Batches of due pickups one :meth:`SqlStore.take_due` reads at most (rows left behind by
+#: claims are dropped on the way and may fill a batch).
+MAX_TAKE_ROUNDS = 10
 
 
 # -- statements ---------------------------------------------------------------------------
@@ -97,6 +128,83 @@ def delete_expired(before: float) -> Delete:
     return delete(claims).where(claims.c.expires_at < before)
 
 
+def release_queued(claim_id: str, task_id: str, now: float) -> Update:
+    """Release a live ``queued`` row reserved for ``task_id``."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.status == QUEUED,
+            claims.c.task_id == task_id,
+            claims.c.expires_at > now,
+        )
+        .values(status=RELEASED, updated_at=now)
+    )
+
+
+def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
+    """Move the due time of a live ``queued`` row reserved for ``task_id``."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.status == QUEUED,
+            claims.c.task_id == task_id,
+            claims.c.expires_at > now,
+        )
+        .values(lease_expires_at=due_at, updated_at=now)
+    )
+
+
+def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
+    """Write a pickup row, replacing any row of the same id."""
+    changes = {name: value for name, value in row.items() if name != "id"}
+    if dialect == "postgresql":
+        on_pg = postgresql.insert(pickups).values(**row)
+        return on_pg.on_conflict_do_update(index_elements=[pickups.c.id], set_=changes)
+    if dialect == "sqlite":
+        on_sqlite = sqlite.insert(pickups).values(**row)
+        return on_sqlite.on_conflict_do_update(index_elements=[pickups.c.id], set_=changes)
+    if dialect in ("mysql", "mariadb"):
+        return mysql.insert(pickups).values(**row).on_duplicate_key_update(**changes)
+    return insert(pickups).values(**row)
+
+
+def select_due(prefix: str, now: float, limit: int) -> Select[Any]:
+    """Pickup rows of ``prefix`` due by ``now``, earliest first."""
+    return (
+        select(pickups)
+        .where(pickups.c.due_at <= now, pickups.c.id.startswith(f"{prefix}:", autoescape=True))
+        .order_by(pickups.c.due_at)
+        .limit(limit)
+    )
+
+
+def _same_pickup(claim_id: str, republished: int, due_at: float) -> Any:
+    # Count and due time change on every write of a pickup row (due times are exact doubles
+    # on every dialect), so together they tell whether the row is still the one read.
+    return (
+        (pickups.c.id == claim_id)
+        & (pickups.c.republished == republished)
+        & (pickups.c.due_at == due_at)
+    )
+
+
+def bump_pickup(claim_id: str, republished: int, due_at: float, values: dict[str, Any]) -> Update:
+    """Update a pickup row only if it is still the one read (compare-and-set)."""
+    return pickups.update().where(_same_pickup(claim_id, republished, due_at)).values(**values)
+
+
+def delete_pickup_if_unchanged(claim_id: str, republished: int, due_at: float) -> Delete:
+    """Delete a pickup row only if it is still the one read."""
+    return delete(pickups).where(_same_pickup(claim_id, republished, due_at))
+
+
+def delete_pickup(claim_id: str) -> Delete:
+    """Delete a pickup row whatever its state."""
+    return delete(pickups).where(pickups.c.id == claim_id)
+
+
 # -- the store ----------------------------------------------------------------------------
 
 
@@ -122,6 +230,81 @@ class SqlStore:
         """The row id of a key."""
         return f"{self.prefix}:{storage_key}"
 
+    def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
+        claim_id = self.claim_id(request.storage_key)
+        for _ in range(MAX_CLAIM_ROUNDS):
+            now = self._clock()
+            fresh = {
+                "id": claim_id,
+                "token": 0,
+                "created_at": now,
+                **self._queued_values(request, pickup, now),
+            }
+            if self._write_queued(insert_if_absent(self.dialect, fresh), request, pickup, now):
+                return None
+            found = self._one(select_claim(claim_id))
+            if found is None:
+                continue  # deleted between the two statements: insert again
+            if _is_live(found, now):
+                return _record(request.storage_key, found)
+            # An expired or released row: replace it, keeping its token so tokens keep growing.
+            token = int(found["token"])
+            swap = replace_if_unchanged(claim_id, found["owner"], token, {**fresh, "token": token})
+            if self._write_queued(swap, request, pickup, now):
+                return None
+        raise StoreUnavailable(f"reserve of {request.storage_key!r} kept losing races; try again")
+
+    def cancel_reservation(self, request: ClaimRequest) -> bool:
+        claim_id = self.claim_id(request.storage_key)
+        # Released rather than deleted, like a released claim: tokens keep growing.
+        with self._begin() as connection:
+            if _count(connection, release_queued(claim_id, request.task_id, self._clock())) == 0:
+                return False
+            connection.execute(delete_pickup(claim_id))
+            return True
+
+    def take_due(self, limit: int) -> list[DuePickup]:
+        taken: list[DuePickup] = []
+        for _ in range(MAX_TAKE_ROUNDS):
+            wanted = limit - len(taken)
+            if wanted <= 0:
+                break
+            now = self._clock()
+            with self._begin() as connection:
+                rows = connection.execute(select_due(self.prefix, now, wanted)).mappings().all()
+            for row in rows:
+                due = self._take(row, now)
+                if due is not None:
+                    taken.append(due)
+            if len(rows) < wanted:
+                break
+        return taken
+
+    def _take(self, row: RowMapping, now: float) -> DuePickup | None:
+        """Move one due pickup on and return it, unless another sweep took it or its key is
+        no longer queued for it (then its row is dropped)."""
+        claim_id, task_id = row["id"], row["task_id"]
+        republished = int(row["republished"]) + 1
+        due_at = now + float(row["timeout"]) * 2 ** min(republished, MAX_BACKOFF_EXPONENT)
+        with self._begin() as connection:
+            if _count(connection, retime_queued(claim_id, task_id, now, due_at)) == 0:
+                # Claimed, completed, cancelled, expired or queued for another task id since.
+                drop = delete_pickup_if_unchanged(claim_id, row["republished"], row["due_at"])
+                connection.execute(drop)
+                return None
+            values = {"republished": republished, "due_at": due_at}
+            bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
+            if _count(connection, bump) == 0:
+                connection.rollback()  # another sweep took it (or it was queued anew) first
+                return None
+        return DuePickup(
+            storage_key=claim_id[len(self.prefix) + 1 :],
+            task_name=row["task_name"],
+            task_id=task_id,
+            envelope=bytes(row["envelope"]),
+            republished=republished,
+        )
+
     def claim(self, request: ClaimRequest) -> ClaimResult:
         claim_id = self.claim_id(request.storage_key)
         # Each statement is its own short transaction: the compare-and-set needs no locks held
@@ -140,7 +323,7 @@ class SqlStore:
             token = int(found["token"]) + 1
             takeover = found["status"] == PROCESSING and found["expires_at"] > now
             values = self._processing_row(request, now, token=token, takeover=takeover)
-            if takeover:
+            if takeover or found["status"] == QUEUED:
                 values["created_at"] = found["created_at"]
             swap = replace_if_unchanged(claim_id, found["owner"], int(found["token"]), values)
             if self._rowcount(swap) == 1:
@@ -149,8 +332,14 @@ class SqlStore:
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:
         """The outcome for an existing row, or ``None`` when this claim may replace it."""
-        live = row["status"] != RELEASED and row["expires_at"] > now
-        if not live:
+        if not _is_live(row, now):
+            return None
+        if row["status"] == QUEUED:
+            # Published and not claimed yet: acquirable, still only with the same arguments.
+            if request.validate and row["fingerprint"] != request.fingerprint:
+                return ClaimResult(
+                    outcome=Outcome.MISMATCH, record=_record(request.storage_key, row)
+                )
             return None
         if row["status"] == PROCESSING and row["owner"] == request.owner:
             return ClaimResult(outcome=Outcome.ACQUIRED, token=int(row["token"]))
@@ -184,10 +373,10 @@ class SqlStore:
         if found is not None and found["owner"] == request.owner:
             if found["status"] == COMPLETED and int(found["token"]) == token:
                 return CompleteOutcome.STORED  # a repeated completion
-        if found is not None and found["status"] != RELEASED and found["expires_at"] > now:
+        if found is not None and found["status"] != QUEUED and _is_live(found, now):
             return CompleteOutcome.STALE
-        # The claim vanished (expired, or forgotten): write the result anew, unless another
-        # claimer took the key meanwhile.
+        # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
+        # since): write the result anew, unless another claimer took the key meanwhile.
         row = {**self._processing_row(request, now, token=token, takeover=False), **done}
         if found is None:
             inserted = self._rowcount(insert_if_absent(self.dialect, row))
@@ -196,10 +385,16 @@ class SqlStore:
             inserted = self._rowcount(swap)
         return CompleteOutcome.RECOVERED if inserted == 1 else CompleteOutcome.STALE
 
-    def release(self, request: ClaimRequest, token: int) -> bool:
-        values = {"status": RELEASED, "updated_at": self._clock()}
+    def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
+        now = self._clock()
         claim_id = self.claim_id(request.storage_key)
-        return self._rowcount(update_held(claim_id, request.owner, token, values)) == 1
+        if pickup is None:
+            values = {"status": RELEASED, "updated_at": now}
+            return self._rowcount(update_held(claim_id, request.owner, token, values)) == 1
+        values = self._queued_values(request, pickup, now)
+        return self._write_queued(
+            update_held(claim_id, request.owner, token, values), request, pickup, now
+        )
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
         now = self._clock()
@@ -218,7 +413,11 @@ class SqlStore:
         return _record(storage_key, row)
 
     def forget(self, storage_key: str) -> bool:
-        return self._rowcount(delete_claim(self.claim_id(storage_key))) > 0
+        claim_id = self.claim_id(storage_key)
+        with self._begin() as connection:
+            deleted = _count(connection, delete_claim(claim_id))
+            connection.execute(delete_pickup(claim_id))
+        return deleted > 0
 
     def cleanup(self, older_than: float = 0.0) -> int:
         """Delete rows that expired more than ``older_than`` seconds ago; how many."""
@@ -226,6 +425,46 @@ class SqlStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _write_queued(
+        self, statement: Insert | Update, request: ClaimRequest, pickup: Pickup, now: float
+    ) -> bool:
+        """Run ``statement``, which writes a ``queued`` claim row or nothing, and when it wrote
+        one, the pickup row beside it in the same transaction; whether it wrote."""
+        with self._begin() as connection:
+            if _count(connection, statement) != 1:
+                return False
+            row = {
+                "id": self.claim_id(request.storage_key),
+                "task_id": request.task_id,
+                "task_name": request.task_name,
+                "envelope": pickup.envelope,
+                "timeout": pickup.timeout,
+                "republished": 0,
+                "due_at": now + pickup.due_in,
+            }
+            connection.execute(upsert_pickup(self.dialect, row))
+            return True
+
+    @staticmethod
+    def _queued_values(request: ClaimRequest, pickup: Pickup, now: float) -> dict[str, Any]:
+        """A ``queued`` claim row but for its id, token and creation time."""
+        return {
+            "key": request.key,
+            "task_name": request.task_name,
+            "status": QUEUED,
+            "owner": "",
+            "takeover": False,
+            "task_id": request.task_id,
+            "fingerprint": request.fingerprint,
+            "lease_expires_at": now + pickup.due_in,
+            "updated_at": now,
+            "expires_at": now + pickup.due_in + request.ttl_seconds,
+            "result_cached": False,
+            "content_type": None,
+            "content_encoding": None,
+            "result": None,
+        }
 
     def _processing_row(
         self, request: ClaimRequest, now: float, *, token: int, takeover: bool
@@ -251,12 +490,9 @@ class SqlStore:
         }
 
     def _rowcount(self, statement: Insert | Update | Delete) -> int:
-        """Rows a statement wrote (counting returned rows where it returns any)."""
+        """Rows a statement wrote, in a transaction of its own."""
         with self._begin() as connection:
-            result = connection.execute(statement)
-            if result.returns_rows:
-                return len(result.all())
-            return int(result.rowcount)
+            return _count(connection, statement)
 
     def _one(self, statement: Select[Any]) -> Any:
         with self._begin() as connection:
@@ -283,7 +519,31 @@ class SqlStore:
                     tables=[claims],
                     what="claim store",
                 )
+                ensure_component(
+                    self.engine,
+                    component=PICKUPS_COMPONENT,
+                    version=PICKUPS_SCHEMA_VERSION,
+                    tables=[pickups],
+                    what="claim store pickups",
+                )
                 self._schema_ready = True
+
+
+def _count(connection: Connection, statement: Executable) -> int:
+    """Rows a statement wrote.
+
+    PostgreSQL and SQLite inserts return their rows (their drivers' row counts are not reliable
+    for INSERT), so those are counted; MySQL reports matched rows (SQLAlchemy's FOUND_ROWS).
+    """
+    result = connection.execute(statement)
+    if result.returns_rows:
+        return len(result.all())
+    return int(result.rowcount)
+
+
+def _is_live(row: Any, now: float) -> bool:
+    """Whether a claim row protects its key (released and expired rows do not)."""
+    return bool(row["status"] != RELEASED and row["expires_at"] > now)
 
 
 def _record(storage_key: str, row: Any) -> Record:

@@ -10,7 +10,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from idempotent_tasks.dlq.schema import claims
+from idempotent_tasks.dlq.schema import claims, pickups
 from idempotent_tasks.records import ClaimRequest
 from idempotent_tasks.stores import MemoryStore, Store
 from idempotent_tasks.stores.redis import RedisStore
@@ -56,8 +56,10 @@ def store_url(kind: str, request: pytest.FixtureRequest) -> str:
     url: str = request.getfixturevalue("sql_urls")[kind]
     engine = sa.create_engine(url)
     with engine.begin() as connection:
-        if sa.inspect(connection).has_table(claims.name):
-            connection.execute(claims.delete())
+        inspector = sa.inspect(connection)
+        for table in (claims, pickups):
+            if inspector.has_table(table.name):
+                connection.execute(table.delete())
     engine.dispose()
     return url
 

@@ -105,8 +105,12 @@ def test_key_reused_with_other_arguments_is_refused_at_publish() -> None:
     assert queue_length(IDLE_QUEUE) == 0
 
 
-def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publish() -> None:
-    # Both calls are published before either is claimed: the worker is where it is caught.
+def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both calls are published before either is claimed, and with the pickup guard off nothing
+    # is written at publish: the worker is where it is caught.
+    monkeypatch.setitem(worker_app.app.conf, "idempotency_pickup_timeout", 0)
     order, key = fresh("order"), fresh("key")
     with ThreadPoolExecutor(max_workers=2) as pool:
         first, second = pool.map(
@@ -120,6 +124,26 @@ def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publ
         except IdempotencyKeyMismatch as exc:
             outcomes.append(exc)
     assert sum(isinstance(outcome, IdempotencyKeyMismatch) for outcome in outcomes) == 1
+    assert ledger_events(order, "start") == 1
+
+
+def test_key_reused_with_other_arguments_at_once_fails_at_publish() -> None:
+    # With the pickup guard on, the first publish queues the key atomically: of two racing
+    # publishes with other arguments, exactly one is refused before anything is sent.
+    order, key = fresh("order"), fresh("key")
+
+    def publish(amount: int) -> Any:
+        try:
+            return charge.apply_async((order, amount), idempotency_key=key)
+        except IdempotencyKeyMismatch as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outcomes = list(pool.map(publish, (10, 11)))
+    refused = [outcome for outcome in outcomes if isinstance(outcome, IdempotencyKeyMismatch)]
+    published = [outcome for outcome in outcomes if isinstance(outcome, AsyncResult)]
+    assert len(refused) == 1 and len(published) == 1, outcomes
+    assert published[0].get(timeout=30)["order_id"] == order
     assert ledger_events(order, "start") == 1
 
 

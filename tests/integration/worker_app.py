@@ -25,6 +25,7 @@ app = Celery(
 app.conf.update(
     idempotency_store_url=os.environ.get("IT_STORE_URL", "redis://127.0.0.1:6379/12"),
     idempotency_lease=float(os.environ.get("IT_LEASE", "300")),
+    idempotency_pickup_timeout=float(os.environ.get("IT_PICKUP_TIMEOUT", "3600")),
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("IT_VISIBILITY_TIMEOUT", "3600")),
         # Sweep for unacknowledged messages every second (kombu's default: ~100 s).
@@ -212,3 +213,11 @@ def fails_once_and_for_all(name: str, amount: int = 0) -> None:
     """Fails; its dead letter allows no retries, so the row stays as written."""
     note("start", name)
     raise RuntimeError(f"{name} fails for good")
+
+
+@app.task(base=IdempotentTask, bind=True, max_retries=3)
+def retries_into_the_void(self: Any, name: str) -> str:
+    """Its first run retries into a queue no worker reads: the retry message is as good as lost."""
+    if note("start", name) == 1:
+        raise self.retry(queue="nowhere", countdown=0)
+    return f"{name} done"

@@ -88,6 +88,13 @@ def test_takeover_losses_and_uncached_results_are_counted(registry: CollectorReg
     assert sample(registry, "idempotent_tasks_results_not_cached_total", task=TASK) == 1
 
 
+def test_lost_messages_published_again_are_counted(registry: CollectorRegistry) -> None:
+    signals.lost_message_republished.send(task_name=TASK)
+    signals.lost_message_republished.send(task_name=TASK)
+
+    assert sample(registry, "idempotent_tasks_lost_messages_republished_total", task=TASK) == 2
+
+
 def test_dead_letters_written_are_counted_by_status(registry: CollectorRegistry) -> None:
     signals.dead_letter_written.send(task_name=TASK, status="pending")
     signals.dead_letter_written.send(task_name=TASK, status="permanent_failure")
@@ -210,5 +217,6 @@ def test_metric_names_are_the_documented_ones(registry: CollectorRegistry) -> No
         "idempotent_tasks_leases_lost",
         "idempotent_tasks_results_not_cached",
         "idempotent_tasks_dead_letters_written",
+        "idempotent_tasks_lost_messages_republished",
         "idempotent_tasks_dead_letters",
     }

@@ -1,6 +1,7 @@
 -- Claim a key for one execution attempt, atomically.
 -- KEYS[1]  record hash
 -- KEYS[2]  fencing counter (string; outlives the record so tokens only grow)
+-- KEYS[3]  due index of the record's shard (a queued key leaves it when claimed)
 -- ARGV[1]  owner id of this attempt
 -- ARGV[2]  fingerprint of the call's arguments
 -- ARGV[3]  task id
@@ -10,6 +11,7 @@
 -- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
 -- ARGV[8]  the caller's key (for display)
 -- ARGV[9]  task name
+-- ARGV[10] storage key (index member)
 -- Returns  {outcome, token, takeover, field, value, ...}
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired, else 0; takeover: 1 or 0
@@ -46,6 +48,16 @@ local function answer(outcome)
   return reply
 end
 
+if found[1] == 'queued' then
+  -- Published and not yet claimed: this delivery runs it (the caller may be a duplicate, so
+  -- the fingerprint is still compared).
+  if ARGV[6] == '1' and found[3] ~= ARGV[2] then
+    return answer('mismatch')
+  end
+  redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished')
+  redis.call('ZREM', KEYS[3], ARGV[10])
+  return acquire(0, found[5])
+end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   return {'acquired', tonumber(found[6]), 0}
 end

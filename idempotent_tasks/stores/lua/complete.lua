@@ -1,6 +1,7 @@
 -- Mark a key completed with its result, only if this owner still holds it (fencing).
 -- KEYS[1]  record hash
 -- KEYS[2]  fencing counter
+-- KEYS[3]  due index of the record's shard
 -- ARGV[1]  owner id
 -- ARGV[2]  fencing token
 -- ARGV[3]  ttl, milliseconds
@@ -8,6 +9,7 @@
 -- ARGV[5]  result content type    ARGV[6]  result content encoding    ARGV[7]  result bytes
 -- ARGV[8]  fingerprint   ARGV[9]  task id   ARGV[10]  key   ARGV[11]  task name
 --          (ARGV[8..11] rebuild the record if it vanished)
+-- ARGV[12] storage key (index member)
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -15,8 +17,12 @@ local ttl = tonumber(ARGV[3])
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
 local outcome = 'stored'
-if not found[1] then
+if not found[1] or found[1] == 'queued' then
+  -- The claim vanished (a store that lost it, or an expiry), and perhaps a new publish
+  -- queued the key since: this execution did finish, so its result is the key's.
   outcome = 'recovered'
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[3], ARGV[12])
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', ARGV[2], 'fingerprint', ARGV[8],
     'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', now,
     'lease_expires_at', now)

@@ -1,11 +1,25 @@
--- Delete a processing claim, only if this owner still holds it with this token.
--- KEYS[1]  record hash
--- ARGV[1]  owner id
--- ARGV[2]  fencing token
--- Returns  1 if deleted, 0 if the claim is not (or no longer) this owner's
+-- Give up a processing claim, only if this owner still holds it with this token: delete it,
+-- or, when a pickup is given (a retry is being published), make the key queued for it.
+-- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
+-- ARGV[1]  owner id          ARGV[2]  fencing token
+-- ARGV[3]  due in, ms ("" for no pickup)    ARGV[4]  re-publication timeout, ms
+-- ARGV[5]  ttl, ms           ARGV[6]  envelope    ARGV[7]  task id    ARGV[8]  storage key
+-- Returns  1 if released, 0 if the claim is not (or no longer) this owner's
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
-if found[1] == 'processing' and found[2] == ARGV[1] and found[3] == ARGV[2] then
+if found[1] ~= 'processing' or found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
+  return 0
+end
+if ARGV[3] == '' then
   redis.call('DEL', KEYS[1])
   return 1
 end
-return 0
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local due_in = tonumber(ARGV[3])
+local ttl = tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', ARGV[7],
+  'lease_expires_at', now + due_in, 'updated_at', now, 'expires_at', now + due_in + ttl,
+  'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', 0)
+redis.call('PEXPIRE', KEYS[1], due_in + ttl)
+redis.call('ZADD', KEYS[2], now + due_in, ARGV[8])
+return 1

@@ -1,0 +1,152 @@
+"""The pickup guard: a keyed message the broker loses is published again.
+
+Celery's Redis transport pops a message and only then records it as unacknowledged; a worker
+killed, or a Redis restarted, between the two loses the message for good. So before a keyed
+task is published, the claim store records the key as ``queued`` with an envelope of the
+message (:meth:`~idempotent_tasks.stores.base.Store.reserve`); a worker's claim ends that. The
+beat sweep (:func:`republish_lost`) publishes again, with the same task id, every queued key no
+worker claimed within ``idempotency_pickup_timeout`` seconds of when it was due, and then
+after twice as long each time. A message that was only slow runs no body twice: its
+duplicate finds the key claimed or completed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any, cast
+
+from kombu.utils import json as kombu_json
+
+from . import defaults, signals
+from .errors import StoreUnavailable
+from .records import DuePickup, Pickup
+
+logger = logging.getLogger(__name__)
+
+# kombu's JSON keeps datetimes, UUIDs and decimals as Celery's own messages do.
+dumps = cast(Callable[[Any], str], kombu_json.dumps)
+loads = cast(Callable[[str], Any], kombu_json.loads)
+
+#: ``apply_async`` options an envelope keeps (routing, limits, callbacks, canvas ids, headers).
+CARRIED_OPTIONS = (
+    "queue",
+    "exchange",
+    "routing_key",
+    "priority",
+    "expires",
+    "time_limit",
+    "soft_time_limit",
+    "serializer",
+    "shadow",
+    "link",
+    "link_error",
+    "chain",
+    "group_id",
+    "group_index",
+    "root_id",
+    "parent_id",
+    "headers",
+    "retries",
+)
+#: Header of a message the guard published again: how many times it was (1 the first time).
+REPUBLISHED_HEADER = "idempotency_pickup_republished"
+#: Due times of queued keys are swept this many at a time.
+SWEEP_BATCH = 500
+
+
+def pickup_timeout(conf: Any) -> float:
+    """Seconds after which a queued message counts as lost (0: the guard is off).
+
+    ``idempotency_pickup_timeout`` when set, else the broker's ``visibility_timeout``, the
+    time after which the Redis transport itself redelivers an unacknowledged message.
+    """
+    configured = conf.get("idempotency_pickup_timeout")
+    if configured is not None:
+        return max(float(configured), 0.0)
+    transport_options = conf.get("broker_transport_options") or {}
+    return float(transport_options.get("visibility_timeout", defaults.PICKUP_TIMEOUT) or 0)
+
+
+def seconds_until(countdown: Any = None, eta: Any = None) -> float:
+    """How long from now a message asks to wait before it runs."""
+    if eta is not None:
+        when = datetime.fromisoformat(eta) if isinstance(eta, str) else cast(datetime, eta)
+        now = datetime.now(when.tzinfo) if when.tzinfo else datetime.now()
+        return max((when - now).total_seconds(), 0.0)
+    return max(float(countdown or 0), 0.0)
+
+
+def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> bytes | None:
+    """The message as the sweep would publish it again, or ``None`` when its arguments cannot
+    be kept as JSON (those tasks are then published unguarded)."""
+    carried: dict[str, Any] = {}
+    for name in CARRIED_OPTIONS:
+        value = options.get(name)
+        if value is None:
+            continue
+        value = getattr(value, "name", value)  # kombu Queue / Exchange objects
+        if _jsonable(value):
+            carried[name] = value
+    try:
+        return dumps({"args": list(args), "kwargs": kwargs, "options": carried}).encode()
+    except (TypeError, ValueError):
+        return None
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def make_pickup(body: bytes, conf: Any, wait: float) -> Pickup | None:
+    """The pickup of a message that runs ``wait`` seconds from now, unless the guard is off."""
+    timeout = pickup_timeout(conf)
+    if timeout <= 0:
+        return None
+    return Pickup(envelope=body, due_in=wait + timeout, timeout=timeout)
+
+
+def republish(app: Any, due: DuePickup) -> None:
+    """Publish a queued key's message again: same task, id, arguments, options and key."""
+    message = loads(due.envelope.decode())
+    options = dict(message["options"])
+    options["headers"] = {**options.get("headers", {}), REPUBLISHED_HEADER: due.republished}
+    app.send_task(
+        due.task_name,
+        args=message["args"],
+        kwargs=message["kwargs"],
+        task_id=due.task_id,
+        **options,
+    )
+
+
+def republish_lost(app: Any, store: Any, batch: int = SWEEP_BATCH) -> int:
+    """Publish again every queued key whose message no worker claimed in time; how many."""
+    published = 0
+    while True:
+        try:
+            taken = store.take_due(batch)
+        except StoreUnavailable as exc:
+            logger.warning("could not look for lost messages: %s", exc)
+            return published
+        for due in taken:
+            try:
+                republish(app, due)
+            except Exception as exc:  # the key stays queued: the next sweep tries again
+                logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
+                continue
+            published += 1
+            logger.warning(
+                "published %s (%s) again: no worker claimed its message in time (%s time)",
+                due.task_name,
+                due.task_id,
+                due.republished,
+            )
+            signals.lost_message_republished.send(task_name=due.task_name)
+        if len(taken) < batch:
+            return published

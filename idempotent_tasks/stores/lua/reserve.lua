@@ -1,0 +1,25 @@
+-- Reserve a key for a message about to be published, unless the key has a record already.
+-- KEYS[1]  record hash
+-- KEYS[2]  due index of the record's shard (sorted set: storage key -> due time)
+-- ARGV[1]  task id          ARGV[2]  fingerprint       ARGV[3]  the caller's key
+-- ARGV[4]  task name        ARGV[5]  due in, ms        ARGV[6]  re-publication timeout, ms
+-- ARGV[7]  ttl, ms          ARGV[8]  envelope          ARGV[9]  storage key (index member)
+-- Returns  {} when reserved (status "queued"), else the record found as field/value pairs
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+if redis.call('HGET', KEYS[1], 'status') then
+  return redis.call('HGETALL', KEYS[1])
+end
+-- No record, or a corrupt one without a status (it protects nothing).
+redis.call('DEL', KEYS[1])
+local due_in = tonumber(ARGV[5])
+local ttl = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1],
+  'status', 'queued', 'owner', '', 'token', 0, 'task_id', ARGV[1], 'fingerprint', ARGV[2],
+  'key', ARGV[3], 'task_name', ARGV[4], 'lease_expires_at', now + due_in, 'created_at', now,
+  'updated_at', now, 'expires_at', now + due_in + ttl, 'envelope', ARGV[8],
+  'pickup_timeout', ARGV[6], 'republished', 0)
+redis.call('PEXPIRE', KEYS[1], due_in + ttl)
+redis.call('ZADD', KEYS[2], now + due_in, ARGV[9])
+return {}

@@ -1,0 +1,488 @@
+"""The pickup guard's part of the store contract: queued keys, their envelopes and the sweep.
+
+Every store answers the same: ``reserve`` queues a key no record protects, a claim acquires
+a queued key, and ``take_due`` hands each overdue queued key to one sweep per due period.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import multiprocessing
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from idempotent_tasks.records import (
+    ClaimRequest,
+    CompleteOutcome,
+    DuePickup,
+    EncodedResult,
+    Outcome,
+    Pickup,
+    Record,
+    Status,
+)
+from idempotent_tasks.stores import Store
+from tests.contract.conftest import SERVER_STORES, open_store, store_url
+
+Make = Callable[..., ClaimRequest]
+RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b'{"a": 1}')
+# Not text: NUL and bytes invalid in UTF-8 must come back as they went in.
+ENVELOPE = b"\x00\xff\x80envelope\x00\x01" + bytes(range(256))
+#: Seconds until a reserved key's message counts as lost, and the re-publication timeout.
+DUE_IN = 0.3
+TIMEOUT = 0.25
+#: Sleeps longer than DUE_IN, and than the first backoff (TIMEOUT * 2), with some slack.
+PAST_DUE = DUE_IN + 0.15
+PAST_FIRST_BACKOFF = TIMEOUT * 2 + 0.15
+
+
+def make_pickup(envelope: bytes = ENVELOPE, due_in: float = DUE_IN) -> Pickup:
+    return Pickup(envelope=envelope, due_in=due_in, timeout=TIMEOUT)
+
+
+def request_for(make_request: Make, name: str, **overrides: object) -> ClaimRequest:
+    """A request for key ``name`` (tests with several keys)."""
+    return make_request(storage_key=f"tasks.charge:{name}", key=name, **overrides)
+
+
+def taken_keys(store: Store, limit: int = 100) -> list[str]:
+    return [due.storage_key for due in store.take_due(limit)]
+
+
+# -- reserve ------------------------------------------------------------------------------
+
+
+def test_reserve_on_an_empty_key_queues_it(store: Store, make_request: Make) -> None:
+    request = make_request(task_id="t-7", ttl_seconds=60.0)
+    assert store.reserve(request, make_pickup()) is None
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert record.status is Status.QUEUED
+    assert (record.owner, record.task_id, record.fingerprint) == ("", "t-7", request.fingerprint)
+    assert (record.key, record.task_name) == (request.key, request.task_name)
+    assert record.lease_expires_at == pytest.approx(time.time() + DUE_IN, abs=1)
+    assert record.expires_at == pytest.approx(time.time() + DUE_IN + 60, abs=1)
+    assert record.result is None
+
+
+def _put_in_state(store: Store, request: ClaimRequest, state: str) -> None:
+    if state == "queued":
+        assert store.reserve(request, make_pickup()) is None
+        return
+    token = store.claim(request).token
+    if state == "completed":
+        store.complete(request, token, RESULT)
+    elif state == "lease expired":
+        time.sleep(0.3)  # the request's lease is 0.1 s
+
+
+@pytest.mark.parametrize("state", ["queued", "processing", "lease expired", "completed"])
+def test_reserve_on_a_live_record_returns_it_and_writes_nothing(
+    store: Store, make_request: Make, state: str
+) -> None:
+    # Given a key in some state (task-1's)
+    first = make_request(task_id="task-1", lease_seconds=0.1 if state == "lease expired" else 30)
+    _put_in_state(store, first, state)
+    before = store.get(first.storage_key)
+    assert before is not None
+    # When another publish of the key tries to reserve it
+    other = make_request(storage_key=first.storage_key, task_id="task-2")
+    found = store.reserve(other, make_pickup(envelope=b"other", due_in=0.0))
+    # Then it gets the record found, and the record is unchanged
+    assert found is not None
+    assert (found.status, found.owner, found.token, found.task_id) == (
+        before.status,
+        before.owner,
+        before.token,
+        "task-1",
+    )
+    assert store.get(first.storage_key) == before
+    if state == "queued":  # the first reservation's message is the one kept
+        time.sleep(PAST_DUE)
+        [due] = store.take_due(10)
+        assert (due.task_id, due.envelope) == ("task-1", ENVELOPE)
+    else:
+        assert store.take_due(10) == []
+
+
+@pytest.mark.parametrize("gone", ["released", "expired"])
+def test_reserve_after_the_record_is_gone_queues_the_key(
+    store: Store, make_request: Make, gone: str
+) -> None:
+    first = make_request(ttl_seconds=0.2)
+    token = store.claim(first).token
+    if gone == "released":
+        store.release(first, token)
+    else:
+        store.complete(first, token, RESULT)
+        time.sleep(0.35)
+    later = make_request(storage_key=first.storage_key, task_id="task-2")
+    assert store.reserve(later, make_pickup()) is None
+    record = store.get(first.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.QUEUED, "task-2")
+    # and the key's tokens keep growing past the one given before
+    assert store.claim(later).token > token
+
+
+# -- claiming queued keys -----------------------------------------------------------------
+
+
+def test_claim_of_a_queued_key_acquires_with_a_growing_token(
+    store: Store, make_request: Make
+) -> None:
+    request = make_request()
+    tokens = []
+    for _ in range(3):
+        assert store.reserve(request, make_pickup()) is None
+        claim = store.claim(request)
+        assert claim.outcome is Outcome.ACQUIRED
+        assert not claim.takeover
+        tokens.append(claim.token)
+        record = store.get(request.storage_key)
+        assert record is not None
+        assert (record.status, record.owner) == (Status.PROCESSING, request.owner)
+        assert store.release(request, claim.token) is True
+    assert tokens == sorted(set(tokens))
+    assert tokens[0] >= 1
+
+
+def test_claim_of_a_queued_key_with_another_fingerprint_is_a_mismatch(
+    store: Store, make_request: Make
+) -> None:
+    first = make_request(fingerprint="fp-a")
+    store.reserve(first, make_pickup())
+    other = store.claim(make_request(storage_key=first.storage_key, fingerprint="fp-b"))
+    assert other.outcome is Outcome.MISMATCH
+    assert other.record is not None
+    assert (other.record.fingerprint, other.record.status) == ("fp-a", Status.QUEUED)
+    unchecked = make_request(storage_key=first.storage_key, fingerprint="fp-b", validate=False)
+    assert store.claim(unchecked).outcome is Outcome.ACQUIRED
+
+
+@pytest.mark.parametrize("how", ["reserved", "overdue", "taken by a sweep", "released to retry"])
+def test_a_queued_key_is_never_in_progress(store: Store, make_request: Make, how: str) -> None:
+    request = make_request()
+    if how == "released to retry":
+        store.release(request, store.claim(request).token, make_pickup())
+    else:
+        store.reserve(request, make_pickup())
+    if how in ("overdue", "taken by a sweep"):
+        time.sleep(PAST_DUE)
+    if how == "taken by a sweep":
+        assert taken_keys(store) == [request.storage_key]
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert record.status is Status.QUEUED
+    # Any delivery of the key's message claims it, whichever worker it reaches.
+    claim = store.claim(make_request(storage_key=request.storage_key))
+    assert claim.outcome is Outcome.ACQUIRED
+    assert not claim.takeover
+
+
+# -- the sweep ----------------------------------------------------------------------------
+
+
+def test_take_due_hands_an_overdue_key_out_once_per_backoff(
+    store: Store, make_request: Make
+) -> None:
+    request = make_request(task_id="t-3")
+    store.reserve(request, make_pickup())
+    # Not before it is due
+    assert store.take_due(10) == []
+    time.sleep(PAST_DUE)
+    # Then once, with its envelope intact
+    assert store.take_due(10) == [
+        DuePickup(
+            storage_key=request.storage_key,
+            task_name=request.task_name,
+            task_id="t-3",
+            envelope=ENVELOPE,
+            republished=1,
+        )
+    ]
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert record.status is Status.QUEUED
+    assert record.lease_expires_at == pytest.approx(time.time() + TIMEOUT * 2, abs=0.2)
+    # Not again until the backed-off due time
+    assert store.take_due(10) == []
+    time.sleep(TIMEOUT)
+    assert store.take_due(10) == []
+    time.sleep(PAST_FIRST_BACKOFF - TIMEOUT)
+    [again] = store.take_due(10)
+    assert (again.storage_key, again.envelope, again.republished) == (
+        request.storage_key,
+        ENVELOPE,
+        2,
+    )
+
+
+def test_a_large_envelope_round_trips(store: Store, make_request: Make) -> None:
+    envelope = bytes(range(256)) * 2048  # 512 KiB: more than a MySQL BLOB holds
+    store.reserve(make_request(), make_pickup(envelope=envelope, due_in=0.0))
+    time.sleep(0.05)
+    [due] = store.take_due(10)
+    assert due.envelope == envelope
+
+
+def test_take_due_skips_keys_no_longer_queued(store: Store, make_request: Make) -> None:
+    # Given four reserved keys: one claimed, one completed, one forgotten, one left queued
+    claimed, completed, forgotten, lost = (
+        request_for(make_request, name) for name in ("claimed", "completed", "forgotten", "lost")
+    )
+    for request in (claimed, completed, forgotten, lost):
+        assert store.reserve(request, make_pickup()) is None
+    store.claim(claimed)
+    store.complete(completed, store.claim(completed).token, RESULT)
+    assert store.forget(forgotten.storage_key) is True
+    time.sleep(PAST_DUE)
+    # When the sweep looks, only the one no worker claimed is due
+    assert taken_keys(store) == [lost.storage_key]
+    assert store.take_due(10) == []
+    # and the claimed and completed keys are as their workers left them
+    running = store.get(claimed.storage_key)
+    assert running is not None
+    assert (running.status, running.owner) == (Status.PROCESSING, claimed.owner)
+    assert running.lease_expires_at == pytest.approx(time.time() + 30, abs=2)
+    done = store.get(completed.storage_key)
+    assert done is not None
+    assert (done.status, done.result) == (Status.COMPLETED, RESULT)
+
+
+def test_take_due_respects_its_limit(store: Store, make_request: Make) -> None:
+    names = [f"k{i}" for i in range(5)]
+    for name in names:
+        store.reserve(request_for(make_request, name), make_pickup(due_in=0.0))
+    time.sleep(0.05)
+    batches = [taken_keys(store, limit=2) for _ in range(4)]
+    assert [len(batch) for batch in batches] == [2, 2, 1, 0]
+    taken = [key for batch in batches for key in batch]
+    assert sorted(taken) == sorted(f"tasks.charge:{name}" for name in names)
+
+
+def test_claimed_keys_do_not_hide_due_ones_for_good(store: Store, make_request: Make) -> None:
+    # Keys claimed after they were reserved leave index entries the sweep drops on its way.
+    requests = [request_for(make_request, f"k{i}") for i in range(6)]
+    for request in requests:
+        store.reserve(request, make_pickup(due_in=0.0))
+        time.sleep(0.01)  # the claimed ones are due first
+    for request in requests[:4]:
+        store.claim(request)
+    time.sleep(0.05)
+    taken = [key for _ in range(4) for key in taken_keys(store, limit=2)]
+    assert sorted(taken) == sorted(request.storage_key for request in requests[4:])
+
+
+# -- cancel, release, complete ------------------------------------------------------------
+
+
+def test_cancel_reservation_deletes_only_its_own_queued_record(
+    store: Store, make_request: Make
+) -> None:
+    mine = make_request(task_id="task-1")
+    store.reserve(mine, make_pickup())
+    stranger = make_request(storage_key=mine.storage_key, task_id="task-2")
+    assert store.cancel_reservation(stranger) is False
+    record = store.get(mine.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.QUEUED, "task-1")
+    assert store.cancel_reservation(mine) is True
+    assert store.get(mine.storage_key) is None
+    assert store.cancel_reservation(mine) is False
+    time.sleep(PAST_DUE)
+    assert store.take_due(10) == []
+
+
+def test_cancel_reservation_leaves_a_claimed_key_alone(store: Store, make_request: Make) -> None:
+    request = make_request(task_id="task-1")
+    store.reserve(request, make_pickup())
+    store.claim(request)
+    assert store.cancel_reservation(request) is False
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert (record.status, record.owner) == (Status.PROCESSING, request.owner)
+
+
+def test_release_with_a_pickup_queues_the_key_for_a_retry(store: Store, make_request: Make) -> None:
+    # Given a claim held by task-1's execution
+    request = make_request(task_id="task-1")
+    token = store.claim(request).token
+    # When it gives the claim up to a retry it publishes
+    assert store.release(request, token, make_pickup(envelope=b"retry")) is True
+    # Then the key is queued for task-1, due later
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert (record.status, record.owner, record.task_id) == (Status.QUEUED, "", "task-1")
+    assert record.lease_expires_at == pytest.approx(time.time() + DUE_IN, abs=1)
+    assert store.take_due(10) == []
+    time.sleep(PAST_DUE)
+    [due] = store.take_due(10)
+    assert (due.storage_key, due.task_id, due.envelope, due.republished) == (
+        request.storage_key,
+        "task-1",
+        b"retry",
+        1,
+    )
+    # and the retry's claim gets a higher token
+    retry = store.claim(make_request(storage_key=request.storage_key, task_id="task-1"))
+    assert retry.outcome is Outcome.ACQUIRED
+    assert retry.token > token
+
+
+def test_release_with_a_pickup_needs_the_claim_held(store: Store, make_request: Make) -> None:
+    owner = make_request()
+    token = store.claim(owner).token
+    stranger = make_request(storage_key=owner.storage_key)
+    assert store.release(stranger, token, make_pickup()) is False
+    assert store.release(owner, token + 1, make_pickup()) is False
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.owner) == (Status.PROCESSING, owner.owner)
+
+
+def test_release_without_a_pickup_frees_the_key(store: Store, make_request: Make) -> None:
+    request = make_request()
+    store.reserve(request, make_pickup(due_in=0.0))
+    token = store.claim(request).token
+    assert store.release(request, token) is True
+    assert store.get(request.storage_key) is None
+    time.sleep(0.05)
+    assert store.take_due(10) == []
+
+
+@pytest.mark.parametrize("vanished", ["forgotten", "expired"])
+def test_complete_on_a_queued_record_recovers(
+    store: Store, make_request: Make, vanished: str
+) -> None:
+    # Given a claim that vanished, and a new publish of the key that queued it since
+    owner = make_request(task_id="task-1", lease_seconds=0.1, ttl_seconds=0.1)
+    token = store.claim(owner).token
+    if vanished == "forgotten":
+        store.forget(owner.storage_key)
+    else:
+        time.sleep(0.3)
+    store.reserve(make_request(storage_key=owner.storage_key, task_id="task-2"), make_pickup())
+    # When the first execution finishes, its result is the key's (kept a minute)
+    finished = dataclasses.replace(owner, ttl_seconds=60.0)
+    assert store.complete(finished, token, RESULT) is CompleteOutcome.RECOVERED
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.result, record.task_id) == (
+        Status.COMPLETED,
+        RESULT,
+        "task-1",
+    )
+    duplicate = store.claim(make_request(storage_key=owner.storage_key, task_id="task-2"))
+    assert duplicate.outcome is Outcome.COMPLETED
+    time.sleep(PAST_DUE)
+    assert store.take_due(10) == []
+
+
+def test_forget_removes_a_queued_key(store: Store, make_request: Make) -> None:
+    request = make_request()
+    store.reserve(request, make_pickup(due_in=0.0))
+    assert store.forget(request.storage_key) is True
+    assert store.get(request.storage_key) is None
+    time.sleep(0.05)
+    assert store.take_due(10) == []
+
+
+# -- races between processes --------------------------------------------------------------
+
+PROCESSES = 6
+RACE_KEYS = 100
+RACE_PREFIX = "pickup-race"
+
+
+def _request(storage_key: str, task_id: str) -> ClaimRequest:
+    return ClaimRequest(
+        storage_key=storage_key,
+        key=storage_key,
+        task_name="t",
+        task_id=task_id,
+        owner=uuid.uuid4().hex,
+        fingerprint="fp",
+        lease_seconds=30,
+        ttl_seconds=60,
+    )
+
+
+def _sweep_all(kind: str, url: str, start: multiprocessing.synchronize.Event) -> list[str]:
+    """Take due keys in small batches until none is left; the keys taken."""
+    store = open_store(kind, url, prefix=RACE_PREFIX)
+    store.get("warm-up")  # connect and create tables before the start line
+    start.wait()
+    taken: list[str] = []
+    while batch := store.take_due(7):
+        taken.extend(due.storage_key for due in batch)
+    store.close()
+    return taken
+
+
+def _reserve_all(
+    kind: str, url: str, keys: list[str], start: multiprocessing.synchronize.Event
+) -> list[bool]:
+    """Reserve every key for a task id of this process's own; which reservations won."""
+    store = open_store(kind, url, prefix=RACE_PREFIX)
+    store.get("warm-up")
+    start.wait()
+    task_id = uuid.uuid4().hex
+    pickup = Pickup(envelope=task_id.encode(), due_in=60, timeout=60)
+    won = [store.reserve(_request(key, task_id), pickup) is None for key in keys]
+    store.close()
+    return won
+
+
+def _race(function: Callable[..., list[object]], *args: object) -> list[list[object]]:
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        start = manager.Event()
+        with context.Pool(PROCESSES) as pool:
+            jobs = [pool.apply_async(function, (*args, start)) for _ in range(PROCESSES)]
+            time.sleep(0.5)
+            start.set()
+            return [job.get(timeout=120) for job in jobs]
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
+def test_concurrent_sweeps_in_many_processes_take_each_key_once(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    # Given 100 queued keys whose messages are overdue (and not due again for minutes)
+    url = store_url(kind, request)
+    store = open_store(kind, url, prefix=RACE_PREFIX)
+    keys = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(RACE_KEYS)]
+    pickup = Pickup(envelope=b"m", due_in=0.0, timeout=60)
+    for key in keys:
+        assert store.reserve(_request(key, f"task-{key}"), pickup) is None
+    store.close()
+    time.sleep(0.05)
+    # When several processes sweep at once
+    results = _race(_sweep_all, kind, url)
+    # Then every key was taken, each by exactly one of them
+    counts = collections.Counter(key for taken in results for key in taken)
+    assert set(counts) == set(keys)
+    assert max(counts.values()) == 1, counts.most_common(3)
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
+def test_concurrent_reservations_in_many_processes_get_one_winner(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = store_url(kind, request)
+    keys = [f"r{i}-{uuid.uuid4().hex[:6]}" for i in range(20)]
+    results = _race(_reserve_all, kind, url, keys)
+    for index in range(len(keys)):
+        per_key = [won[index] for won in results]
+        assert per_key.count(True) == 1, per_key
+    store = open_store(kind, url, prefix=RACE_PREFIX)
+    for key in keys:
+        record: Record | None = store.get(key)
+        assert record is not None
+        assert record.status is Status.QUEUED
+    store.close()

@@ -1,0 +1,82 @@
+"""The pickup guard's pure parts: envelopes, timeouts, waits."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Queue
+
+from idempotent_tasks.pickups import envelope, loads, make_pickup, pickup_timeout, seconds_until
+
+
+def _app(**conf: Any) -> Celery:
+    app = Celery("pickups", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def test_envelope_keeps_arguments_and_routing_and_drops_the_rest() -> None:
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    ident = uuid.uuid4()
+    body = envelope(
+        (1, "two", when),
+        {"ident": ident},
+        {
+            "queue": Queue("payments"),
+            "priority": 3,
+            "headers": {"idempotency_key": "k"},
+            "countdown": 10,  # waits are not kept: a re-publication is overdue already
+            "producer": object(),
+        },
+    )
+    assert body is not None
+    message = loads(body.decode())
+    assert message["args"] == [1, "two", when]
+    assert message["kwargs"] == {"ident": ident}
+    assert message["options"] == {
+        "queue": "payments",
+        "priority": 3,
+        "headers": {"idempotency_key": "k"},
+    }
+
+
+def test_arguments_that_are_not_json_give_no_envelope() -> None:
+    assert envelope((object(),), {}, {}) is None
+
+
+def test_pickup_timeout_defaults_to_the_visibility_timeout_then_an_hour() -> None:
+    assert pickup_timeout(_app().conf) == 3600
+    visibility = _app(broker_transport_options={"visibility_timeout": 42})
+    assert pickup_timeout(visibility.conf) == 42
+    configured = _app(
+        idempotency_pickup_timeout=7, broker_transport_options={"visibility_timeout": 42}
+    )
+    assert pickup_timeout(configured.conf) == 7
+
+
+def test_a_zero_timeout_turns_the_guard_off() -> None:
+    assert make_pickup(b"{}", _app(idempotency_pickup_timeout=0).conf, wait=5) is None
+    pickup = make_pickup(b"{}", _app(idempotency_pickup_timeout=10).conf, wait=5)
+    assert pickup is not None and pickup.due_in == 15 and pickup.timeout == 10
+
+
+@pytest.mark.parametrize(
+    ("countdown", "eta_in", "expected"),
+    [(None, None, 0.0), (5, None, 5.0), (-3, None, 0.0), (None, 30, 30.0), (None, -30, 0.0)],
+)
+def test_seconds_until_reads_countdowns_and_etas(
+    countdown: float | None, eta_in: float | None, expected: float
+) -> None:
+    eta = None
+    if eta_in is not None:
+        eta = datetime.now(timezone.utc) + timedelta(seconds=eta_in)
+    assert seconds_until(countdown, eta) == pytest.approx(expected, abs=0.5)
+
+
+def test_seconds_until_reads_iso_etas_too() -> None:
+    eta = (datetime.now(timezone.utc) + timedelta(seconds=60)).isoformat()
+    assert seconds_until(None, eta) == pytest.approx(60, abs=0.5)
