@@ -84,13 +84,17 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
     carried: dict[str, Any] = {}
     for name in CARRIED_OPTIONS:
         value = options.get(name)
-        if value is None:
-            continue
-        value = getattr(value, "name", value)  # kombu Queue / Exchange objects
-        if _jsonable(value):
-            carried[name] = value
+        if value is not None:
+            carried[name] = getattr(value, "name", value)  # kombu Queue / Exchange objects
+    message = {"args": list(args), "kwargs": kwargs, "options": carried}
     try:
-        return dumps({"args": list(args), "kwargs": kwargs, "options": carried}).encode()
+        return dumps(message).encode()
+    except (TypeError, ValueError):
+        pass
+    # Some option is not JSON (an exotic callback, say): keep the options that are.
+    message["options"] = {name: value for name, value in carried.items() if _jsonable(value)}
+    try:
+        return dumps(message).encode()
     except (TypeError, ValueError):
         return None
 

@@ -80,3 +80,9 @@ def test_seconds_until_reads_countdowns_and_etas(
 def test_seconds_until_reads_iso_etas_too() -> None:
     eta = (datetime.now(timezone.utc) + timedelta(seconds=60)).isoformat()
     assert seconds_until(None, eta) == pytest.approx(60, abs=0.5)
+
+
+def test_an_option_that_is_not_json_is_left_out_and_the_rest_kept() -> None:
+    body = envelope((1,), {}, {"queue": "q", "link": object()})
+    assert body is not None
+    assert loads(body.decode()) == {"args": [1], "kwargs": {}, "options": {"queue": "q"}}
