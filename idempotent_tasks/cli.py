@@ -322,11 +322,13 @@ def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bo
     _task(_app(ctx), task_name)  # warns about a misspelt task name
     record = _record(store, url, task_name, idempotency_key)
     if not yes:
-        running = (
-            f" It is processing (task {record.task_id}): a duplicate could then run beside it."
-            if record.status is Status.PROCESSING
-            else ""
-        )
+        running = ""
+        if record.status is Status.PROCESSING:
+            running = (
+                f" It is processing (task {record.task_id}): a duplicate could then run beside it."
+            )
+        elif record.status is Status.QUEUED:
+            running = f" Task {record.task_id} is queued: a lost message is then not sent again."
         click.confirm(
             f"Forget key {idempotency_key!r} of task {task_name} ({record.status.value})?{running}",
             abort=True,

@@ -217,11 +217,13 @@ def record_detail(record: Record, decoded: DecodedResult, now: datetime) -> str:
         )
     else:
         cached, shown = "no", "-"
-    lease = (
-        moment_from_now(from_timestamp(record.lease_expires_at), now)
-        if record.status is Status.PROCESSING
-        else "- (no lease once completed)"
-    )
+    if record.status is Status.PROCESSING:
+        lease = moment_from_now(from_timestamp(record.lease_expires_at), now)
+    elif record.status is Status.QUEUED:
+        due = moment_from_now(from_timestamp(record.lease_expires_at), now)
+        lease = f"- (queued; published again {due} if no worker claims it)"
+    else:
+        lease = "- (no lease once completed)"
     return fields(
         [
             ("key", record.key),

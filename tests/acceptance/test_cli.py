@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 from idempotent_tasks.codec import ResultCodec
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import ClaimRequest
+from idempotent_tasks.records import ClaimRequest, Pickup
 from idempotent_tasks.stores.redis import RedisStore
 from tests.acceptance import cli_app
 from tests.services import require
@@ -498,6 +498,24 @@ def test_key_show_json(run: Run, store: RedisStore) -> None:
     expires = datetime.fromisoformat(shown["expires_at"])
     assert expires.tzinfo is not None
     assert abs(expires.timestamp() - stored.expires_at) < 0.001
+
+
+def test_key_show_of_a_queued_key_says_when_it_is_published_again(
+    run: Run, store: RedisStore
+) -> None:
+    request, _ = claim(store, "shop.charge", "order-8")
+    store.forget(request.storage_key)
+    assert store.reserve(request, Pickup(envelope=b"{}", due_in=600, timeout=600)) is None
+
+    result = run("key", "show", "order-8", "--task", "shop.charge")
+
+    assert result.exit_code == 0, result.output
+    assert "status         queued" in result.stdout
+    assert "owner task id  id-of-order-8" in result.stdout
+    assert any(
+        line.startswith("lease expires  - (queued; published again ") and "(in 9m" in line
+        for line in result.stdout.splitlines()
+    ), result.stdout
 
 
 def test_key_show_of_a_running_key_shows_its_lease(run: Run, store: RedisStore) -> None:
