@@ -30,11 +30,7 @@ def ensure_component(
         SchemaVersionError: the database records a newer version of ``component``.
         StoreUnavailable: the database cannot be reached.
     """
-    try:
-        with engine.connect():
-            pass
-    except SQLAlchemyError as exc:
-        raise StoreUnavailable(f"{what} database unreachable: {exc}") from exc
+    _probe(engine, what)
     for round_number in range(1, SETUP_ROUNDS + 1):
         try:
             _create_or_check(engine, component, version, tables, what)
@@ -43,6 +39,24 @@ def ensure_component(
             if round_number == SETUP_ROUNDS:
                 raise StoreUnavailable(f"{what} database unusable: {exc}") from exc
             time.sleep(random.uniform(0.02, 0.1) * round_number)
+
+
+def _probe(engine: Engine, what: str) -> None:
+    """Connect once, so that a database that is down fails fast and says so.
+
+    SQLite's switch to WAL on a new connection can find the file locked by another process
+    doing the same (SQLite does not always wait its busy timeout there): that is retried.
+    """
+    for round_number in range(1, SETUP_ROUNDS + 1):
+        try:
+            with engine.connect():
+                return
+        except OperationalError as exc:
+            if "database is locked" not in str(exc) or round_number == SETUP_ROUNDS:
+                raise StoreUnavailable(f"{what} database unreachable: {exc}") from exc
+            time.sleep(random.uniform(0.02, 0.1) * round_number)
+        except SQLAlchemyError as exc:
+            raise StoreUnavailable(f"{what} database unreachable: {exc}") from exc
 
 
 def _create_or_check(
