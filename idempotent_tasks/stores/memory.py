@@ -29,9 +29,10 @@ MAX_BACKOFF_EXPONENT = 20
 
 @dataclasses.dataclass
 class _Pending:
-    """A queued key's pickup: its message and how often it was published again."""
+    """A key's pickup: its message, when it is due and how often it was published again."""
 
     pickup: Pickup
+    due_at: float
     republished: int = 0
 
 
@@ -72,17 +73,23 @@ class MemoryStore:
                 if len(taken) == limit:
                     break
                 found = self._live(storage_key, now)
-                if found is None or found.status is not Status.QUEUED:
+                if found is None or found.status is Status.COMPLETED:
                     self._pending.pop(storage_key, None)
                     continue
-                if found.lease_expires_at > now:
-                    continue
                 pending = self._pending[storage_key]
+                due = pending.due_at
+                if found.status is Status.PROCESSING:
+                    # Claimed: lost only if its owner's lease ended a timeout ago, untaken.
+                    due = max(due, found.lease_expires_at + pending.pickup.timeout)
+                if due > now:
+                    continue
                 pending.republished += 1
                 backoff = 2 ** min(pending.republished, MAX_BACKOFF_EXPONENT)
-                self._records[storage_key] = dataclasses.replace(
-                    found, lease_expires_at=now + pending.pickup.timeout * backoff, updated_at=now
-                )
+                pending.due_at = now + pending.pickup.timeout * backoff
+                if found.status is Status.QUEUED:
+                    self._records[storage_key] = dataclasses.replace(
+                        found, lease_expires_at=pending.due_at, updated_at=now
+                    )
                 taken.append(
                     DuePickup(
                         storage_key=storage_key,
@@ -101,7 +108,8 @@ class MemoryStore:
             if found is not None and found.status is Status.QUEUED:
                 if request.validate and found.fingerprint != request.fingerprint:
                     return ClaimResult(outcome=Outcome.MISMATCH, record=found)
-                self._pending.pop(request.storage_key, None)
+                # The pickup stays: should this owner die with its message, it is sent again.
+                self._pending[request.storage_key].republished = 0
                 return self._acquire(request, now, created_at=found.created_at, takeover=False)
             if found is None:
                 return self._acquire(request, now, created_at=now, takeover=False)
@@ -131,6 +139,7 @@ class MemoryStore:
                 return CompleteOutcome.STALE
             elif found.status is Status.COMPLETED:
                 return CompleteOutcome.STORED
+            self._pending.pop(request.storage_key, None)
             self._records[request.storage_key] = dataclasses.replace(
                 found,
                 status=Status.COMPLETED,
@@ -146,7 +155,7 @@ class MemoryStore:
             if not self._held(request, token):
                 return False
             if pickup is None:
-                del self._records[request.storage_key]
+                self._drop(request.storage_key)
                 return True
             found = self._records[request.storage_key]
             self._queue(request, pickup, self._clock(), found.created_at, found.token)
@@ -215,7 +224,7 @@ class MemoryStore:
             updated_at=now,
             expires_at=now + pickup.due_in + request.ttl_seconds,
         )
-        self._pending[request.storage_key] = _Pending(pickup)
+        self._pending[request.storage_key] = _Pending(pickup, due_at=now + pickup.due_in)
 
     def _acquire(
         self, request: ClaimRequest, now: float, *, created_at: float, takeover: bool

@@ -137,7 +137,7 @@ class RedisStore:
     def claim(self, request: ClaimRequest) -> ClaimResult:
         reply = self._run(
             "claim",
-            [*self.names(request.storage_key), self.index_name(request.storage_key)],
+            self.names(request.storage_key),
             [
                 request.owner,
                 request.fingerprint,
@@ -148,7 +148,6 @@ class RedisStore:
                 request.previous_owner or "",
                 request.key,
                 request.task_name,
-                request.storage_key,
             ],
         )
         outcome = Outcome(_text(reply[0]))

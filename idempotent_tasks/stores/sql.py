@@ -9,8 +9,9 @@ from this process's clock.
 
 The pickup guard keeps a ``queued`` claim row per published message, and the message itself in
 a pickups row of the same id. Transactions that write both always write the claim row first,
-so they cannot deadlock one another; the claim path never touches pickups rows, and the
-sweep's :meth:`SqlStore.take_due` drops those a claim left behind.
+so they cannot deadlock one another; the claim path never touches pickups rows (a claimed
+key's pickup covers its owner's death too), and the sweep's :meth:`SqlStore.take_due` drops
+those of keys completed or released.
 """
 
 from __future__ import annotations
@@ -281,17 +282,31 @@ class SqlStore:
         return taken
 
     def _take(self, row: RowMapping, now: float) -> DuePickup | None:
-        """Move one due pickup on and return it, unless another sweep took it or its key is
-        no longer queued for it (then its row is dropped)."""
+        """Move one due pickup on and return it, unless another sweep took it or its key no
+        longer needs it (then its row is dropped).
+
+        A key still queued for the pickup's task id is due at the pickup's time. A key claimed
+        since is due only once its owner's lease ended a timeout ago without a takeover (the
+        owner died and its message was lost too); it is then published under the owner's id.
+        """
         claim_id, task_id = row["id"], row["task_id"]
+        timeout = float(row["timeout"])
         republished = int(row["republished"]) + 1
-        due_at = now + float(row["timeout"]) * 2 ** min(republished, MAX_BACKOFF_EXPONENT)
+        due_at = now + timeout * 2 ** min(republished, MAX_BACKOFF_EXPONENT)
         with self._begin() as connection:
             if _count(connection, retime_queued(claim_id, task_id, now, due_at)) == 0:
-                # Claimed, completed, cancelled, expired or queued for another task id since.
-                drop = delete_pickup_if_unchanged(claim_id, row["republished"], row["due_at"])
-                connection.execute(drop)
-                return None
+                found = connection.execute(select_claim(claim_id)).mappings().one_or_none()
+                unchanged = (row["republished"], row["due_at"])
+                if found is None or not _is_live(found, now) or found["status"] != PROCESSING:
+                    # Completed, cancelled, released, expired or queued for another task id.
+                    connection.execute(delete_pickup_if_unchanged(claim_id, *unchanged))
+                    return None
+                lost_at = float(found["lease_expires_at"]) + timeout
+                if lost_at > now:
+                    later = {"due_at": lost_at}
+                    connection.execute(bump_pickup(claim_id, *unchanged, later))
+                    return None
+                task_id = found["task_id"]
             values = {"republished": republished, "due_at": due_at}
             bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
             if _count(connection, bump) == 0:

@@ -1,7 +1,8 @@
 """The pickup guard's part of the store contract: queued keys, their envelopes and the sweep.
 
 Every store answers the same: ``reserve`` queues a key no record protects, a claim acquires
-a queued key, and ``take_due`` hands each overdue queued key to one sweep per due period.
+a queued key, and ``take_due`` hands each overdue queued key, and each claimed key whose owner's
+lease ended a re-publication timeout ago, to one sweep per due period.
 """
 
 from __future__ import annotations
@@ -276,6 +277,58 @@ def test_claimed_keys_do_not_hide_due_ones_for_good(store: Store, make_request: 
     time.sleep(0.05)
     taken = [key for _ in range(4) for key in taken_keys(store, limit=2)]
     assert sorted(taken) == sorted(request.storage_key for request in requests[4:])
+
+
+def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
+    store: Store, make_request: Make
+) -> None:
+    # Given a reserved key claimed by another delivery (task id "t-owner") with a 0.2 s lease
+    reserved = make_request(task_id="t-reserved")
+    assert store.reserve(reserved, make_pickup(due_in=0.0)) is None
+    owner = make_request(task_id="t-owner", lease_seconds=0.2)
+    assert store.claim(owner).outcome is Outcome.ACQUIRED
+    # While its lease lives, and for one re-publication timeout after, it is not lost
+    time.sleep(0.1)
+    assert store.take_due(10) == []
+    time.sleep(0.2)  # lease over, timeout not yet
+    assert store.take_due(10) == []
+    # When the owner died and nothing took the key over for the timeout
+    time.sleep(TIMEOUT)
+    taken = store.take_due(10)
+    # Then the sweep takes it once, to publish the owner's task again, and backs off
+    assert [(due.task_id, due.envelope, due.republished) for due in taken] == [
+        ("t-owner", ENVELOPE, 1)
+    ]
+    assert store.take_due(10) == []
+    # and the re-published message takes the key over
+    again = make_request(task_id="t-owner")
+    claim = store.claim(again)
+    assert claim.outcome is Outcome.ACQUIRED and claim.takeover
+
+
+def test_a_claimed_key_whose_owner_renews_its_lease_is_never_taken(
+    store: Store, make_request: Make
+) -> None:
+    request = make_request(lease_seconds=0.2)
+    assert store.reserve(request, make_pickup(due_in=0.0)) is None
+    token = store.claim(request).token
+    for _ in range(6):
+        time.sleep(0.1)
+        assert store.extend(request, token)
+        assert store.take_due(10) == []
+
+
+@pytest.mark.parametrize("ending", ["completed", "failed for good"])
+def test_a_key_that_ended_is_never_taken(store: Store, make_request: Make, ending: str) -> None:
+    request = make_request(lease_seconds=0.1)
+    assert store.reserve(request, make_pickup(due_in=0.0)) is None
+    token = store.claim(request).token
+    if ending == "completed":
+        store.complete(request, token, RESULT)
+    else:
+        assert store.release(request, token)
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    assert store.take_due(10) == []
 
 
 # -- cancel, release, complete ------------------------------------------------------------

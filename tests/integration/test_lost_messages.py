@@ -37,11 +37,12 @@ def short_pickup(monkeypatch: pytest.MonkeyPatch) -> None:
 def worker_and_beat(it_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
     started: list[Any] = []
 
-    def start() -> WorkerProcess:
-        env = {**it_env, "IT_PICKUP_TIMEOUT": str(PICKUP_TIMEOUT)}
-        worker = WorkerProcess("pickup", env, tmp_path, concurrency=1)
+    def start(beat: bool = True, **extra_env: str) -> WorkerProcess:
+        env = {**it_env, "IT_PICKUP_TIMEOUT": str(PICKUP_TIMEOUT), **extra_env}
+        worker = WorkerProcess(f"pickup{len(started)}", env, tmp_path, concurrency=1)
         started.append(worker)
-        started.append(BeatProcess(env, tmp_path))
+        if beat:
+            started.append(BeatProcess(env, tmp_path))
         return worker
 
     yield start
@@ -57,6 +58,18 @@ def _lose_message(queue: str, task_id: str) -> None:
             assert broker.lrem(queue, 1, raw) == 1
             return
     raise AssertionError(f"no message of {task_id} in {queue}")
+
+
+def _lose_unacked(task_id: str) -> None:
+    """Take the message of ``task_id`` out of kombu's unacked records, as a redelivery lost
+    in a Redis restart would."""
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    for tag, raw in broker.hgetall("unacked").items():
+        if task_id.encode() in raw:
+            broker.hdel("unacked", tag)
+            broker.zrem("unacked_index", tag)
+            return
+    raise AssertionError(f"no unacked message of {task_id}")
 
 
 def _status(task: Any, key: str) -> Status | None:
@@ -108,6 +121,26 @@ def test_a_message_only_slow_to_arrive_runs_once(worker_and_beat: Any) -> None:
     assert result.get(timeout=30) == name
     wait_until(lambda: _queue_empty("celery"), 10, "both messages to be consumed")
     assert ledger_events(name, "start") == 1
+
+
+@pytest.mark.usefixtures("short_pickup")
+def test_an_owner_killed_with_its_message_lost_is_published_again(worker_and_beat: Any) -> None:
+    # Given a worker (1 s lease) running a keyed task
+    name, key = fresh("owner-lost"), fresh("key")
+    first = worker_and_beat(beat=False, IT_LEASE="1")
+    result = worker_app.charge.apply_async((name, 5), {"sleep": 2.0}, idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    # When the worker is SIGKILLed and the broker loses the message it held
+    first.kill()
+    _lose_unacked(result.id)
+    assert _status(worker_app.charge, key) is Status.PROCESSING
+    # Then, once the lease and a pickup timeout have passed, the sweep publishes it again
+    worker_and_beat(IT_LEASE="1")
+    value = result.get(timeout=40)
+    assert value["order_id"] == name and value["task_id"] == result.id
+    assert ledger_events(name, "start") == 2  # the documented crash window
+    assert ledger_events(name, "finish") == 1
+    assert _status(worker_app.charge, key) is Status.COMPLETED
 
 
 def test_a_failed_publish_leaves_no_reservation(monkeypatch: pytest.MonkeyPatch) -> None:

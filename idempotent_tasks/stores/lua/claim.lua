@@ -1,7 +1,6 @@
 -- Claim a key for one execution attempt, atomically.
 -- KEYS[1]  record hash
 -- KEYS[2]  fencing counter (string; outlives the record so tokens only grow)
--- KEYS[3]  due index of the record's shard (a queued key leaves it when claimed)
 -- ARGV[1]  owner id of this attempt
 -- ARGV[2]  fingerprint of the call's arguments
 -- ARGV[3]  task id
@@ -11,7 +10,6 @@
 -- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
 -- ARGV[8]  the caller's key (for display)
 -- ARGV[9]  task name
--- ARGV[10] storage key (index member)
 -- Returns  {outcome, token, takeover, field, value, ...}
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired, else 0; takeover: 1 or 0
@@ -26,7 +24,8 @@ local function acquire(takeover, created_at)
   redis.call('HSET', KEYS[1],
     'status', 'processing', 'owner', ARGV[1], 'token', token, 'task_id', ARGV[3],
     'fingerprint', ARGV[2], 'lease_expires_at', now + lease, 'created_at', created_at,
-    'updated_at', now, 'expires_at', now + lease + ttl, 'key', ARGV[8], 'task_name', ARGV[9])
+    'updated_at', now, 'expires_at', now + lease + ttl, 'key', ARGV[8], 'task_name', ARGV[9],
+    'republished', 0)
   redis.call('PEXPIRE', KEYS[1], lease + ttl)
   redis.call('PEXPIRE', KEYS[2], lease + ttl + 1000)
   return {'acquired', token, takeover}
@@ -50,12 +49,11 @@ end
 
 if found[1] == 'queued' then
   -- Published and not yet claimed: this delivery runs it (the caller may be a duplicate, so
-  -- the fingerprint is still compared).
+  -- the fingerprint is still compared). The pickup stays, and stays in the due index: should
+  -- this owner die and its message be lost too, the sweep publishes it again.
   if ARGV[6] == '1' and found[3] ~= ARGV[2] then
     return answer('mismatch')
   end
-  redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished')
-  redis.call('ZREM', KEYS[3], ARGV[10])
   return acquire(0, found[5])
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then

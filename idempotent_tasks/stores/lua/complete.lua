@@ -38,6 +38,8 @@ if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'content_type', ARGV[5], 'content_encoding', ARGV[6],
     'result', ARGV[7])
 end
+redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished', 'due_at')
+redis.call('ZREM', KEYS[3], ARGV[12])
 redis.call('PEXPIRE', KEYS[1], ttl)
 if redis.call('PTTL', KEYS[2]) < ttl then
   redis.call('PEXPIRE', KEYS[2], ttl + 1000)

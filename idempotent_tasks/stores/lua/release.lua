@@ -11,6 +11,7 @@ if found[1] ~= 'processing' or found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
 end
 if ARGV[3] == '' then
   redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[8])
   return 1
 end
 local clock = redis.call('TIME')
@@ -19,7 +20,7 @@ local due_in = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', ARGV[7],
   'lease_expires_at', now + due_in, 'updated_at', now, 'expires_at', now + due_in + ttl,
-  'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', 0)
+  'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', 0, 'due_at', now + due_in)
 redis.call('PEXPIRE', KEYS[1], due_in + ttl)
 redis.call('ZADD', KEYS[2], now + due_in, ARGV[8])
 return 1

@@ -19,7 +19,7 @@ redis.call('HSET', KEYS[1],
   'status', 'queued', 'owner', '', 'token', 0, 'task_id', ARGV[1], 'fingerprint', ARGV[2],
   'key', ARGV[3], 'task_name', ARGV[4], 'lease_expires_at', now + due_in, 'created_at', now,
   'updated_at', now, 'expires_at', now + due_in + ttl, 'envelope', ARGV[8],
-  'pickup_timeout', ARGV[6], 'republished', 0)
+  'pickup_timeout', ARGV[6], 'republished', 0, 'due_at', now + due_in)
 redis.call('PEXPIRE', KEYS[1], due_in + ttl)
 redis.call('ZADD', KEYS[2], now + due_in, ARGV[9])
 return {}
