@@ -2,10 +2,10 @@
 
 A fresh key is claimed by one ``INSERT`` that does nothing on conflict. A key that has a row is
 read, decided on exactly as the Redis script decides, and taken over (when allowed) by an
-``UPDATE`` that only matches the owner and token it read: a compare-and-set, so two claimers
-racing for an expired lease cannot both win, on any database, without locks. Released claims
-keep their row (``status = released``) so fencing tokens keep growing. Times are POSIX seconds
-from this process's clock.
+``UPDATE`` that only matches the row as it was read: a compare-and-set, so two claimers racing
+for an expired lease cannot both win, and an owner that completes meanwhile is not overwritten,
+on any database, without locks. Released claims keep their row (``status = released``) so
+fencing tokens keep growing. Times are POSIX seconds from this process's clock.
 
 The pickup guard keeps a ``queued`` claim row per published message, and the message itself in
 a pickups row of the same id. Transactions that write both always write the claim row first,
@@ -96,11 +96,23 @@ def select_claim(claim_id: str) -> Select[Any]:
     return select(claims).where(claims.c.id == claim_id)
 
 
-def replace_if_unchanged(claim_id: str, owner: str, token: int, values: dict[str, Any]) -> Update:
-    """Overwrite a row only if it still has the owner and token read (compare-and-set)."""
+def replace_if_unchanged(claim_id: str, read: Any, values: dict[str, Any]) -> Update:
+    """Overwrite a row only if it is still the row ``read`` (compare-and-set).
+
+    Owner and token alone would not do: a completion, a release, a renewal or a new
+    reservation keeps both but changes the status, the lease or the last update, and a
+    takeover decided on the older row must not overwrite it.
+    """
     return (
         claims.update()
-        .where(claims.c.id == claim_id, claims.c.owner == owner, claims.c.token == token)
+        .where(
+            claims.c.id == claim_id,
+            claims.c.owner == read["owner"],
+            claims.c.token == read["token"],
+            claims.c.status == read["status"],
+            claims.c.lease_expires_at == read["lease_expires_at"],
+            claims.c.updated_at == read["updated_at"],
+        )
         .values(**values)
     )
 
@@ -250,7 +262,7 @@ class SqlStore:
                 return _record(request.storage_key, found)
             # An expired or released row: replace it, keeping its token so tokens keep growing.
             token = int(found["token"])
-            swap = replace_if_unchanged(claim_id, found["owner"], token, {**fresh, "token": token})
+            swap = replace_if_unchanged(claim_id, found, {**fresh, "token": token})
             if self._write_queued(swap, request, pickup, now):
                 return None
         raise StoreUnavailable(f"reserve of {request.storage_key!r} kept losing races; try again")
@@ -340,7 +352,7 @@ class SqlStore:
             values = self._processing_row(request, now, token=token, takeover=takeover)
             if takeover or found["status"] == QUEUED:
                 values["created_at"] = found["created_at"]
-            swap = replace_if_unchanged(claim_id, found["owner"], int(found["token"]), values)
+            swap = replace_if_unchanged(claim_id, found, values)
             if self._rowcount(swap) == 1:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
@@ -396,7 +408,7 @@ class SqlStore:
         if found is None:
             inserted = self._rowcount(insert_if_absent(self.dialect, row))
         else:
-            swap = replace_if_unchanged(claim_id, found["owner"], int(found["token"]), row)
+            swap = replace_if_unchanged(claim_id, found, row)
             inserted = self._rowcount(swap)
         return CompleteOutcome.RECOVERED if inserted == 1 else CompleteOutcome.STALE
 

@@ -1,0 +1,122 @@
+"""The SQL store's compare-and-set, with another write landing between its read and its write.
+
+The SQL store reads a row, decides, then writes only if the row is unchanged. These tests put a
+second party's write exactly in that gap (after the read returns, before the compare-and-set),
+on every SQL database: the decision made on the older row must not overwrite the newer one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from idempotent_tasks.records import (
+    ClaimRequest,
+    CompleteOutcome,
+    EncodedResult,
+    Outcome,
+    Pickup,
+    Status,
+)
+from idempotent_tasks.stores.sql import SqlStore
+from tests.contract.conftest import store_url
+
+SQL_STORES = ["sqlite", "postgresql", "mariadb"]
+RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"42")
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=SQL_STORES)
+def clocked_store(request: pytest.FixtureRequest) -> Iterator[tuple[SqlStore, Clock]]:
+    clock = Clock()
+    store = SqlStore(store_url(request.param, request), prefix="gap", clock=clock)
+    yield store, clock
+    store.close()
+
+
+def write_after_next_read(store: SqlStore, write: Callable[[], Any]) -> list[Any]:
+    """Run ``write`` right after the store's next single-row read, before it acts on it;
+    returns a list that then holds what ``write`` returned."""
+    original = store._one
+    done: list[Any] = []
+
+    def read_then_write(statement: Any) -> Any:
+        row = original(statement)
+        if store._one is read_then_write:
+            store._one = original  # type: ignore[method-assign]  # once; ``write`` reads too
+            done.append(write())
+        return row
+
+    store._one = read_then_write  # type: ignore[method-assign]
+    return done
+
+
+def request_for(make_request: Callable[..., ClaimRequest], **fields: Any) -> ClaimRequest:
+    return make_request(storage_key="tasks.charge:gap", key="gap", **fields)
+
+
+def test_owner_completing_during_a_takeover_is_not_overwritten(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    store, clock = clocked_store
+    owner = request_for(make_request, lease_seconds=10.0)
+    token = store.claim(owner).token
+    clock.now += 11  # the owner's lease ended, but it is still about to finish
+    completion = write_after_next_read(store, lambda: store.complete(owner, token, RESULT))
+
+    claimer = request_for(make_request, task_id="task-2")
+    result = store.claim(claimer)
+
+    assert completion == [CompleteOutcome.STORED]
+    assert result.outcome is Outcome.COMPLETED, "the takeover overwrote a completed key"
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.owner, record.result) == (Status.COMPLETED, owner.owner, RESULT)
+
+
+def test_owner_renewing_during_a_takeover_keeps_its_key(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    store, clock = clocked_store
+    owner = request_for(make_request, lease_seconds=10.0)
+    token = store.claim(owner).token
+    clock.now += 11
+    renewal = write_after_next_read(store, lambda: store.extend(owner, token))
+
+    result = store.claim(request_for(make_request, task_id="task-2"))
+
+    assert renewal == [True]
+    assert result.outcome is Outcome.IN_PROGRESS, "the takeover overwrote a renewed lease"
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.STORED
+
+
+def test_new_reservation_during_a_claim_of_an_expired_row_is_not_overwritten(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    store, clock = clocked_store
+    pickup = Pickup(envelope=b"{}", due_in=5.0, timeout=5.0)
+    first = request_for(make_request, owner="", ttl_seconds=10.0)
+    assert store.reserve(first, pickup) is None
+    clock.now += 16  # the first message's row expired unclaimed
+    second = request_for(make_request, owner="", task_id="task-2", fingerprint="fp-2")
+    reservation = write_after_next_read(store, lambda: store.reserve(second, pickup))
+
+    late_delivery = request_for(make_request)  # the first message, arriving after all
+    result = store.claim(late_delivery)
+
+    assert reservation == [None]
+    assert result.outcome is Outcome.MISMATCH, "a claim overwrote another message's reservation"
+    record = store.get(second.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id, record.fingerprint) == (Status.QUEUED, "task-2", "fp-2")
