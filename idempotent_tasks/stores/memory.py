@@ -181,8 +181,9 @@ class MemoryStore:
 
     def forget(self, storage_key: str) -> bool:
         with self._lock:
-            self._pending.pop(storage_key, None)
-            return self._records.pop(storage_key, None) is not None
+            found = self._live(storage_key, self._clock())
+            self._drop(storage_key)
+            return found is not None
 
     def close(self) -> None:
         """Nothing to close: the records live as long as the store object."""

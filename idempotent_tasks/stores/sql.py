@@ -10,8 +10,8 @@ fencing tokens keep growing. Times are POSIX seconds from this process's clock.
 The pickup guard keeps a ``queued`` claim row per published message, and the message itself in
 a pickups row of the same id. Transactions that write both always write the claim row first,
 so they cannot deadlock one another; the claim path never touches pickups rows (a claimed
-key's pickup covers its owner's death too), and the sweep's :meth:`SqlStore.take_due` drops
-those of keys completed or released.
+key's pickup covers its owner's death too); a release with no retry to publish drops its key's
+pickup, and the sweep's :meth:`SqlStore.take_due` drops those of keys completed or expired.
 """
 
 from __future__ import annotations
@@ -31,11 +31,7 @@ from sqlalchemy import (
     RowMapping,
     Select,
     Update,
-    delete,
-    insert,
-    select,
 )
-from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..dlq.engine import create_dlq_engine
@@ -60,8 +56,26 @@ from ..records import (
     Record,
     Status,
 )
+from .sql_statements import (
+    COMPLETED,
+    PROCESSING,
+    QUEUED,
+    RELEASED,
+    bump_pickup,
+    delete_expired,
+    delete_pickup,
+    delete_pickup_if_unchanged,
+    forget_claim,
+    insert_if_absent,
+    release_queued,
+    replace_if_unchanged,
+    retime_queued,
+    select_claim,
+    select_due,
+    update_held,
+    upsert_pickup,
+)
 
-QUEUED, PROCESSING, COMPLETED, RELEASED = "queued", "processing", "completed", "released"
 #: Compare-and-set rounds a claim (or reservation) tries before calling the key contended.
 MAX_CLAIM_ROUNDS = 10
 #: Largest power of two a pickup's re-publication backoff grows to.
@@ -69,153 +83,6 @@ MAX_BACKOFF_EXPONENT = 20
 #: Batches of due pickups one :meth:`SqlStore.take_due` reads at most (rows left behind by
 #: claims are dropped on the way and may fill a batch).
 MAX_TAKE_ROUNDS = 10
-
-
-# -- statements ---------------------------------------------------------------------------
-
-
-def insert_if_absent(dialect: str, row: dict[str, Any]) -> Insert:
-    """Insert a claim row unless one exists (no error, no change on conflict).
-
-    PostgreSQL and SQLite return the id when a row was inserted (their drivers' row counts are
-    not reliable for INSERT); MySQL's affected-rows count says it.
-    """
-    if dialect == "postgresql":
-        on_pg = postgresql.insert(claims).values(**row).on_conflict_do_nothing()
-        return on_pg.returning(claims.c.id)
-    if dialect == "sqlite":
-        on_sqlite = sqlite.insert(claims).values(**row).on_conflict_do_nothing()
-        return on_sqlite.returning(claims.c.id)
-    if dialect in ("mysql", "mariadb"):
-        return mysql.insert(claims).values(**row).prefix_with("IGNORE")
-    return insert(claims).values(**row)
-
-
-def select_claim(claim_id: str) -> Select[Any]:
-    """A claim row by id."""
-    return select(claims).where(claims.c.id == claim_id)
-
-
-def replace_if_unchanged(claim_id: str, read: Any, values: dict[str, Any]) -> Update:
-    """Overwrite a row only if it is still the row ``read`` (compare-and-set).
-
-    Owner and token alone would not do: a completion, a release, a renewal or a new
-    reservation keeps both but changes the status, the lease or the last update, and a
-    takeover decided on the older row must not overwrite it.
-    """
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.owner == read["owner"],
-            claims.c.token == read["token"],
-            claims.c.status == read["status"],
-            claims.c.lease_expires_at == read["lease_expires_at"],
-            claims.c.updated_at == read["updated_at"],
-        )
-        .values(**values)
-    )
-
-
-def update_held(claim_id: str, owner: str, token: int, values: dict[str, Any]) -> Update:
-    """Update a ``processing`` row held by ``owner`` with ``token``."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.owner == owner,
-            claims.c.token == token,
-            claims.c.status == PROCESSING,
-        )
-        .values(**values)
-    )
-
-
-def delete_claim(claim_id: str) -> Delete:
-    """Delete a claim row whatever its state."""
-    return delete(claims).where(claims.c.id == claim_id)
-
-
-def delete_expired(before: float) -> Delete:
-    """Delete rows whose expiry passed before ``before``."""
-    return delete(claims).where(claims.c.expires_at < before)
-
-
-def release_queued(claim_id: str, task_id: str, now: float) -> Update:
-    """Release a live ``queued`` row reserved for ``task_id``."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.status == QUEUED,
-            claims.c.task_id == task_id,
-            claims.c.expires_at > now,
-        )
-        .values(status=RELEASED, updated_at=now)
-    )
-
-
-def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
-    """Move the due time of a live ``queued`` row reserved for ``task_id``."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.status == QUEUED,
-            claims.c.task_id == task_id,
-            claims.c.expires_at > now,
-        )
-        .values(lease_expires_at=due_at, updated_at=now)
-    )
-
-
-def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
-    """Write a pickup row, replacing any row of the same id."""
-    changes = {name: value for name, value in row.items() if name != "id"}
-    if dialect == "postgresql":
-        on_pg = postgresql.insert(pickups).values(**row)
-        return on_pg.on_conflict_do_update(index_elements=[pickups.c.id], set_=changes)
-    if dialect == "sqlite":
-        on_sqlite = sqlite.insert(pickups).values(**row)
-        return on_sqlite.on_conflict_do_update(index_elements=[pickups.c.id], set_=changes)
-    if dialect in ("mysql", "mariadb"):
-        return mysql.insert(pickups).values(**row).on_duplicate_key_update(**changes)
-    return insert(pickups).values(**row)
-
-
-def select_due(prefix: str, now: float, limit: int) -> Select[Any]:
-    """Pickup rows of ``prefix`` due by ``now``, earliest first."""
-    return (
-        select(pickups)
-        .where(pickups.c.due_at <= now, pickups.c.id.startswith(f"{prefix}:", autoescape=True))
-        .order_by(pickups.c.due_at)
-        .limit(limit)
-    )
-
-
-def _same_pickup(claim_id: str, republished: int, due_at: float) -> Any:
-    # Count and due time change on every write of a pickup row (due times are exact doubles
-    # on every dialect), so together they tell whether the row is still the one read.
-    return (
-        (pickups.c.id == claim_id)
-        & (pickups.c.republished == republished)
-        & (pickups.c.due_at == due_at)
-    )
-
-
-def bump_pickup(claim_id: str, republished: int, due_at: float, values: dict[str, Any]) -> Update:
-    """Update a pickup row only if it is still the one read (compare-and-set)."""
-    return pickups.update().where(_same_pickup(claim_id, republished, due_at)).values(**values)
-
-
-def delete_pickup_if_unchanged(claim_id: str, republished: int, due_at: float) -> Delete:
-    """Delete a pickup row only if it is still the one read."""
-    return delete(pickups).where(_same_pickup(claim_id, republished, due_at))
-
-
-def delete_pickup(claim_id: str) -> Delete:
-    """Delete a pickup row whatever its state."""
-    return delete(pickups).where(pickups.c.id == claim_id)
 
 
 # -- the store ----------------------------------------------------------------------------
@@ -350,7 +217,7 @@ class SqlStore:
             token = int(found["token"]) + 1
             takeover = found["status"] == PROCESSING and found["expires_at"] > now
             values = self._processing_row(request, now, token=token, takeover=takeover)
-            if takeover or found["status"] == QUEUED:
+            if takeover or (found["status"] == QUEUED and _is_live(found, now)):
                 values["created_at"] = found["created_at"]
             swap = replace_if_unchanged(claim_id, found, values)
             if self._rowcount(swap) == 1:
@@ -394,10 +261,10 @@ class SqlStore:
             "content_encoding": result.content_encoding if result else None,
             "result": result.body if result else None,
         }
-        if self._rowcount(update_held(claim_id, request.owner, token, done)) == 1:
+        if self._rowcount(update_held(claim_id, request.owner, token, now, done)) == 1:
             return CompleteOutcome.STORED
         found = self._one(select_claim(claim_id))
-        if found is not None and found["owner"] == request.owner:
+        if found is not None and found["owner"] == request.owner and _is_live(found, now):
             if found["status"] == COMPLETED and int(found["token"]) == token:
                 return CompleteOutcome.STORED  # a repeated completion
         if found is not None and found["status"] != QUEUED and _is_live(found, now):
@@ -417,10 +284,15 @@ class SqlStore:
         claim_id = self.claim_id(request.storage_key)
         if pickup is None:
             values = {"status": RELEASED, "updated_at": now}
-            return self._rowcount(update_held(claim_id, request.owner, token, values)) == 1
+            with self._begin() as connection:
+                held = update_held(claim_id, request.owner, token, now, values)
+                if _count(connection, held) != 1:
+                    return False
+                connection.execute(delete_pickup(claim_id))  # nothing is left to publish
+                return True
         values = self._queued_values(request, pickup, now)
         return self._write_queued(
-            update_held(claim_id, request.owner, token, values), request, pickup, now
+            update_held(claim_id, request.owner, token, now, values), request, pickup, now
         )
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
@@ -431,7 +303,7 @@ class SqlStore:
             "expires_at": now + request.lease_seconds + request.ttl_seconds,
         }
         claim_id = self.claim_id(request.storage_key)
-        return self._rowcount(update_held(claim_id, request.owner, token, values)) == 1
+        return self._rowcount(update_held(claim_id, request.owner, token, now, values)) == 1
 
     def get(self, storage_key: str) -> Record | None:
         row = self._one(select_claim(self.claim_id(storage_key)))
@@ -441,10 +313,13 @@ class SqlStore:
 
     def forget(self, storage_key: str) -> bool:
         claim_id = self.claim_id(storage_key)
+        now = self._clock()
+        # Released, not deleted: the row is the key's fencing counter, and tokens keep growing.
         with self._begin() as connection:
-            deleted = _count(connection, delete_claim(claim_id))
+            found = connection.execute(select_claim(claim_id)).mappings().one_or_none()
+            connection.execute(forget_claim(claim_id, now))
             connection.execute(delete_pickup(claim_id))
-        return deleted > 0
+        return found is not None and _is_live(found, now)
 
     def cleanup(self, older_than: float = 0.0) -> int:
         """Delete rows that expired more than ``older_than`` seconds ago; how many."""

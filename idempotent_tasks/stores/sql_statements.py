@@ -1,0 +1,165 @@
+"""The SQL claim store's statements: one small SQLAlchemy Core builder each.
+
+Dialect-dependent ones (the insert that does nothing on conflict, the pickup upsert) pick their
+form by the engine's dialect name; ``tests/unit/test_claim_statements.py`` compiles them for
+each dialect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Delete, Insert, Select, Update, delete, insert, select
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+from ..dlq.schema import claims, pickups
+
+#: Row statuses (a released row is kept so fencing tokens keep growing).
+QUEUED, PROCESSING, COMPLETED, RELEASED = "queued", "processing", "completed", "released"
+
+
+def insert_if_absent(dialect: str, row: dict[str, Any]) -> Insert:
+    """Insert a claim row unless one exists (no error, no change on conflict).
+
+    PostgreSQL and SQLite return the id when a row was inserted (their drivers' row counts are
+    not reliable for INSERT); MySQL's affected-rows count says it.
+    """
+    if dialect == "postgresql":
+        on_pg = postgresql.insert(claims).values(**row).on_conflict_do_nothing()
+        return on_pg.returning(claims.c.id)
+    if dialect == "sqlite":
+        on_sqlite = sqlite.insert(claims).values(**row).on_conflict_do_nothing()
+        return on_sqlite.returning(claims.c.id)
+    if dialect in ("mysql", "mariadb"):
+        return mysql.insert(claims).values(**row).prefix_with("IGNORE")
+    return insert(claims).values(**row)
+
+
+def select_claim(claim_id: str) -> Select[Any]:
+    """A claim row by id."""
+    return select(claims).where(claims.c.id == claim_id)
+
+
+def replace_if_unchanged(claim_id: str, read: Any, values: dict[str, Any]) -> Update:
+    """Overwrite a row only if it is still the row ``read`` (compare-and-set).
+
+    Owner and token alone would not do: a completion, a release, a renewal or a new
+    reservation keeps both but changes the status, the lease or the last update, and a
+    takeover decided on the older row must not overwrite it.
+    """
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.owner == read["owner"],
+            claims.c.token == read["token"],
+            claims.c.status == read["status"],
+            claims.c.lease_expires_at == read["lease_expires_at"],
+            claims.c.updated_at == read["updated_at"],
+        )
+        .values(**values)
+    )
+
+
+def update_held(
+    claim_id: str, owner: str, token: int, now: float, values: dict[str, Any]
+) -> Update:
+    """Update a live ``processing`` row held by ``owner`` with ``token``."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.owner == owner,
+            claims.c.token == token,
+            claims.c.status == PROCESSING,
+            claims.c.expires_at > now,
+        )
+        .values(**values)
+    )
+
+
+def forget_claim(claim_id: str, now: float) -> Update:
+    """Release a row whatever its state, keeping its token (the key's fencing counter)."""
+    return claims.update().where(claims.c.id == claim_id).values(status=RELEASED, updated_at=now)
+
+
+def delete_expired(before: float) -> Delete:
+    """Delete rows whose expiry passed before ``before``."""
+    return delete(claims).where(claims.c.expires_at < before)
+
+
+def release_queued(claim_id: str, task_id: str, now: float) -> Update:
+    """Release a live ``queued`` row reserved for ``task_id``."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.status == QUEUED,
+            claims.c.task_id == task_id,
+            claims.c.expires_at > now,
+        )
+        .values(status=RELEASED, updated_at=now)
+    )
+
+
+def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
+    """Move the due time of a live ``queued`` row reserved for ``task_id``."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.status == QUEUED,
+            claims.c.task_id == task_id,
+            claims.c.expires_at > now,
+        )
+        .values(lease_expires_at=due_at, updated_at=now)
+    )
+
+
+def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
+    """Write a pickup row, replacing any row of the same id."""
+    changes = {name: value for name, value in row.items() if name != "id"}
+    if dialect == "postgresql":
+        on_pg = postgresql.insert(pickups).values(**row)
+        return on_pg.on_conflict_do_update(index_elements=[pickups.c.id], set_=changes)
+    if dialect == "sqlite":
+        on_sqlite = sqlite.insert(pickups).values(**row)
+        return on_sqlite.on_conflict_do_update(index_elements=[pickups.c.id], set_=changes)
+    if dialect in ("mysql", "mariadb"):
+        return mysql.insert(pickups).values(**row).on_duplicate_key_update(**changes)
+    return insert(pickups).values(**row)
+
+
+def select_due(prefix: str, now: float, limit: int) -> Select[Any]:
+    """Pickup rows of ``prefix`` due by ``now``, earliest first."""
+    return (
+        select(pickups)
+        .where(pickups.c.due_at <= now, pickups.c.id.startswith(f"{prefix}:", autoescape=True))
+        .order_by(pickups.c.due_at)
+        .limit(limit)
+    )
+
+
+def _same_pickup(claim_id: str, republished: int, due_at: float) -> Any:
+    # Count and due time change on every write of a pickup row (due times are exact doubles
+    # on every dialect), so together they tell whether the row is still the one read.
+    return (
+        (pickups.c.id == claim_id)
+        & (pickups.c.republished == republished)
+        & (pickups.c.due_at == due_at)
+    )
+
+
+def bump_pickup(claim_id: str, republished: int, due_at: float, values: dict[str, Any]) -> Update:
+    """Update a pickup row only if it is still the one read (compare-and-set)."""
+    return pickups.update().where(_same_pickup(claim_id, republished, due_at)).values(**values)
+
+
+def delete_pickup_if_unchanged(claim_id: str, republished: int, due_at: float) -> Delete:
+    """Delete a pickup row only if it is still the one read."""
+    return delete(pickups).where(_same_pickup(claim_id, republished, due_at))
+
+
+def delete_pickup(claim_id: str) -> Delete:
+    """Delete a pickup row whatever its state."""
+    return delete(pickups).where(pickups.c.id == claim_id)
