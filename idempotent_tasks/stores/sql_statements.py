@@ -88,32 +88,25 @@ def delete_expired(before: float) -> Delete:
     return delete(claims).where(claims.c.expires_at < before)
 
 
+def _live_queued(claim_id: str, task_id: str, now: float) -> Any:
+    return (
+        (claims.c.id == claim_id)
+        & (claims.c.status == QUEUED)
+        & (claims.c.task_id == task_id)
+        & (claims.c.expires_at > now)
+    )
+
+
 def release_queued(claim_id: str, task_id: str, now: float) -> Update:
     """Release a live ``queued`` row reserved for ``task_id``."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.status == QUEUED,
-            claims.c.task_id == task_id,
-            claims.c.expires_at > now,
-        )
-        .values(status=RELEASED, updated_at=now)
-    )
+    live = _live_queued(claim_id, task_id, now)
+    return claims.update().where(live).values(status=RELEASED, updated_at=now)
 
 
 def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
     """Move the due time of a live ``queued`` row reserved for ``task_id``."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.status == QUEUED,
-            claims.c.task_id == task_id,
-            claims.c.expires_at > now,
-        )
-        .values(lease_expires_at=due_at, updated_at=now)
-    )
+    live = _live_queued(claim_id, task_id, now)
+    return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
 def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
