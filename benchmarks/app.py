@@ -36,7 +36,7 @@ READY_KEY = "bench:worker-ready"
 #: Environment variable naming a folder: each pool process writes a cProfile dump there.
 PROFILE_ENV = "BENCH_PROFILE_DIR"
 
-IMPLEMENTATIONS = ("plain", "once", "idempotent")
+IMPLEMENTATIONS = ("plain", "bare3", "once", "idempotent")
 
 
 def db_url(db: int) -> str:
@@ -87,6 +87,38 @@ def plain_task(item: int) -> dict[str, Any]:
     return _body("plain", item)
 
 
+def bare_round_trip_key(item: int) -> str:
+    """What the ``bare3`` implementation reads and writes for ``item`` (in the store's DB)."""
+    return f"bench:bare:{item}"
+
+
+_store_db: tuple[int, redis.Redis] | None = None
+
+
+def store_db_client() -> redis.Redis:
+    """This process's client for the store DB (a new one after a fork)."""
+    global _store_db
+    pid = os.getpid()
+    if _store_db is None or _store_db[0] != pid:
+        _store_db = (pid, redis.Redis.from_url(db_url(STORE_DB)))
+    return _store_db[1]
+
+
+@app.task(name="benchmarks.bare3")
+def bare_round_trips_task(item: int) -> dict[str, Any]:
+    """Plain Celery plus the round trips of the claim protocol, doing nothing else.
+
+    One GET at publish (see ``benchmarks.produce``), one SET before and one after the body: a
+    store-backed effectively-once task cannot cost less than this, so its throughput is the
+    ceiling ``IdempotentTask`` can reach on the machine.
+    """
+    client = store_db_client()
+    client.set(bare_round_trip_key(item), "processing")
+    value = _body("bare3", item)
+    client.set(bare_round_trip_key(item), "completed")
+    return value
+
+
 @app.task(name="benchmarks.once", base=QueueOnce, once={"graceful": True})
 def once_task(item: int) -> dict[str, Any]:
     """celery-once: a call whose arguments are already queued or running is dropped."""
@@ -101,6 +133,7 @@ def idempotent_task(item: int) -> dict[str, Any]:
 
 TASKS: dict[str, Any] = {
     "plain": plain_task,
+    "bare3": bare_round_trips_task,
     "once": once_task,
     "idempotent": idempotent_task,
 }

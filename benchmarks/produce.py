@@ -24,7 +24,15 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, EagerResult
 
 from . import cpu
-from .app import IMPLEMENTATIONS, TASKS, counter_client, expected_result, runs_key
+from .app import (
+    IMPLEMENTATIONS,
+    TASKS,
+    bare_round_trip_key,
+    counter_client,
+    expected_result,
+    runs_key,
+    store_db_client,
+)
 
 WORKLOADS = ("distinct", "duplicates")
 #: Longest single ``.get()`` before looking the result up in the backend directly.
@@ -63,6 +71,8 @@ def publish(impl: str, item: int, key: str) -> AsyncResult:
     task = TASKS[impl]
     if impl == "idempotent":
         return task.apply_async((item,), idempotency_key=key)
+    if impl == "bare3":
+        store_db_client().get(bare_round_trip_key(item))  # the publish-side look's round trip
     return task.apply_async((item,))
 
 
