@@ -45,6 +45,8 @@ class Store(Protocol):
 
         Each one taken has its due time moved on (``timeout * 2 ** republished`` from now) in
         the same atomic step, so concurrent sweeps never take one key in the same period.
+        ``republished`` counts the re-publications since the message was queued (by
+        :meth:`reserve` or a retry's :meth:`release`); a claim does not reset it.
         Index entries of keys no longer queued are dropped on the way.
         """
         ...
@@ -68,7 +70,8 @@ class Store(Protocol):
 
         Only while ``request.owner`` still holds ``token``: returns ``STALE`` and writes nothing if
         another owner took over; ``RECOVERED`` if the record had vanished (or was only
-        ``queued`` again by a new publish) and was written anew.
+        ``queued`` again by a new publish) and was written anew, with the key's highest token
+        (tokens never go back). Completing again what this owner completed returns ``STORED``.
         ``result=None`` records that the result was not cached (duplicates get ``None``).
         """
         ...

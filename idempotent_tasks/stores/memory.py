@@ -108,8 +108,8 @@ class MemoryStore:
             if found is not None and found.status is Status.QUEUED:
                 if request.validate and found.fingerprint != request.fingerprint:
                     return ClaimResult(outcome=Outcome.MISMATCH, record=found)
-                # The pickup stays: should this owner die with its message, it is sent again.
-                self._pending[request.storage_key].republished = 0
+                # The pickup stays (its count too): should this owner die with its message, it
+                # is sent again.
                 return self._acquire(request, now, created_at=found.created_at, takeover=False)
             if found is None:
                 return self._acquire(request, now, created_at=now, takeover=False)
@@ -134,11 +134,14 @@ class MemoryStore:
             if found is None or found.status is Status.QUEUED:
                 outcome = CompleteOutcome.RECOVERED
                 self._pending.pop(request.storage_key, None)
+                # Tokens never go back: the record keeps the key's highest token given.
+                token = max(token, self._fences.get(request.storage_key, 0))
+                self._fences[request.storage_key] = token
                 found = self._new_record(request, token, now, created_at=now)
+            elif found.status is Status.COMPLETED and found.owner == request.owner:
+                return CompleteOutcome.STORED  # a repeated completion
             elif found.owner != request.owner or found.token != token:
                 return CompleteOutcome.STALE
-            elif found.status is Status.COMPLETED:
-                return CompleteOutcome.STORED
             self._pending.pop(request.storage_key, None)
             self._records[request.storage_key] = dataclasses.replace(
                 found,

@@ -265,12 +265,15 @@ class SqlStore:
             return CompleteOutcome.STORED
         found = self._one(select_claim(claim_id))
         if found is not None and found["owner"] == request.owner and _is_live(found, now):
-            if found["status"] == COMPLETED and int(found["token"]) == token:
+            if found["status"] == COMPLETED:
                 return CompleteOutcome.STORED  # a repeated completion
         if found is not None and found["status"] != QUEUED and _is_live(found, now):
             return CompleteOutcome.STALE
         # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
-        # since): write the result anew, unless another claimer took the key meanwhile.
+        # since): write the result anew, unless another claimer took the key meanwhile. The
+        # row is the key's fencing counter: its token never goes back.
+        if found is not None:
+            token = max(token, int(found["token"]))
         row = {**self._processing_row(request, now, token=token, takeover=False), **done}
         if found is None:
             inserted = self._rowcount(insert_if_absent(self.dialect, row))

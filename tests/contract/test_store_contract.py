@@ -212,6 +212,32 @@ def test_complete_after_the_record_vanished_recovers(store: Store, make_request:
     )
 
 
+def test_a_recovering_completion_never_hands_a_token_out_again(
+    store: Store, make_request: Make
+) -> None:
+    # Given an owner taken over (token 1, then 2), and the key's record expired since
+    first = make_request(lease_seconds=0.1, ttl_seconds=0.1)
+    assert store.claim(first).token == 1
+    second = make_request(
+        storage_key=first.storage_key,
+        previous_owner=first.owner,
+        lease_seconds=0.1,
+        ttl_seconds=0.1,
+    )
+    assert store.claim(second).token == 2
+    time.sleep(0.5)  # past the record's expiry; Redis keeps its counter a second longer
+    # When the first owner finishes, its result is written anew under the highest token
+    assert store.complete(first, 1, RESULT) is CompleteOutcome.RECOVERED
+    record = store.get(first.storage_key)
+    assert record is not None
+    assert (record.status, record.owner, record.token) == (Status.COMPLETED, first.owner, 2)
+    # and completing again is harmless
+    assert store.complete(first, 1, RESULT) is CompleteOutcome.STORED
+    # Then once that record expired too, the next claim gets a token never given before
+    time.sleep(0.3)
+    assert store.claim(make_request(storage_key=first.storage_key)).token == 3
+
+
 def test_forget_removes_any_record(store: Store, make_request: Make) -> None:
     owner = make_request()
     store.claim(owner)

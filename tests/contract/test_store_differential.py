@@ -14,8 +14,8 @@ Normalised, because it differs without anyone deciding on it: a queued record's 
 order, so the sweeps are asked for more than there are keys, and compared sorted). Times
 are compared relative to the clock, exactly: both stores compute them from the same clock.
 
-Disagreements found are in :data:`KNOWN`: each with its smallest sequences, marked xfail
-(strict) until the SQL store is fixed, and left out of the random sequences meanwhile.
+Disagreements found are fixed, and kept in :data:`REGRESSIONS` as the smallest sequences that
+showed them.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
-from idempotent_tasks.dlq.schema import claims, pickups
 from idempotent_tasks.records import (
     ClaimRequest,
     EncodedResult,
@@ -305,27 +303,16 @@ def request(op: Op, storage_key: str) -> ClaimRequest:
 
 
 class Differential:
-    """One sequence run on the memory store and a SQL store in lockstep, on one clock.
+    """One sequence run on the memory store and a SQL store in lockstep, on one clock."""
 
-    With ``avoid`` set, a step that meets a known disagreement (see :data:`KNOWN`) is left
-    out on both stores, and a forgotten key is not used again (its later tokens are a known
-    disagreement): the other steps must then be answered alike.
-    """
-
-    def __init__(self, memory: MemoryStore, sql: SqlStore, clock: Clock, avoid: bool) -> None:
-        self.memory, self.sql, self.clock, self.avoid = memory, sql, clock, avoid
+    def __init__(self, memory: MemoryStore, sql: SqlStore, clock: Clock) -> None:
+        self.memory, self.sql, self.clock = memory, sql, clock
         self.left, self.right = Runner(memory, clock), Runner(sql, clock)
-        self.generation: dict[str, int] = {}
-        self.skipped: collections.Counter[str] = collections.Counter()
         self.answers: collections.Counter[str] = collections.Counter()
-        #: The known disagreements steps met.
-        self.met: set[str] = set()
-        self._rows: dict[tuple[str, str], Any] = {}
-        sql.get(self.storage_key("a"))  # creates the tables the known disagreements read
 
-    def storage_key(self, key: str) -> str:
-        generation = self.generation.get(key, 0)
-        return f"{TASK_NAME}:{key}" + (f"~{generation}" if generation else "")
+    @staticmethod
+    def storage_key(key: str) -> str:
+        return f"{TASK_NAME}:{key}"
 
     def run(self, ops: Sequence[Op]) -> str | None:
         """A description of the first step the stores answer differently (or after which
@@ -335,12 +322,6 @@ class Differential:
                 self.clock.now += op.seconds  # once: both stores read this clock
                 continue
             storage_key = self.storage_key(op.key)
-            self._rows.clear()
-            met = {k.name for k in KNOWN if k.applies and k.applies(self, op, storage_key)}
-            self.met |= met
-            if self.avoid and met:
-                self.skipped.update(met)
-                continue
             answers = self.left.apply(op, storage_key), self.right.apply(op, storage_key)
             states = self.states()
             self.answers[describe(op, answers[0])] += 1
@@ -352,8 +333,6 @@ class Differential:
                     f"memory records {states[0]!r}\n   sql records {states[1]!r}\n"
                     f"sequence:\n{steps}"
                 )
-            if self.avoid and op.kind == "forget":
-                self.generation[op.key] = self.generation.get(op.key, 0) + 1
         return None
 
     def states(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -363,35 +342,6 @@ class Differential:
             {key: self.left.record(self.memory.get(key)) for key in keys},
             {key: self.right.record(self.sql.get(key)) for key in keys},
         )
-
-    # What the known disagreements look at: the SQL store's rows, and the memory store's
-    # state read without its side effect (it drops expired records when it reads them).
-
-    def row(self, storage_key: str) -> Any:
-        return self._read(claims, storage_key)
-
-    def pickup_row(self, storage_key: str) -> Any:
-        return self._read(pickups, storage_key)
-
-    def _read(self, table: sa.Table, storage_key: str) -> Any:
-        """A row of the SQL store, read once per step."""
-        if (table.name, storage_key) not in self._rows:
-            with self.sql.engine.connect() as connection:
-                query = sa.select(table).where(table.c.id == self.sql.claim_id(storage_key))
-                found = connection.execute(query).mappings().one_or_none()
-            self._rows[table.name, storage_key] = found
-        return self._rows[table.name, storage_key]
-
-    def live(self, storage_key: str) -> Record | None:
-        found: Record | None = self.memory._records.get(storage_key)
-        return found if found is not None and found.expires_at > self.clock.now else None
-
-    def pending(self, storage_key: str) -> Any:
-        """The memory store's pickup of a live record."""
-        return self.memory._pending.get(storage_key) if self.live(storage_key) else None
-
-    def fence(self, storage_key: str) -> int:
-        return int(self.memory._fences.get(storage_key, 0))
 
 
 def describe(op: Op, answer: Any) -> str:
@@ -407,74 +357,34 @@ def describe(op: Op, answer: Any) -> str:
     return f"get {'none' if answer is None else answer['status']}"
 
 
-# -- known disagreements ------------------------------------------------------------------
-
-Applies = Callable[[Differential, Op, str], bool]
-
-
-@dataclasses.dataclass(frozen=True)
-class Known:
-    """A disagreement found: when a step meets it (``applies``, from the state before the
-    step; ``None`` when :class:`Differential` avoids it otherwise), and the smallest
-    sequences that show it (each ends with the step answered differently)."""
-
-    name: str
-    reason: str
-    applies: Applies | None
-    cases: dict[str, tuple[Op, ...]]
-
-
-def _recovery_with_another_token(d: Differential, op: Op, storage_key: str) -> bool:
-    if op.kind != "complete":
-        return False
-    found = d.live(storage_key)
-    recovers = found is None or found.status is Status.QUEUED
-    return recovers and d.left.token_for(op, storage_key) != d.fence(storage_key)
-
-
-def _claim_of_republished_key(d: Differential, op: Op, storage_key: str) -> bool:
-    pending = d.pending(storage_key)
-    return op.kind == "claim" and pending is not None and pending.republished > 0
-
+# -- disagreements found and fixed ------------------------------------------------------
 
 PICKUP = Pickup(envelope=b"env-1", due_in=5.0, timeout=4.0)
 
-KNOWN = [
-    Known(
-        "recovery-rewinds-tokens",
-        "SqlStore.complete RECOVERED writes the completer's token into the row that is the "
-        "key's fencing counter: a later claim reuses a token given before (the memory store's "
-        "and Redis' counters are not rewound by a completion)",
-        _recovery_with_another_token,
-        {
-            "claim": (
-                Op(kind="claim", owner="o1", lease=10.0, ttl=30.0),
-                Op(kind="claim", owner="o2", lease=10.0, ttl=30.0, previous_owner="o1"),
-                advance(40.0),
-                Op(kind="complete", owner="o1", ttl=30.0),
-                advance(30.0),
-                Op(kind="claim", owner="o3"),
-            ),
-        },
+#: The smallest sequence of each disagreement the random sequences found (now fixed).
+REGRESSIONS: dict[str, tuple[Op, ...]] = {
+    # A completion that recovers a vanished claim wrote the completer's token into the SQL
+    # row, the key's fencing counter: a later claim got a token given before.
+    "recovery-keeps-tokens-growing": (
+        Op(kind="claim", owner="o1", lease=10.0, ttl=30.0),
+        Op(kind="claim", owner="o2", lease=10.0, ttl=30.0, previous_owner="o1"),
+        advance(40.0),
+        Op(kind="complete", owner="o1", ttl=30.0),
+        Op(kind="complete", owner="o1", ttl=30.0),
+        advance(30.0),
+        Op(kind="claim", owner="o3"),
     ),
-    Known(
-        "claim-keeps-republished",
-        "SqlStore.claim of a queued key leaves its pickup's republished count (claim.lua and "
-        "the memory store reset it to 0): the sweep then republishes the claimed key with a "
-        "count one too high and a doubled backoff",
-        _claim_of_republished_key,
-        {
-            "take_due": (
-                Op(kind="reserve", ttl=30.0, pickup=PICKUP),
-                advance(5.0),
-                Op(kind="take_due"),
-                Op(kind="claim", lease=10.0, ttl=30.0),
-                advance(14.0),
-                Op(kind="take_due"),
-            ),
-        },
+    # The memory store and claim.lua reset a pickup's re-publication count on a claim, the SQL
+    # store did not: the count (and the sweep's backoff) now runs on across claims everywhere.
+    "claim-keeps-republished-count": (
+        Op(kind="reserve", ttl=30.0, pickup=PICKUP),
+        advance(5.0),
+        Op(kind="take_due"),
+        Op(kind="claim", lease=10.0, ttl=30.0),
+        advance(14.0),
+        Op(kind="take_due"),
     ),
-]
+}
 
 
 # -- the tests ----------------------------------------------------------------------------
@@ -493,34 +403,17 @@ def stores(request: pytest.FixtureRequest) -> Iterator[tuple[MemoryStore, SqlSto
 def test_random_sequences_decide_alike(
     stores: tuple[MemoryStore, SqlStore, Clock], seed: int
 ) -> None:
-    differential = Differential(*stores, avoid=True)
+    differential = Differential(*stores)
     found = differential.run(generate(seed))
     assert found is None, found
 
 
-KNOWN_CASES = [
-    pytest.param(
-        known,
-        ops,
-        id=f"{known.name}-{label}",
-        marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=known.reason),
-    )
-    for known in KNOWN
-    for label, ops in known.cases.items()
-]
-
-
-@pytest.mark.parametrize(("known", "ops"), KNOWN_CASES)
-def test_known_disagreement(
-    stores: tuple[MemoryStore, SqlStore, Clock], known: Known, ops: tuple[Op, ...]
+@pytest.mark.parametrize("ops", list(REGRESSIONS.values()), ids=list(REGRESSIONS))
+def test_disagreements_found_stay_fixed(
+    stores: tuple[MemoryStore, SqlStore, Clock], ops: tuple[Op, ...]
 ) -> None:
-    differential = Differential(*stores, avoid=False)
+    differential = Differential(*stores)
     found = differential.run(ops)
-    # Not an AssertionError: a case that stops showing its disagreement must not xfail.
-    if found is not None and not found.startswith(f"step {len(ops) - 1} "):
-        raise RuntimeError(f"the stores disagree before the last step:\n{found}")
-    if known.applies is not None and known.name not in differential.met:
-        raise RuntimeError(f"no step meets {known.name!r}")
     assert found is None, found
 
 
@@ -537,18 +430,15 @@ REACHED = {
 
 
 def test_random_sequences_reach_every_answer(request: pytest.FixtureRequest) -> None:
-    """The sequences reach every answer of every operation, and the known disagreements
-    leave few of their steps out (on SQLite, the quickest: the sequences are the same)."""
+    """The sequences reach every answer of every operation (on SQLite, the quickest: the
+    sequences are the same on every database)."""
     url = store_url("sqlite", request)
     answers: collections.Counter[str] = collections.Counter()
-    skipped = 0
     for seed in range(SEQUENCES):
         clock = Clock()
         sql = SqlStore(url, prefix=f"reach{seed}", clock=clock)
-        differential = Differential(MemoryStore(clock=clock), sql, clock, avoid=True)
+        differential = Differential(MemoryStore(clock=clock), sql, clock)
         differential.run(generate(seed))
         sql.close()
         answers += differential.answers
-        skipped += sum(differential.skipped.values())
     assert REACHED - set(answers) == set(), answers
-    assert skipped < 0.2 * (skipped + sum(answers.values())), (skipped, answers)

@@ -306,6 +306,24 @@ def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
     assert claim.outcome is Outcome.ACQUIRED and claim.takeover
 
 
+def test_a_claim_does_not_reset_the_count_of_re_publications(
+    store: Store, make_request: Make
+) -> None:
+    # Given a queued key whose message was published again once
+    reserved = make_request(task_id="t-1")
+    assert store.reserve(reserved, make_pickup(due_in=0.0)) is None
+    time.sleep(0.05)
+    [first] = store.take_due(10)
+    assert first.republished == 1
+    # When that message is claimed, and its owner dies with it
+    owner = make_request(task_id="t-1", lease_seconds=0.2)
+    assert store.claim(owner).outcome is Outcome.ACQUIRED
+    time.sleep(PAST_FIRST_BACKOFF)
+    # Then the sweep publishes it again as the message's second re-publication
+    [again] = store.take_due(10)
+    assert (again.task_id, again.envelope, again.republished) == ("t-1", ENVELOPE, 2)
+
+
 def test_a_claimed_key_whose_owner_renews_its_lease_is_never_taken(
     store: Store, make_request: Make
 ) -> None:

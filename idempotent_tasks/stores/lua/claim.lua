@@ -24,8 +24,7 @@ local function acquire(takeover, created_at)
   redis.call('HSET', KEYS[1],
     'status', 'processing', 'owner', ARGV[1], 'token', token, 'task_id', ARGV[3],
     'fingerprint', ARGV[2], 'lease_expires_at', now + lease, 'created_at', created_at,
-    'updated_at', now, 'expires_at', now + lease + ttl, 'key', ARGV[8], 'task_name', ARGV[9],
-    'republished', 0)
+    'updated_at', now, 'expires_at', now + lease + ttl, 'key', ARGV[8], 'task_name', ARGV[9])
   redis.call('PEXPIRE', KEYS[1], lease + ttl)
   redis.call('PEXPIRE', KEYS[2], lease + ttl + 1000)
   return {'acquired', token, takeover}

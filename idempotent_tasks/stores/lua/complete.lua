@@ -21,15 +21,19 @@ if not found[1] or found[1] == 'queued' then
   -- The claim vanished (a store that lost it, or an expiry), and perhaps a new publish
   -- queued the key since: this execution did finish, so its result is the key's.
   outcome = 'recovered'
+  -- Tokens never go back: the record keeps the key's highest token given, and the counter
+  -- (gone if it expired) is raised to it.
+  local token = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2]))
+  redis.call('SET', KEYS[2], token)
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[3], ARGV[12])
-  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', ARGV[2], 'fingerprint', ARGV[8],
+  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'fingerprint', ARGV[8],
     'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', now,
     'lease_expires_at', now)
+elseif found[1] == 'completed' and found[2] == ARGV[1] then
+  return 'stored'  -- a repeated completion
 elseif found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
   return 'stale'
-elseif found[1] == 'completed' then
-  return 'stored'
 end
 
 redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', now, 'expires_at', now + ttl,
