@@ -104,13 +104,14 @@ def store_db_client() -> redis.Redis:
     return _store_db[1]
 
 
-@app.task(name="benchmarks.bare3")
+@app.task(name="benchmarks.bare3", acks_late=True, reject_on_worker_lost=True)
 def bare_round_trips_task(item: int) -> dict[str, Any]:
-    """Plain Celery plus the round trips of the claim protocol, doing nothing else.
+    """Plain Celery plus what a crash-safe effectively-once task cannot do without, only that.
 
-    One GET at publish (see ``benchmarks.produce``), one SET before and one after the body: a
-    store-backed effectively-once task cannot cost less than this, so its throughput is the
-    ceiling ``IdempotentTask`` can reach on the machine.
+    Late acknowledgement (a worker that dies mid-task must not lose the message), one GET at
+    publish (see ``benchmarks.produce``), one SET before and one after the body (the claim
+    protocol's round trips): a store-backed effectively-once task cannot cost less, so its
+    throughput is the ceiling ``IdempotentTask`` can reach on the machine.
     """
     client = store_db_client()
     client.set(bare_round_trip_key(item), "processing")

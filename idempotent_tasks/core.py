@@ -8,12 +8,11 @@ per delivery, act on :meth:`Attempt.claim`'s outcome, run the body inside
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import signals
@@ -54,7 +53,7 @@ class Attempt:
     codec: ResultCodec
     token: int = 0
     #: Set when a heartbeat found the claim taken over by another owner.
-    lost: threading.Event = field(default_factory=threading.Event)
+    lost: bool = False
     #: Set by :meth:`finish` when another execution holds the key and has not completed yet:
     #: the adapter must then wait for that execution's value instead of returning its own.
     superseded: bool = False
@@ -200,7 +199,7 @@ class Attempt:
             return True  # unknown: keep trying until the store answers
 
     def _on_lease_lost(self) -> None:
-        self.lost.set()
+        self.lost = True
         logger.warning(
             "lease of key %r of %s was taken over while its body still runs",
             self.request.key,

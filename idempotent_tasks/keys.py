@@ -71,10 +71,7 @@ def fingerprint(
 
     ``f(1, b=2)``, ``f(a=1, b=2)`` and ``f(1, 2)`` give the same fingerprint.
     """
-    bound = bind_arguments(signature, args, kwargs)
-    canonical = json.dumps(
-        [task_name, bound], sort_keys=True, separators=(",", ":"), default=_canonical_default
-    )
+    canonical = _CANONICAL.encode([task_name, bind_arguments(signature, args, kwargs)])
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -85,6 +82,11 @@ def _canonical_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"__bytes__": value.hex()}
     return {"__repr__": repr(value)}
+
+
+# Built once: json.dumps with options builds an encoder per call, which costs about as much as
+# the encoding itself.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_canonical_default)
 
 
 def storage_key(task_name: str, key: str) -> str:

@@ -107,9 +107,9 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def make_pickup(body: bytes, conf: Any, wait: float) -> Pickup | None:
-    """The pickup of a message that runs ``wait`` seconds from now, unless the guard is off."""
-    timeout = pickup_timeout(conf)
+def make_pickup(body: bytes, timeout: float, wait: float) -> Pickup | None:
+    """The pickup of a message that runs ``wait`` seconds from now, with the re-publication
+    ``timeout`` of :func:`pickup_timeout`, unless that is 0 (the guard is off)."""
     if timeout <= 0:
         return None
     return Pickup(envelope=body, due_in=wait + timeout, timeout=timeout)

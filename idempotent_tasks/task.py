@@ -37,7 +37,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
-from .pickups import envelope, make_pickup, seconds_until
+from .pickups import envelope, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
 from .settings import app_setting, resolve
 
@@ -204,7 +204,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self._claim_request(key, args, kwargs, task_id, owner="")
         body = envelope(args, kwargs, options)
         wait = seconds_until(options.get("countdown"), options.get("eta"))
-        pickup = None if body is None else make_pickup(body, self.app.conf, wait)
+        pickup = None if body is None else make_pickup(body, self._pickup_timeout, wait)
         store = store_for(self.app)
         try:
             if pickup is None:
@@ -396,7 +396,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             request.kwargs if kwargs is None else kwargs,
             options,
         )
-        return None if body is None else make_pickup(body, self.app.conf, wait)
+        return None if body is None else make_pickup(body, self._pickup_timeout, wait)
 
     def on_final_failure(
         self, exc: Exception, key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -524,7 +524,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             previous_owner=previous_owner,
         )
 
-    # -- per-task constants -----------------------------------------------------------------
+    # -- per-task constants: settings are read once per task, when first needed, as Celery
+    # reads its own task options (a lookup in app.conf costs more than a Redis round trip) --
 
     @cached_property
     def _lease_and_ttl(self) -> tuple[float, float]:
@@ -537,6 +538,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
         return float(lease), float(ttl)
+
+    @cached_property
+    def _pickup_timeout(self) -> float:
+        return pickup_timeout(self.app.conf)
 
     @cached_property
     def _signature(self) -> inspect.Signature | None:

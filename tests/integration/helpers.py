@@ -8,8 +8,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import redis
 
+from idempotent_tasks import IdempotentTask
 from tests.integration import worker_app
 
 #: A queue no test worker consumes: what lands here was published and stays put.
@@ -61,3 +63,15 @@ def app_store_url(app: Any, url: str) -> Iterator[None]:
     finally:
         drop_store()
         app.conf.idempotency_store_url = previous
+
+
+def set_pickup_timeout(monkeypatch: pytest.MonkeyPatch, app: Any, seconds: float) -> None:
+    """Publish from this process with another pickup timeout, for one test.
+
+    Tasks read the setting once (see ``IdempotentTask._pickup_timeout``): theirs is replaced
+    too, and monkeypatch restores both.
+    """
+    monkeypatch.setitem(app.conf, "idempotency_pickup_timeout", seconds)
+    for task in app.tasks.values():
+        if isinstance(task, IdempotentTask):
+            monkeypatch.setitem(task.__dict__, "_pickup_timeout", float(seconds))

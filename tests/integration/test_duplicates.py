@@ -10,7 +10,13 @@ from celery.result import AsyncResult, EagerResult
 
 from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
 from tests.integration import worker_app
-from tests.integration.helpers import IDLE_QUEUE, fresh, ledger_events, queue_length
+from tests.integration.helpers import (
+    IDLE_QUEUE,
+    fresh,
+    ledger_events,
+    queue_length,
+    set_pickup_timeout,
+)
 from tests.integration.workers import WorkerProcess
 
 pytestmark = pytest.mark.usefixtures("two_workers")
@@ -110,7 +116,7 @@ def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publ
 ) -> None:
     # Both calls are published before either is claimed, and with the pickup guard off nothing
     # is written at publish: the worker is where it is caught.
-    monkeypatch.setitem(worker_app.app.conf, "idempotency_pickup_timeout", 0)
+    set_pickup_timeout(monkeypatch, worker_app.app, 0)
     order, key = fresh("order"), fresh("key")
     with ThreadPoolExecutor(max_workers=2) as pool:
         first, second = pool.map(

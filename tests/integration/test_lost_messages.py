@@ -19,7 +19,7 @@ from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import republish_lost
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
-from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.helpers import fresh, ledger_events, set_pickup_timeout, wait_until
 from tests.integration.workers import BeatProcess, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ PICKUP_TIMEOUT = 1.0
 @pytest.fixture()
 def short_pickup(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process publishes with a 1 s pickup timeout."""
-    monkeypatch.setitem(app.conf, "idempotency_pickup_timeout", PICKUP_TIMEOUT)
+    set_pickup_timeout(monkeypatch, app, PICKUP_TIMEOUT)
 
 
 @pytest.fixture()

@@ -59,8 +59,8 @@ def test_pickup_timeout_defaults_to_the_visibility_timeout_then_an_hour() -> Non
 
 
 def test_a_zero_timeout_turns_the_guard_off() -> None:
-    assert make_pickup(b"{}", _app(idempotency_pickup_timeout=0).conf, wait=5) is None
-    pickup = make_pickup(b"{}", _app(idempotency_pickup_timeout=10).conf, wait=5)
+    assert make_pickup(b"{}", 0.0, wait=5) is None
+    pickup = make_pickup(b"{}", 10.0, wait=5)
     assert pickup is not None and pickup.due_in == 15 and pickup.timeout == 10
 
 
