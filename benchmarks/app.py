@@ -59,16 +59,27 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 
-_counter: tuple[int, redis.Redis] | None = None
+#: This process's client per DB, with the pid that made it.
+_clients: dict[int, tuple[int, redis.Redis]] = {}
+
+
+def _client(db: int) -> redis.Redis:
+    """This process's client for one of the benchmark's DBs (a new one after a fork)."""
+    pid = os.getpid()
+    made = _clients.get(db)
+    if made is None or made[0] != pid:
+        made = _clients[db] = (pid, redis.Redis.from_url(db_url(db)))
+    return made[1]
 
 
 def counter_client() -> redis.Redis:
-    """This process's client for the counter DB (a new one after a fork)."""
-    global _counter
-    pid = os.getpid()
-    if _counter is None or _counter[0] != pid:
-        _counter = (pid, redis.Redis.from_url(db_url(COUNTER_DB)))
-    return _counter[1]
+    """This process's client for the counter DB."""
+    return _client(COUNTER_DB)
+
+
+def store_db_client() -> redis.Redis:
+    """This process's client for the store DB."""
+    return _client(STORE_DB)
 
 
 def expected_result(item: int) -> dict[str, Any]:
@@ -90,18 +101,6 @@ def plain_task(item: int) -> dict[str, Any]:
 def bare_round_trip_key(item: int) -> str:
     """What the ``bare3`` implementation reads and writes for ``item`` (in the store's DB)."""
     return f"bench:bare:{item}"
-
-
-_store_db: tuple[int, redis.Redis] | None = None
-
-
-def store_db_client() -> redis.Redis:
-    """This process's client for the store DB (a new one after a fork)."""
-    global _store_db
-    pid = os.getpid()
-    if _store_db is None or _store_db[0] != pid:
-        _store_db = (pid, redis.Redis.from_url(db_url(STORE_DB)))
-    return _store_db[1]
 
 
 @app.task(name="benchmarks.bare3", acks_late=True, reject_on_worker_lost=True)
