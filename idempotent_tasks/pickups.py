@@ -107,10 +107,20 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def make_pickup(body: bytes, timeout: float, wait: float) -> Pickup | None:
+def make_pickup(
+    args: Iterable[Any],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    timeout: float,
+    wait: float,
+) -> Pickup | None:
     """The pickup of a message that runs ``wait`` seconds from now, with the re-publication
-    ``timeout`` of :func:`pickup_timeout`, unless that is 0 (the guard is off)."""
+    ``timeout`` of :func:`pickup_timeout`; ``None`` when that is 0 (the guard is off: no
+    envelope is built) or the message cannot be kept (see :func:`envelope`)."""
     if timeout <= 0:
+        return None
+    body = envelope(args, kwargs, options)
+    if body is None:
         return None
     return Pickup(envelope=body, due_in=wait + timeout, timeout=timeout)
 

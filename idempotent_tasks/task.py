@@ -37,7 +37,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
-from .pickups import envelope, make_pickup, pickup_timeout, seconds_until
+from .pickups import make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
 from .settings import app_setting, resolve
 
@@ -202,9 +202,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         the guarantee, so an unreachable store lets the message go out unguarded.
         """
         request = self._claim_request(key, args, kwargs, task_id, owner="")
-        body = envelope(args, kwargs, options)
         wait = seconds_until(options.get("countdown"), options.get("eta"))
-        pickup = None if body is None else make_pickup(body, self._pickup_timeout, wait)
+        pickup = make_pickup(args, kwargs, options, self._pickup_timeout, wait)
         store = store_for(self.app)
         try:
             if pickup is None:
@@ -391,12 +390,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "root_id": request.root_id,
             "parent_id": request.parent_id,
         }
-        body = envelope(
+        return make_pickup(
             request.args if args is None else args,
             request.kwargs if kwargs is None else kwargs,
             options,
+            self._pickup_timeout,
+            wait,
         )
-        return None if body is None else make_pickup(body, self._pickup_timeout, wait)
 
     def on_final_failure(
         self, exc: Exception, key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -74,15 +74,8 @@ class RedisStore:
         return cls(client, prefix)
 
     def names(self, storage_key: str) -> list[str]:
-        """Redis names of a key's record and fencing counter (one hash tag, one slot)."""
-        return self._names(storage_key)[:2]
-
-    def index_name(self, storage_key: str) -> str:
-        """Redis name of the due index of a key's shard."""
-        return self._names(storage_key)[2]
-
-    def _names(self, storage_key: str) -> list[str]:
-        """Record, fencing counter and due index of a key, its shard computed once."""
+        """Redis names of a key's record, its fencing counter and its shard's due index (one
+        hash tag, one slot)."""
         shard = self._shard(storage_key)
         return [f"{shard}:r:{storage_key}", f"{shard}:f:{storage_key}", f"{shard}:due"]
 
@@ -90,7 +83,7 @@ class RedisStore:
         return f"{self.prefix}:{{{crc32(storage_key.encode()) % SHARDS:02x}}}"
 
     def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
-        record, _, index = self._names(request.storage_key)
+        record, _, index = self.names(request.storage_key)
         reply = self._run(
             "reserve",
             [record, index],
@@ -111,7 +104,7 @@ class RedisStore:
         return _record(request.storage_key, _pairs(reply))
 
     def cancel_reservation(self, request: ClaimRequest) -> bool:
-        record, _, index = self._names(request.storage_key)
+        record, _, index = self.names(request.storage_key)
         return bool(self._run("cancel", [record, index], [request.task_id, request.storage_key]))
 
     def take_due(self, limit: int) -> list[DuePickup]:
@@ -123,7 +116,7 @@ class RedisStore:
             members = [_text(m) for found in pipe.execute() for m in found]
         taken: list[DuePickup] = []
         for storage_key in members:
-            record, _, index = self._names(storage_key)
+            record, _, index = self.names(storage_key)
             reply = self._run("take", [record, index], [storage_key])
             if reply:
                 taken.append(
@@ -142,7 +135,7 @@ class RedisStore:
     def claim(self, request: ClaimRequest) -> ClaimResult:
         reply = self._run(
             "claim",
-            self.names(request.storage_key),
+            self.names(request.storage_key)[:2],
             [
                 request.owner,
                 request.fingerprint,
@@ -166,7 +159,7 @@ class RedisStore:
     ) -> CompleteOutcome:
         reply = self._run(
             "complete",
-            self._names(request.storage_key),
+            self.names(request.storage_key),
             [
                 request.owner,
                 token,
@@ -185,7 +178,7 @@ class RedisStore:
         return CompleteOutcome(_text(reply))
 
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
-        record, _, index = self._names(request.storage_key)
+        record, _, index = self.names(request.storage_key)
         keys = [record, index]
         args: list[Any] = [request.owner, token]
         if pickup is None:
@@ -203,7 +196,7 @@ class RedisStore:
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
         args = [request.owner, token, _ms(request.lease_seconds), _ms(request.ttl_seconds)]
-        return bool(self._run("extend", self.names(request.storage_key), args))
+        return bool(self._run("extend", self.names(request.storage_key)[:2], args))
 
     def get(self, storage_key: str) -> Record | None:
         with _translated_errors():

@@ -59,9 +59,14 @@ def test_pickup_timeout_defaults_to_the_visibility_timeout_then_an_hour() -> Non
 
 
 def test_a_zero_timeout_turns_the_guard_off() -> None:
-    assert make_pickup(b"{}", 0.0, wait=5) is None
-    pickup = make_pickup(b"{}", 10.0, wait=5)
+    assert make_pickup([1], {}, {}, 0.0, wait=5) is None
+    pickup = make_pickup([1], {}, {}, 10.0, wait=5)
     assert pickup is not None and pickup.due_in == 15 and pickup.timeout == 10
+    assert pickup.envelope == envelope([1], {}, {})
+
+
+def test_a_message_that_cannot_be_kept_gets_no_pickup() -> None:
+    assert make_pickup([object()], {}, {}, 10.0, wait=0) is None
 
 
 @pytest.mark.parametrize(
