@@ -193,7 +193,8 @@ def test_an_exhausted_job_is_dead_lettered_and_swept_once(
     item = rq_env.dlq.get(row.id)
     assert item is not None and item.status is DeadLetterStatus.PENDING
     assert rq_jobs.starts(name) == 3
-    assert status(job) is JobStatus.FAILED
+    # RQ marks the job failed after our failure hook has written the row: wait for it too
+    wait_until(lambda: status(job) is JobStatus.FAILED, 20, "the re-run to be marked failed")
     assert rq_env.rows_of(job.id) == [item]
     assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 0
 
