@@ -1,4 +1,4 @@
-"""The benchmark's Celery app: one trivial task per implementation, all on Redis DBs 4-8.
+"""The benchmark's Celery app: one trivial task per implementation, all on Redis DBs 4-6 and 8.
 
 The worker runs as ``celery -A benchmarks.app worker ...``; the producer imports the same module.
 Every body increments a per-implementation counter, so the benchmark can count how often a body
@@ -27,9 +27,11 @@ REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379").rstrip("
 BROKER_DB = 4
 BACKEND_DB = 5
 ONCE_DB = 6
-STORE_DB = 7
+#: IdempotentTask's claim store is left at its default, the result backend's Redis database: its
+#: completions then write Celery's result records themselves (idempotent_tasks.celery_result).
+STORE_DB = BACKEND_DB
 COUNTER_DB = 8
-BENCH_DBS = (BROKER_DB, BACKEND_DB, ONCE_DB, STORE_DB, COUNTER_DB)
+BENCH_DBS = (BROKER_DB, BACKEND_DB, ONCE_DB, COUNTER_DB)
 
 #: Set by the worker once it consumes; the runner waits for it before starting the producer.
 READY_KEY = "bench:worker-ready"
@@ -55,7 +57,6 @@ app.conf.update(
         "backend": "celery_once.backends.Redis",
         "settings": {"url": db_url(ONCE_DB), "default_timeout": 3600},
     },
-    idempotency_store_url=db_url(STORE_DB),
     broker_connection_retry_on_startup=True,
 )
 

@@ -59,7 +59,7 @@ app = Celery(
     backend=os.environ.get(ENV_BACKEND_URL, "redis://127.0.0.1:6379/1"),
 )
 app.conf.update(
-    idempotency_store_url=os.environ.get(ENV_STORE_URL, "redis://127.0.0.1:6379/2"),
+    idempotency_store_url=os.environ.get(ENV_STORE_URL, "redis://127.0.0.1:6379/1"),
     idempotency_dlq_url=os.environ.get(ENV_DLQ_URL),
     idempotency_lease=float(os.environ.get(ENV_LEASE, LEASE_S)),
     idempotency_dlq_base_delay=DLQ_BASE_DELAY_S,

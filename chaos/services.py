@@ -392,7 +392,8 @@ class Cluster:
     """Everything one chaos run starts: Redis, PostgreSQL, two workers and beat.
 
     ``store`` is ``redis`` or ``postgresql``: where the claims live. The run's Redis is broker
-    (db 0) and result backend (db 1), and claim store (db 2) for ``redis``; the run's
+    (db 0) and result backend (db 1), and claim store for ``redis`` (db 1 too, as by default:
+    completions then write Celery's result records themselves); the run's
     PostgreSQL holds the dead-letter table, and the claims table for ``postgresql``.
     :meth:`close` stops every process and server, whatever state they are in.
     """
@@ -429,7 +430,7 @@ class Cluster:
         self.env = {
             ENV_BROKER_URL: self.redis.url(0),
             ENV_BACKEND_URL: self.redis.url(1),
-            ENV_STORE_URL: self.redis.url(2) if self._store == "redis" else database_url,
+            ENV_STORE_URL: self.redis.url(1) if self._store == "redis" else database_url,
             ENV_DLQ_URL: database_url,
             ENV_LEDGER: str(self._ledger_path),
         }

@@ -26,6 +26,7 @@ from .records import (
     Outcome,
     Pickup,
     Record,
+    SideWrite,
     Status,
 )
 from .stores.base import Store
@@ -57,6 +58,8 @@ class Attempt:
     #: Set by :meth:`finish` when another execution holds the key and has not completed yet:
     #: the adapter must then wait for that execution's value instead of returning its own.
     superseded: bool = False
+    #: Set when the completion also made the side write it was given (see :meth:`complete`).
+    side_written: bool = False
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
@@ -91,8 +94,12 @@ class Attempt:
         finally:
             keeper.remove(lease)
 
-    def complete(self, value: Any) -> CompleteOutcome:
-        """Cache ``value`` and mark the key completed, if this attempt still holds it."""
+    def complete(self, value: Any, side_write: SideWrite | None = None) -> CompleteOutcome:
+        """Cache ``value`` and mark the key completed, if this attempt still holds it.
+
+        ``side_write`` (a store that shares the framework's result database) is made in the
+        same step when the completion is stored; :attr:`side_written` tells whether it was.
+        """
         encoded, reason = self.codec.encode(value)
         if reason is not None:
             logger.warning(
@@ -104,7 +111,11 @@ class Attempt:
             signals.result_not_cached.send(
                 task_name=self.request.task_name, key=self.request.key, reason=reason
             )
-        outcome = self.store.complete(self.request, self.token, encoded)
+        if side_write is None:
+            outcome = self.store.complete(self.request, self.token, encoded)
+        else:
+            outcome = self.store.complete(self.request, self.token, encoded, side_write)
+            self.side_written = outcome is CompleteOutcome.STORED
         if outcome is CompleteOutcome.STALE:
             logger.warning(
                 "%s finished key %r after its claim was taken over by another execution; "
@@ -123,7 +134,9 @@ class Attempt:
             )
         return outcome
 
-    def finish(self, value: Any, patience_seconds: float) -> Any:
+    def finish(
+        self, value: Any, patience_seconds: float, side_write: SideWrite | None = None
+    ) -> Any:
         """Complete with ``value``, trying for up to ``patience_seconds`` while the store is
         unreachable; returns the value every caller should see.
 
@@ -135,7 +148,7 @@ class Attempt:
         pause = 0.1
         while True:
             try:
-                if self.complete(value) is CompleteOutcome.STALE:
+                if self.complete(value, side_write) is CompleteOutcome.STALE:
                     return self._winning_value(value)
                 return value
             except StoreUnavailable as exc:

@@ -45,6 +45,20 @@ class EncodedResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SideWrite:
+    """A value a completion writes and publishes beside its record, in the same atomic step.
+
+    The Celery adapter uses it for Celery's own result record when the store and the result
+    backend are one Redis database: the completion then also stands for the backend's write.
+    ``ttl_seconds`` of ``None`` (or 0) keeps the value until deleted.
+    """
+
+    key: bytes
+    value: bytes
+    ttl_seconds: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClaimRequest:
     """Everything a store needs to claim one key for one execution attempt.
 

@@ -11,6 +11,7 @@ from traceback import format_exc
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task, states
+from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult, EagerResult
 from celery.utils import uuid
@@ -18,6 +19,7 @@ from celery.utils.log import get_task_logger
 
 from . import defaults, signals
 from .app_store import store_for
+from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
 from .core import Attempt, new_owner
 from .dead_letters import (
@@ -38,7 +40,7 @@ from .errors import (
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
 from .pickups import make_pickup, pickup_timeout, seconds_until
-from .records import ClaimRequest, Outcome, Record, Status
+from .records import ClaimRequest, Outcome, Record, SideWrite, Status
 from .settings import app_setting, resolve
 
 logger = get_task_logger(__name__)
@@ -323,7 +325,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Worker shutdown and the like: the message is redelivered (acks_late).
             attempt.release_quietly()
             raise
-        value = attempt.finish(value, attempt.request.lease_seconds)
+        side_write = self._celery_result(value)
+        value = attempt.finish(value, attempt.request.lease_seconds, side_write)
+        if attempt.side_written:
+            # The completion wrote and published Celery's result record: Celery need not.
+            self.request.ignore_result = True
         if attempt.superseded:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
@@ -524,6 +530,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             previous_owner=previous_owner,
         )
 
+    def _celery_result(self, value: Any) -> SideWrite | None:
+        """Celery's result record for the completion to write, when it can (see
+        :mod:`idempotent_tasks.celery_result`)."""
+        if not self._completion_writes_result or get_actual_ignore_result(self, self.request):
+            return None
+        return result_side_write(self.backend, self.request, value)
+
     # -- per-task constants: settings are read once per task, when first needed, as Celery
     # reads its own task options (a lookup in app.conf costs more than a Redis round trip) --
 
@@ -538,6 +551,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
         return float(lease), float(ttl)
+
+    @cached_property
+    def _completion_writes_result(self) -> bool:
+        return backend_shares_store(self.backend, store_for(self.app))
 
     @cached_property
     def _pickup_timeout(self) -> float:

@@ -12,6 +12,7 @@ from ..records import (
     EncodedResult,
     Pickup,
     Record,
+    SideWrite,
 )
 
 
@@ -64,7 +65,11 @@ class Store(Protocol):
         ...
 
     def complete(
-        self, request: ClaimRequest, token: int, result: EncodedResult | None
+        self,
+        request: ClaimRequest,
+        token: int,
+        result: EncodedResult | None,
+        side_write: SideWrite | None = None,
     ) -> CompleteOutcome:
         """Mark the key ``completed`` with ``result`` for ``request.ttl_seconds``.
 
@@ -73,6 +78,10 @@ class Store(Protocol):
         ``queued`` again by a new publish) and was written anew, with the key's highest token
         (tokens never go back). Completing again what this owner completed returns ``STORED``.
         ``result=None`` records that the result was not cached (duplicates get ``None``).
+
+        ``side_write`` is written (and published) in the same atomic step when the outcome is
+        ``STORED``, never otherwise. Only the Redis store takes one (see
+        ``RedisStore.shares_database_with``); the others raise ``ValueError``.
         """
         ...
 
@@ -101,3 +110,9 @@ class Store(Protocol):
     def close(self) -> None:
         """Drop connections; the store reconnects on next use."""
         ...
+
+
+def refuse_side_write(store: Store, side_write: SideWrite | None) -> None:
+    """Raise ``ValueError`` for a side write given to a store that cannot make one."""
+    if side_write is not None:
+        raise ValueError(f"{type(store).__name__} cannot write beside a completion")

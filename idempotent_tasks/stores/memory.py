@@ -20,8 +20,10 @@ from ..records import (
     Outcome,
     Pickup,
     Record,
+    SideWrite,
     Status,
 )
+from .base import refuse_side_write
 
 #: Largest power of two a pickup's re-publication backoff grows to.
 MAX_BACKOFF_EXPONENT = 20
@@ -125,8 +127,13 @@ class MemoryStore:
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
 
     def complete(
-        self, request: ClaimRequest, token: int, result: EncodedResult | None
+        self,
+        request: ClaimRequest,
+        token: int,
+        result: EncodedResult | None,
+        side_write: SideWrite | None = None,
     ) -> CompleteOutcome:
+        refuse_side_write(self, side_write)
         with self._lock:
             now = self._clock()
             found = self._live(request.storage_key, now)

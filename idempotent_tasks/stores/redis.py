@@ -30,6 +30,7 @@ from ..records import (
     Outcome,
     Pickup,
     Record,
+    SideWrite,
     Status,
 )
 
@@ -155,11 +156,21 @@ class RedisStore:
         return ClaimResult(outcome=outcome, record=record)
 
     def complete(
-        self, request: ClaimRequest, token: int, result: EncodedResult | None
+        self,
+        request: ClaimRequest,
+        token: int,
+        result: EncodedResult | None,
+        side_write: SideWrite | None = None,
     ) -> CompleteOutcome:
+        keys: list[Any] = self.names(request.storage_key)
+        side: list[Any] = []
+        if side_write is not None:
+            keys.append(side_write.key)
+            ttl = side_write.ttl_seconds
+            side = [side_write.value, _ms(ttl) if ttl else 0]
         reply = self._run(
             "complete",
-            self.names(request.storage_key),
+            keys,
             [
                 request.owner,
                 token,
@@ -173,9 +184,15 @@ class RedisStore:
                 request.key,
                 request.task_name,
                 request.storage_key,
+                *side,
             ],
         )
         return CompleteOutcome(_text(reply))
+
+    def shares_database_with(self, client: redis.Redis) -> bool:
+        """Whether ``client`` talks to this store's Redis server and database, so a
+        :class:`SideWrite` for it can be made beside a completion."""
+        return _address(self.client) == _address(client)
 
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         record, _, index = self.names(request.storage_key)
@@ -212,7 +229,7 @@ class RedisStore:
     def close(self) -> None:
         self.client.connection_pool.disconnect()
 
-    def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    def _run(self, script: str, keys: list[Any], args: list[Any]) -> Any:
         # EVALSHA straight on the client: redis-py's Script.__call__ costs about 15 us more per
         # call (a pipeline check, a typing Protocol isinstance), paid three times per task.
         loaded = self._scripts[script]
@@ -235,6 +252,13 @@ def _translated_errors() -> Iterator[None]:
         if "WRONGTYPE" in str(exc):
             raise CorruptRecord(f"Redis key holds something else than a record: {exc}") from exc
         raise
+
+
+def _address(client: redis.Redis) -> tuple[Any, ...]:
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    where = ("host", "port", "path", "db", "username")
+    return (pool.connection_class, *(kwargs.get(name) for name in where))
 
 
 def _ms(seconds: float) -> int:

@@ -54,8 +54,10 @@ from ..records import (
     Outcome,
     Pickup,
     Record,
+    SideWrite,
     Status,
 )
+from .base import refuse_side_write
 from .sql_statements import (
     COMPLETED,
     PROCESSING,
@@ -248,8 +250,13 @@ class SqlStore:
         return ClaimResult(outcome=Outcome.IN_PROGRESS, record=record)
 
     def complete(
-        self, request: ClaimRequest, token: int, result: EncodedResult | None
+        self,
+        request: ClaimRequest,
+        token: int,
+        result: EncodedResult | None,
+        side_write: SideWrite | None = None,
     ) -> CompleteOutcome:
+        refuse_side_write(self, side_write)
         claim_id = self.claim_id(request.storage_key)
         now = self._clock()
         done = {

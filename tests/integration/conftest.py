@@ -11,13 +11,15 @@ import redis
 from tests.integration.workers import WorkerProcess, running_workers
 
 # Databases of the Redis server on 6379 that the integration layer owns (flushed per session).
-BROKER_DB, BACKEND_DB, STORE_DB, LEDGER_DB = 10, 11, 12, 13
+# The claim store shares the result backend's database, as it does by default: completions then
+# write Celery's result records themselves (idempotent_tasks.celery_result).
+BROKER_DB, BACKEND_DB, LEDGER_DB = 10, 11, 13
 
 
 @pytest.fixture(scope="session")
 def it_env(redis_url: str) -> dict[str, str]:
     """Environment of tests.integration.worker_app for this session, on emptied databases."""
-    for db in (BROKER_DB, BACKEND_DB, STORE_DB, LEDGER_DB):
+    for db in (BROKER_DB, BACKEND_DB, LEDGER_DB):
         redis.Redis.from_url(f"{redis_url}/{db}").flushdb()
     from tests.integration.databases import fresh_pg_database
 
@@ -25,7 +27,7 @@ def it_env(redis_url: str) -> dict[str, str]:
         "IT_DLQ_URL": fresh_pg_database("it_dead_letters"),
         "IT_BROKER_URL": f"{redis_url}/{BROKER_DB}",
         "IT_BACKEND_URL": f"{redis_url}/{BACKEND_DB}",
-        "IT_STORE_URL": f"{redis_url}/{STORE_DB}",
+        "IT_STORE_URL": f"{redis_url}/{BACKEND_DB}",
         "IT_LEDGER_URL": f"{redis_url}/{LEDGER_DB}",
     }
 

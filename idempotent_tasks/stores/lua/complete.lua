@@ -10,10 +10,25 @@
 -- ARGV[8]  fingerprint   ARGV[9]  task id   ARGV[10]  key   ARGV[11]  task name
 --          (ARGV[8..11] rebuild the record if it vanished)
 -- ARGV[12] storage key (index member)
+-- KEYS[4], ARGV[13], ARGV[14]  optional side write: a key, its value and ttl in ms (0: none),
+--          set and published on that key when the outcome is "stored", never otherwise
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[3])
+
+local function stored()
+  if KEYS[4] then
+    local side_ttl = tonumber(ARGV[14])
+    if side_ttl > 0 then
+      redis.call('SET', KEYS[4], ARGV[13], 'PX', side_ttl)
+    else
+      redis.call('SET', KEYS[4], ARGV[13])
+    end
+    redis.call('PUBLISH', KEYS[4], ARGV[13])
+  end
+  return 'stored'
+end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
 local outcome = 'stored'
@@ -31,7 +46,7 @@ if not found[1] or found[1] == 'queued' then
     'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', now,
     'lease_expires_at', now)
 elseif found[1] == 'completed' and found[2] == ARGV[1] then
-  return 'stored'  -- a repeated completion
+  return stored()  -- a repeated completion
 elseif found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
   return 'stale'
 end
@@ -47,5 +62,8 @@ redis.call('ZREM', KEYS[3], ARGV[12])
 redis.call('PEXPIRE', KEYS[1], ttl)
 if redis.call('PTTL', KEYS[2]) < ttl then
   redis.call('PEXPIRE', KEYS[2], ttl + 1000)
+end
+if outcome == 'stored' then
+  return stored()
 end
 return outcome
