@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -268,6 +269,16 @@ def render(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) -
     return "\n".join(lines) + "\n"
 
 
+def paired_ratios(
+    cells: dict[tuple[str, str], list[Cell]], workload: str, impl: str = "idempotent"
+) -> list[float]:
+    """``impl`` / plain Celery within each round: the rounds interleave the implementations, so
+    a ratio within one round is spared most of the machine's drift between rounds."""
+    measured, plain = cells.get((workload, impl), []), cells.get((workload, "plain"), [])
+    pairs = zip(measured, plain, strict=False)
+    return [ours.tasks_per_s / theirs.tasks_per_s for ours, theirs in pairs]
+
+
 def targets(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) -> list[str]:
     """The issue's targets for IdempotentTask, checked against this run."""
 
@@ -284,6 +295,12 @@ def targets(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) 
         reference = ratio("distinct", "bare3")
         bound = "" if reference is None else f" ({IMPL_TITLES['bare3']}: {reference:.2f}x)"
         lines.append(f"- distinct keys >= 0.90x: {distinct:.2f}x, {verdict}{bound}")
+        paired = paired_ratios(cells, "distinct")
+        if len(paired) > 1:
+            lines.append(
+                f"  round by round (each round's IdempotentTask / that round's plain Celery): "
+                f"median {statistics.median(paired):.2f}x, {min(paired):.2f}x-{max(paired):.2f}x"
+            )
     if duplicates is not None:
         verdict = "met" if duplicates > 1.0 else "MISSED"
         lines.append(f"- {args.keys} keys sent many times > 1.00x: {duplicates:.2f}x, {verdict}")
