@@ -9,7 +9,12 @@ exactly what Celery would have written.
 
 Anything unusual keeps Celery's own write: another backend or store, ignored or eager results,
 callbacks or chains (Celery dispatches them before storing, so ``result.children`` lists them),
-chord members, a result the backend cannot encode, or a completion that was not stored.
+chord members, redeliveries, a result the backend cannot encode or larger than
+``idempotency_result_max_bytes``, a completion that was not stored, and a Redis that refuses
+the write (a cluster proxy, an ACL; then for the rest of the process).
+
+Celery then sees the request's ``ignore_result`` set: so do ``on_success``, ``after_return``
+and ``task_postrun`` receivers of that task.
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ def backend_shares_store(backend: Any, store: Any) -> bool:
     )
 
 
-def result_side_write(backend: Any, request: Any, value: Any) -> SideWrite | None:
+def result_side_write(backend: Any, request: Any, value: Any, max_bytes: int) -> SideWrite | None:
     """The record Celery's Redis ``backend`` would store for ``value`` as the result of
     ``request``, or ``None`` when Celery must store it itself (see the module's docstring).
 
-    ``request`` is the running task's request, its result not ignored.
+    ``request`` is the running task's request, its result not ignored. A record over
+    ``max_bytes`` (the cached result's limit) is left to Celery, so a huge result never holds
+    up the completion.
     """
     if request.is_eager or request.callbacks or request.chain or request.chord:
+        return None
+    if (request.delivery_info or {}).get("redelivered"):
+        # The task id may have a stored success already (an expired claim): Celery never
+        # overwrites one, the script would.
         return None
     try:
         meta = backend._get_result_meta(
@@ -55,7 +66,7 @@ def result_side_write(backend: Any, request: Any, value: Any) -> SideWrite | Non
         encoded = backend.encode(meta)
     except Exception:  # Celery's own write then raises its usual error
         return None
-    if len(encoded) > backend._MAX_STR_VALUE_SIZE:
+    if len(encoded) > max_bytes:
         return None
     return SideWrite(
         key=backend.get_key_for_task(request.id),

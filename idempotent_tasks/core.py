@@ -17,7 +17,7 @@ from typing import Any
 
 from . import signals
 from .codec import ResultCodec
-from .errors import CorruptRecord, StoreUnavailable
+from .errors import CorruptRecord, SideWriteRefused, StoreUnavailable
 from .heartbeat import keeper
 from .records import (
     ClaimRequest,
@@ -60,6 +60,8 @@ class Attempt:
     superseded: bool = False
     #: Set when the completion also made the side write it was given (see :meth:`complete`).
     side_written: bool = False
+    #: Set when the store refused that side write (the completion was made without it).
+    side_write_refused: bool = False
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
@@ -114,8 +116,13 @@ class Attempt:
         if side_write is None:
             outcome = self.store.complete(self.request, self.token, encoded)
         else:
-            outcome = self.store.complete(self.request, self.token, encoded, side_write)
-            self.side_written = outcome is CompleteOutcome.STORED
+            try:
+                outcome = self.store.complete(self.request, self.token, encoded, side_write)
+                self.side_written = outcome is CompleteOutcome.STORED
+            except SideWriteRefused as exc:
+                logger.warning("%s; completing key %r without it", exc, self.request.key)
+                self.side_write_refused = True
+                outcome = self.store.complete(self.request, self.token, encoded)
         if outcome is CompleteOutcome.STALE:
             logger.warning(
                 "%s finished key %r after its claim was taken over by another execution; "

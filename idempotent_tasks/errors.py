@@ -82,3 +82,8 @@ class SchemaVersionError(IdempotencyError):
 
 class CorruptRecord(IdempotencyError):
     """A stored record could not be read back (missing fields or an undecodable result)."""
+
+
+class SideWriteRefused(IdempotencyError):
+    """The store refused the value to write beside a completion (a cluster proxy's CROSSSLOT,
+    an ACL's NOPERM). The completion itself can be made again without it."""

@@ -330,6 +330,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if attempt.side_written:
             # The completion wrote and published Celery's result record: Celery need not.
             self.request.ignore_result = True
+        elif attempt.side_write_refused:
+            # Redis will not take it (a cluster proxy, an ACL): Celery writes, from now on.
+            self.__dict__["_completion_writes_result"] = False
         if attempt.superseded:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
@@ -535,7 +538,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         :mod:`idempotent_tasks.celery_result`)."""
         if not self._completion_writes_result or get_actual_ignore_result(self, self.request):
             return None
-        return result_side_write(self.backend, self.request, value)
+        return result_side_write(self.backend, self.request, value, self._codec.max_bytes)
 
     # -- per-task constants: settings are read once per task, when first needed, as Celery
     # reads its own task options (a lookup in app.conf costs more than a Redis round trip) --

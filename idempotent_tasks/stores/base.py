@@ -81,7 +81,9 @@ class Store(Protocol):
 
         ``side_write`` is written (and published) in the same atomic step when the outcome is
         ``STORED``, never otherwise. Only the Redis store takes one (see
-        ``RedisStore.shares_database_with``); the others raise ``ValueError``.
+        ``RedisStore.shares_database_with``), and raises ``SideWriteRefused`` when Redis refuses
+        it (the completion is then to be made again without it); the others raise
+        ``ValueError``.
         """
         ...
 

@@ -3,7 +3,10 @@
 Each key's record is a hash and its fencing counter a string. Keys are spread over
 :data:`SHARDS` shards; each shard also has a sorted set of its queued keys by due time (the
 pickup guard's index). Every name carries its shard's hash tag, so a key's record, counter and
-index share one Redis Cluster slot and every script touches one slot only.
+index share one Redis Cluster slot and every script touches one slot only — but for the
+completion's optional side write (Celery's result record, see
+:mod:`idempotent_tasks.celery_result`), made only when the store shares the result backend's
+plain Redis database.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
-from ..errors import CorruptRecord, StoreUnavailable
+from ..errors import CorruptRecord, SideWriteRefused, StoreUnavailable
 from ..records import (
     ClaimRequest,
     ClaimResult,
@@ -40,6 +43,8 @@ _SCRIPTS = ("reserve", "cancel", "due", "take", "claim", "complete", "release", 
 SHARDS = 256
 #: Connection errors after which redis-py reconnects and tries the command again.
 _RETRIED_ERRORS: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError]
+#: What redis-py leaves unset in a URL without them, and Redis (and Celery) take by default.
+_DEFAULT_PORT, _DEFAULT_DB = 6379, 0
 
 
 def _lua(name: str) -> str:
@@ -162,6 +167,21 @@ class RedisStore:
         result: EncodedResult | None,
         side_write: SideWrite | None = None,
     ) -> CompleteOutcome:
+        try:
+            return self._complete(request, token, result, side_write)
+        except redis.ResponseError as exc:
+            if side_write is None:
+                raise
+            # Only the side write can be refused where the rest of the script is not.
+            raise SideWriteRefused(f"Redis refused the side write: {exc}") from exc
+
+    def _complete(
+        self,
+        request: ClaimRequest,
+        token: int,
+        result: EncodedResult | None,
+        side_write: SideWrite | None,
+    ) -> CompleteOutcome:
         keys: list[Any] = self.names(request.storage_key)
         side: list[Any] = []
         if side_write is not None:
@@ -255,10 +275,20 @@ def _translated_errors() -> Iterator[None]:
 
 
 def _address(client: redis.Redis) -> tuple[Any, ...]:
+    """Where a client connects and as whom: server, database and credentials."""
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
-    where = ("host", "port", "path", "db", "username")
-    return (pool.connection_class, *(kwargs.get(name) for name in where))
+    port, db = kwargs.get("port"), kwargs.get("db")
+    return (
+        pool.connection_class,
+        kwargs.get("host"),
+        kwargs.get("path"),
+        _DEFAULT_PORT if port is None else int(port),
+        _DEFAULT_DB if db is None else int(db),
+        kwargs.get("username"),
+        kwargs.get("password"),
+        id(kwargs.get("credential_provider")),
+    )
 
 
 def _ms(seconds: float) -> int:

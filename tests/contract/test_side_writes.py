@@ -4,11 +4,15 @@ same script only when the completion is stored; every other store refuses one.""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
+from idempotent_tasks.codec import ResultCodec
+from idempotent_tasks.core import Attempt
+from idempotent_tasks.errors import SideWriteRefused
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, SideWrite
 from idempotent_tasks.stores import MemoryStore, Store
 from idempotent_tasks.stores.redis import RedisStore
@@ -128,3 +132,44 @@ def test_shares_database_with_compares_server_and_database(
     assert redis_store.shares_database_with(same)
     assert not redis_store.shares_database_with(other_db)
     assert not redis_store.shares_database_with(other_port)
+
+
+@pytest.fixture()
+def restricted_store(request: pytest.FixtureRequest, redis_url: str) -> Iterator[RedisStore]:
+    """The Redis store as an ACL user allowed its own keys only (no ``celery-task-meta-*``)."""
+    url = store_url("redis", request)
+    admin = redis.Redis.from_url(url)
+    user = f"claims-only-{uuid.uuid4().hex[:8]}"
+    admin.acl_setuser(user, enabled=True, nopass=True, categories=["+@all"], keys=["contract:*"])
+    store = RedisStore(redis.Redis.from_url(url, username=user), prefix="contract")
+    yield store
+    store.close()
+    admin.acl_deluser(user)
+    admin.close()
+
+
+def test_a_refused_side_write_is_reported(restricted_store: RedisStore, make_request: Make) -> None:
+    request = make_request()
+    token = restricted_store.claim(request).token
+    with pytest.raises(SideWriteRefused, match="no permissions"):
+        restricted_store.complete(request, token, RESULT, side("refused"))
+
+
+def test_an_attempt_completes_without_a_refused_side_write(
+    restricted_store: RedisStore, make_request: Make, redis_url: str
+) -> None:
+    request = make_request()
+    codec = ResultCodec(serializer="json", max_bytes=1 << 20)
+    attempt = Attempt(store=restricted_store, request=request, codec=codec)
+    attempt.claim()
+
+    outcome = attempt.complete({"cents": 42}, side("refused-again"))
+
+    assert outcome is CompleteOutcome.STORED
+    assert (attempt.side_written, attempt.side_write_refused) == (False, True)
+    record = restricted_store.get(request.storage_key)
+    assert record is not None and record.status.value == "completed"
+    assert attempt.cached_value(record) == {"cents": 42}
+    admin = redis.Redis.from_url(f"{redis_url}/{CONTRACT_REDIS_DB}")
+    assert admin.exists(b"celery-task-meta-refused-again") == 0
+    admin.close()
