@@ -5,7 +5,9 @@ read, decided on exactly as the Redis script decides, and taken over (when allow
 ``UPDATE`` that only matches the row as it was read: a compare-and-set, so two claimers racing
 for an expired lease cannot both win, and an owner that completes meanwhile is not overwritten,
 on any database, without locks. Released claims keep their row (``status = released``) so
-fencing tokens keep growing. Times are POSIX seconds from this process's clock.
+fencing tokens keep growing. Times are POSIX seconds on the database server's clock
+(:class:`~idempotent_tasks.stores.sql_clock.ServerClock`), so workers whose clocks disagree
+still agree on when a lease ends.
 
 The pickup guard keeps a ``queued`` claim row per published message, and the message itself in
 a pickups row of the same id. Transactions that write both always write the claim row first,
@@ -17,7 +19,6 @@ pickup, and the sweep's :meth:`SqlStore.take_due` drops those of keys completed 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,6 +59,7 @@ from ..records import (
     Status,
 )
 from .base import refuse_side_write
+from .sql_clock import ServerClock
 from .sql_statements import (
     COMPLETED,
     PROCESSING,
@@ -96,15 +98,16 @@ class SqlStore:
     Args:
         url: SQLAlchemy URL (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///``).
         prefix: first part of every row id, as for the Redis store.
-        clock: POSIX seconds (for tests).
+        clock: POSIX seconds; default: this process's clock set to the database server's
+            (:class:`~idempotent_tasks.stores.sql_clock.ServerClock`). Tests pass their own.
     """
 
-    def __init__(self, url: str, prefix: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, url: str, prefix: str, clock: Callable[[], float] | None = None) -> None:
         self.url = url
         self.prefix = prefix
         self.engine: Engine = create_dlq_engine(url)
         self.dialect = self.engine.dialect.name
-        self._clock = clock
+        self._clock = ServerClock(self.engine) if clock is None else clock
         self._schema_ready = False
         self._schema_lock = threading.Lock()
 

@@ -1,15 +1,15 @@
 """The SQL claim store's statements: one small SQLAlchemy Core builder each.
 
-Dialect-dependent ones (the insert that does nothing on conflict, the pickup upsert) pick their
-form by the engine's dialect name; ``tests/unit/test_claim_statements.py`` compiles them for
-each dialect.
+Dialect-dependent ones (the insert that does nothing on conflict, the pickup upsert, the server's
+clock) pick their form by the engine's dialect name; ``tests/unit/test_claim_statements.py``
+compiles them for each dialect.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Delete, Insert, Select, Update, delete, insert, select
+from sqlalchemy import Delete, Insert, Select, Update, delete, func, insert, literal_column, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from ..dlq.schema import claims, pickups
@@ -156,3 +156,16 @@ def delete_pickup_if_unchanged(claim_id: str, republished: int, due_at: float) -
 def delete_pickup(claim_id: str) -> Delete:
     """Delete a pickup row whatever its state."""
     return delete(pickups).where(pickups.c.id == claim_id)
+
+
+def select_server_time(dialect: str) -> Select[Any] | None:
+    """The database server's clock as POSIX seconds (``None`` for SQLite: it has no server)."""
+    if dialect == "postgresql":
+        return select(func.extract("epoch", func.clock_timestamp()))
+    if dialect in ("mysql", "mariadb"):
+        # From UTC_TIMESTAMP, so that no session time zone (nor daylight-saving fold) is involved.
+        micros = func.timestampdiff(
+            literal_column("MICROSECOND"), "1970-01-01 00:00:00", func.utc_timestamp(6)
+        )
+        return select(micros * literal_column("0.000001"))
+    return None

@@ -70,3 +70,20 @@ def test_compare_and_set_matches_every_field_a_write_changes() -> None:
     where = sql.split(" WHERE ", 1)[1]
     for column in ("id", *read):
         assert f"idempotent_tasks_claims.{column} = " in where
+
+
+def test_server_time_is_read_from_the_server_clock_on_postgresql() -> None:
+    sql = _sql(sql_statements.select_server_time("postgresql"), "postgresql")
+    assert sql == "SELECT EXTRACT(epoch FROM clock_timestamp()) AS anon_1"
+
+
+@pytest.mark.parametrize("name", ["mysql", "mariadb"])
+def test_server_time_on_mysql_is_computed_from_utc_not_the_session_zone(name: str) -> None:
+    sql = _sql(sql_statements.select_server_time(name), name)
+    assert "timestampdiff(MICROSECOND," in sql
+    assert "utc_timestamp(%s)" in sql
+    assert "now(" not in sql.lower() and "unix_timestamp" not in sql.lower()
+
+
+def test_sqlite_has_no_server_time() -> None:
+    assert sql_statements.select_server_time("sqlite") is None

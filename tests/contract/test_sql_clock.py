@@ -1,0 +1,152 @@
+"""The SQL store keeps time by the database server's clock, so skewed workers agree on leases.
+
+The servers run on this host, so the server's clock is this process's ``time.time()``: a worker
+whose clock is skewed is simulated by giving its store a skewed local clock.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
+
+from idempotent_tasks.errors import StoreUnavailable
+from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.stores.sql import SqlStore
+from idempotent_tasks.stores.sql_clock import ServerClock
+
+from .conftest import store_url
+
+SERVERS = ["postgresql", "mariadb"]
+SKEW = 3600.0
+#: How far two reads of the same clock may be apart here (a query's round trip, a busy host).
+TOLERANCE = 0.5
+
+
+def _skewed(seconds: float) -> Callable[[], float]:
+    return lambda: time.time() + seconds
+
+
+@pytest.fixture()
+def engine_of(sql_urls: dict[str, str]) -> Iterator[Callable[[str], sa.Engine]]:
+    engines: list[sa.Engine] = []
+
+    def make(kind: str) -> sa.Engine:
+        engines.append(sa.create_engine(sql_urls[kind]))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.dispose()
+
+
+def _request(key: str, lease: float) -> ClaimRequest:
+    return ClaimRequest(
+        storage_key=key,
+        key=key,
+        task_name="clock.task",
+        task_id=uuid.uuid4().hex,
+        owner=uuid.uuid4().hex,
+        fingerprint="fp",
+        lease_seconds=lease,
+        ttl_seconds=60,
+    )
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+@pytest.mark.parametrize("skew", [SKEW, -SKEW])
+def test_clock_reads_the_server_time_whatever_the_local_clock(
+    kind: str, skew: float, engine_of: Callable[[str], sa.Engine]
+) -> None:
+    clock = ServerClock(engine_of(kind), local=_skewed(skew))
+    assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    assert clock.offset == pytest.approx(-skew, abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_worker_with_a_clock_ahead_does_not_take_over_a_live_lease(
+    kind: str, request: pytest.FixtureRequest, engine_of: Callable[[str], sa.Engine]
+) -> None:
+    url = store_url(kind, request)
+    owner = SqlStore(url, prefix="clock")
+    ahead = SqlStore(url, prefix="clock", clock=ServerClock(engine_of(kind), _skewed(SKEW)))
+    try:
+        assert owner.claim(_request("k", lease=30)).outcome is Outcome.ACQUIRED
+        # By its own clock the lease ended an hour ago: it would take the key over at once.
+        duplicate = ahead.claim(_request("k", lease=30))
+        assert duplicate.outcome is Outcome.IN_PROGRESS
+    finally:
+        owner.close()
+        ahead.close()
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_lease_of_a_worker_with_a_clock_behind_ends_on_time(
+    kind: str, request: pytest.FixtureRequest, engine_of: Callable[[str], sa.Engine]
+) -> None:
+    url = store_url(kind, request)
+    behind = SqlStore(url, prefix="clock", clock=ServerClock(engine_of(kind), _skewed(-SKEW)))
+    other = SqlStore(url, prefix="clock")
+    try:
+        assert behind.claim(_request("k", lease=1)).outcome is Outcome.ACQUIRED
+        # Written by its own clock, its lease would have ended an hour ago.
+        assert other.claim(_request("k", lease=30)).outcome is Outcome.IN_PROGRESS
+        time.sleep(1.2)
+        taken = other.claim(_request("k", lease=30))
+        assert (taken.outcome, taken.takeover) == (Outcome.ACQUIRED, True)
+    finally:
+        behind.close()
+        other.close()
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_offset_is_measured_again_after_resync_seconds(
+    kind: str, engine_of: Callable[[str], sa.Engine]
+) -> None:
+    step = [0.0]
+
+    def local() -> float:
+        return time.time() + step[0]
+
+    cached = ServerClock(engine_of(kind), local=local, resync_seconds=3600)
+    fresh = ServerClock(engine_of(kind), local=local, resync_seconds=0)
+    assert cached() == pytest.approx(time.time(), abs=TOLERANCE)
+    assert fresh() == pytest.approx(time.time(), abs=TOLERANCE)
+    step[0] = 100.0  # the local clock is stepped (NTP, an operator)
+    assert cached() == pytest.approx(time.time() + 100, abs=TOLERANCE)  # no query per call
+    assert fresh() == pytest.approx(time.time(), abs=TOLERANCE)
+
+
+def test_sqlite_has_no_server_and_uses_the_local_clock(
+    engine_of: Callable[[str], sa.Engine],
+) -> None:
+    clock = ServerClock(engine_of("sqlite"), local=lambda: 123.5)
+    assert clock() == 123.5
+
+
+def test_unreachable_server_at_first_read_raises_store_unavailable() -> None:
+    engine = sa.create_engine("postgresql+psycopg://postgres@127.0.0.1:1/nothing")
+    with pytest.raises(StoreUnavailable):
+        ServerClock(engine)()
+    engine.dispose()
+
+
+def test_unreachable_server_later_keeps_the_last_offset(sql_urls: dict[str, str]) -> None:
+    reachable = [True]
+
+    def connect() -> psycopg.Connection[object]:
+        if not reachable[0]:
+            raise psycopg.OperationalError("connection refused (simulated)")
+        return psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=test")
+
+    engine = sa.create_engine("postgresql+psycopg://", creator=connect, poolclass=NullPool)
+    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=0)
+    assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    reachable[0] = False
+    assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    engine.dispose()
