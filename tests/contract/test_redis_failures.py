@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -83,3 +84,65 @@ def test_a_keys_record_and_fence_share_one_cluster_slot(url: str) -> None:
         assert key_slot(record.encode()) == key_slot(fence.encode())
         slots.add(key_slot(record.encode()))
     assert len(slots) == 3  # different keys still spread over the cluster
+
+
+class _Interrupted(BaseException):
+    """Stands for what can cut a round trip short: a soft time limit, a signal handler."""
+
+
+def test_a_round_trip_cut_short_leaves_no_reply_for_the_next_command(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a claim whose reply is never read (the script did run in Redis)
+    store = RedisStore.from_url(url, prefix="cut")
+    assert store.claim(_request("warm")).outcome is Outcome.ACQUIRED
+    connection_class = type(store.client.connection_pool.get_connection())
+
+    def interrupted(self: object, *args: object, **kwargs: object) -> object:
+        raise _Interrupted()
+
+    monkeypatch.setattr(connection_class, "read_response", interrupted)
+    with pytest.raises(_Interrupted):
+        store.claim(_request("k"))
+    monkeypatch.undo()
+    # When another owner claims the same key, it reads its own reply, not the unread one
+    # (which said "acquired")
+    assert store.claim(_request("k")).outcome is Outcome.IN_PROGRESS
+
+
+def test_scripts_run_again_after_redis_dropped_the_connection(url: str) -> None:
+    store = RedisStore.from_url(url, prefix="dropped")
+    assert store.claim(_request("a")).outcome is Outcome.ACQUIRED
+    killer = redis.Redis.from_url(url)
+    assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+    assert store.claim(_request("b")).outcome is Outcome.ACQUIRED
+    killer.close()
+
+
+def test_a_forked_child_runs_scripts_on_its_own_connection(url: str) -> None:
+    # Given a store whose connection the parent has used, and keys the parent holds
+    store = RedisStore.from_url(url, prefix="fork")
+    held = [f"held-{i}" for i in range(1000)]
+    fresh = [f"fresh-{i}" for i in range(1000)]
+    assert all(store.claim(_request(key)).outcome is Outcome.ACQUIRED for key in held)
+
+    def all_answered(keys: list[str], outcome: Outcome) -> bool:
+        return all(store.claim(_request(key)).outcome is outcome for key in keys)
+
+    # When parent and child claim at the same time, each with its own answer to expect (on a
+    # shared socket, either could read the other's reply)
+    start_reading, start_writing = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports through its exit status only
+        ok = False
+        try:
+            os.read(start_reading, 1)
+            ok = all_answered(fresh, Outcome.ACQUIRED)
+        finally:
+            os._exit(0 if ok else 1)
+    os.write(start_writing, b"go")
+    parent_ok = all_answered(held, Outcome.IN_PROGRESS)
+    _, status = os.waitpid(pid, 0)
+    # Then each read its own replies
+    assert parent_ok
+    assert os.waitstatus_to_exitcode(status) == 0
