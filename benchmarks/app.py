@@ -38,7 +38,7 @@ READY_KEY = "bench:worker-ready"
 #: Environment variable naming a folder: each pool process writes a cProfile dump there.
 PROFILE_ENV = "BENCH_PROFILE_DIR"
 
-IMPLEMENTATIONS = ("plain", "bare3", "once", "idempotent")
+IMPLEMENTATIONS = ("plain", "late", "bare3", "once", "idempotent")
 
 
 def db_url(db: int) -> str:
@@ -99,6 +99,13 @@ def plain_task(item: int) -> dict[str, Any]:
     return _body("plain", item)
 
 
+@app.task(name="benchmarks.late", acks_late=True, reject_on_worker_lost=True)
+def late_ack_task(item: int) -> dict[str, Any]:
+    """Plain Celery acknowledging late, as ``IdempotentTask`` does so that a crash loses no
+    message: what crash safety alone costs."""
+    return _body("late", item)
+
+
 def bare_round_trip_key(item: int) -> str:
     """What the ``bare3`` implementation reads and writes for ``item`` (in the store's DB)."""
     return f"bench:bare:{item}"
@@ -134,6 +141,7 @@ def idempotent_task(item: int) -> dict[str, Any]:
 
 TASKS: dict[str, Any] = {
     "plain": plain_task,
+    "late": late_ack_task,
     "bare3": bare_round_trips_task,
     "once": once_task,
     "idempotent": idempotent_task,
