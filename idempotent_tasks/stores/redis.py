@@ -67,13 +67,12 @@ class RedisStore:
         self._scripts: dict[str, Script] = {
             name: client.register_script(_lua(name)) for name in _SCRIPTS
         }
-        #: The connection scripts run on, taken from the client's pool once per process (typed
-        #: Any: redis-py's connection classes carry no annotations).
-        self._connection: Any = None
-        self._connection_lock = threading.Lock()
-        self._pid = os.getpid()
-        #: Any other client (a cluster client, a wrapper) runs its scripts through its own API.
-        self._direct = isinstance(client, redis.Redis)
+        #: Scripts run on a connection kept for them (see :meth:`_evalsha`), but for clients that
+        #: are not a plain ``redis.Redis`` (cluster clients, wrappers) or that hold one
+        #: connection of their own (``single_connection_client``).
+        self._direct = (
+            isinstance(client, redis.Redis) and getattr(client, "connection", None) is None
+        )
 
     @classmethod
     def from_url(cls, url: str, prefix: str) -> RedisStore:
@@ -256,10 +255,10 @@ class RedisStore:
             return bool(self.client.delete(self.names(storage_key)[0]))
 
     def close(self) -> None:
-        with self._connection_lock:
-            if self._connection is not None and self._pid == os.getpid():
-                self._connection.disconnect()
-            self._connection = None
+        if self._direct:
+            kept = _kept_connection(self.client.connection_pool)
+            with kept.lock:
+                kept.hand_back()
         self.client.connection_pool.disconnect()
 
     def _run(self, script: str, keys: list[Any], args: list[Any]) -> Any:
@@ -273,42 +272,93 @@ class RedisStore:
                 return self._evalsha(loaded.sha, keys, args)
 
     def _evalsha(self, sha: str, keys: list[Any], args: list[Any]) -> Any:
-        """Run a loaded script: one round trip, retried on connection errors as the client
-        retries its commands (its retry policy, a new connection before each retry).
+        """Run a loaded script: one round trip.
 
-        Scripts run on a connection of the client's pool that this store keeps, not through
-        ``Redis.execute_command``: redis-py 8 spends about 40 us of CPU per command around the
-        round trip itself (pool checkout and return, observability hooks), and a task pays for
-        three scripts. Other commands use the client as usual.
+        Scripts run on a connection of the client's pool kept checked out for them (one per
+        pool and process), not through ``Redis.execute_command``: redis-py 8 spends about 40 us
+        of CPU per command around the round trip itself (pool checkout and return,
+        observability hooks), and a task pays for three scripts. While another thread uses
+        that connection, or for other clients, the script goes through the client as usual.
         """
-        if not self._direct:
-            return self.client.evalsha(sha, len(keys), *keys, *args)
-        command = ("EVALSHA", sha, len(keys), *keys, *args)
-        if self._pid != os.getpid():
-            # A forked child: the connection (and maybe a held lock) are the parent's.
-            self._connection, self._connection_lock, self._pid = None, threading.Lock(), os.getpid()
-        with self._connection_lock:
-            connection = self._connection
-            if connection is None:
-                connection = self._connection = self.client.connection_pool.get_connection()
-            return connection.retry.call_with_retry(
-                lambda: _round_trip(connection, command),
-                lambda _error: connection.disconnect(),
-            )
+        if self._direct:
+            kept = _kept_connection(self.client.connection_pool)
+            if kept.lock.acquire(blocking=False):
+                try:
+                    return kept.execute(("EVALSHA", sha, len(keys), *keys, *args))
+                finally:
+                    kept.lock.release()
+        return self.client.evalsha(sha, len(keys), *keys, *args)
 
 
-def _round_trip(connection: Any, command: tuple[Any, ...]) -> Any:
-    try:
-        connection.send_command(*command)
-        return connection.read_response()
-    except redis.ResponseError:
-        raise  # an error reply: the connection is in step, nothing is left to read
-    except BaseException:
-        # Whatever interrupted the round trip (a soft time limit, a signal) may have left the
-        # reply unread, for the next command to take as its own: drop the connection. (redis-py
-        # checks for this when a connection is checked out of its pool; this one never is.)
-        connection.disconnect()
-        raise
+class _KeptConnection:
+    """A connection checked out of a pool for scripts, and the lock of whoever uses it."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.connection: Any = None  # redis-py's connection classes carry no annotations
+
+    def execute(self, command: tuple[Any, ...]) -> Any:
+        """Send ``command`` and read its reply (the caller holds :attr:`lock`), retrying on
+        connection errors with the connection's retry policy, as the client does."""
+        connection = self._checked_out()
+        return connection.retry.call_with_retry(
+            lambda: self._round_trip(command), lambda _error: self.hand_back(broken=True)
+        )
+
+    def hand_back(self, broken: bool = False) -> None:
+        """Return the connection to its pool (dropped first if ``broken``)."""
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            if broken:
+                connection.disconnect()
+            self.pool.release(connection)
+
+    def _checked_out(self) -> Any:
+        if self.connection is None:
+            # Checking out connects as the pool does: a Sentinel pool asks for the master here.
+            self.connection = self.pool.get_connection()
+        return self.connection
+
+    def _round_trip(self, command: tuple[Any, ...]) -> Any:
+        connection = self._checked_out()
+        try:
+            connection.send_command(*command)
+            reply = connection.read_response()
+        except redis.ResponseError:
+            raise  # an error reply: the connection is in step, nothing is left to read
+        except BaseException:
+            # Whatever interrupted the round trip (a soft time limit, a signal) may have left
+            # the reply unread, for the next command to take as its own: drop the connection.
+            # (The pool checks for this when a connection is checked out; this one stays out.)
+            self.hand_back(broken=True)
+            raise
+        if getattr(connection, "should_reconnect", bool)():
+            self.hand_back(broken=True)  # the server asked (maintenance): the pool reconnects
+        return reply
+
+
+#: Guards the creation of kept connections.
+_KEPT_LOCK = threading.Lock()
+#: Attribute of a connection pool holding its kept connection.
+_KEPT_ATTRIBUTE = "_idempotent_tasks_kept_connection"
+
+
+def _kept_connection(pool: Any) -> _KeptConnection:
+    """The kept connection of ``pool`` in this process: every store on one client shares it.
+
+    It lives on the pool itself, so it goes when the pool goes. A forked child makes its own
+    (the parent's connection, and maybe its held lock, are the parent's).
+    """
+    kept: _KeptConnection | None = getattr(pool, _KEPT_ATTRIBUTE, None)
+    if kept is None or kept.pid != os.getpid():
+        with _KEPT_LOCK:
+            kept = getattr(pool, _KEPT_ATTRIBUTE, None)
+            if kept is None or kept.pid != os.getpid():
+                kept = _KeptConnection(pool)
+                setattr(pool, _KEPT_ATTRIBUTE, kept)
+    return kept
 
 
 @contextmanager

@@ -165,7 +165,9 @@ def select_server_time(dialect: str) -> Select[Any] | None:
     if dialect in ("mysql", "mariadb"):
         # From UTC_TIMESTAMP, so that no session time zone (nor daylight-saving fold) is involved.
         micros = func.timestampdiff(
-            literal_column("MICROSECOND"), "1970-01-01 00:00:00", func.utc_timestamp(6)
+            literal_column("MICROSECOND"),
+            "1970-01-01 00:00:00",
+            func.utc_timestamp(literal_column("6")),
         )
         return select(micros * literal_column("0.000001"))
     return None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, Outcome
@@ -146,3 +150,83 @@ def test_a_forked_child_runs_scripts_on_its_own_connection(url: str) -> None:
     # Then each read its own replies
     assert parent_ok
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _connections_named(url: str, name: str) -> int:
+    admin = redis.Redis.from_url(url)
+    try:
+        return sum(1 for client in admin.client_list() if client.get("name") == name)
+    finally:
+        admin.close()
+
+
+def test_stores_sharing_a_client_keep_one_connection_between_them(url: str) -> None:
+    # Given one client, as RQ's connection is, and a store built on it per job
+    client = redis.Redis.from_url(url, client_name="kept-once")
+    for job in range(50):
+        store = RedisStore(client, prefix="jobs")
+        assert store.claim(_request(f"job-{job}")).outcome is Outcome.ACQUIRED
+    # Then the scripts of all of them ran on one connection, still the only one open
+    assert _connections_named(url, "kept-once") == 1
+    assert len(client.connection_pool._in_use_connections) == 1
+    store.close()
+    assert _connections_named(url, "kept-once") == 0
+
+
+class _CountingPool(redis.ConnectionPool):
+    """A real pool that counts check-outs (where a Sentinel pool looks the master up)."""
+
+    checkouts = 0
+
+    def get_connection(self, *args: object, **kwargs: object) -> object:
+        type(self).checkouts += 1
+        return super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+def test_a_connection_that_failed_goes_back_to_the_pool_and_a_fresh_one_is_checked_out(
+    url: str,
+) -> None:
+    # (with retries on connection errors, as RedisStore.from_url sets them)
+    pool = _CountingPool.from_url(
+        url, retry=Retry(NoBackoff(), retries=2), retry_on_error=[redis.ConnectionError]
+    )
+    store = RedisStore(redis.Redis(connection_pool=pool), prefix="failover")
+    assert store.claim(_request("a")).outcome is Outcome.ACQUIRED
+    assert _CountingPool.checkouts == 1
+    killer = redis.Redis.from_url(url)
+    killer.client_kill_filter(_type="normal", skipme=True)
+    killer.close()
+    assert store.claim(_request("b")).outcome is Outcome.ACQUIRED
+    assert _CountingPool.checkouts == 2  # not the dead connection dialled again
+    assert store.claim(_request("c")).outcome is Outcome.ACQUIRED
+    assert _CountingPool.checkouts == 2  # and kept from then on
+    store.close()
+
+
+def test_a_thread_does_not_wait_for_another_threads_script(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a thread stuck in a script on the kept connection (a slow network, say)
+    store = RedisStore.from_url(url, prefix="threads")
+    assert store.claim(_request("warm")).outcome is Outcome.ACQUIRED
+    connection_class = type(store.client.connection_pool.get_connection())
+    entered, leave = threading.Event(), threading.Event()
+    real_read = connection_class.read_response
+
+    def slow_read(self: object, *args: object, **kwargs: object) -> object:
+        if threading.current_thread().name == "stuck":
+            entered.set()
+            leave.wait(10)
+        return real_read(self, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(connection_class, "read_response", slow_read)
+    stuck = threading.Thread(target=store.claim, args=(_request("slow"),), name="stuck")
+    stuck.start()
+    assert entered.wait(5)
+    # When another thread runs a script, it goes through the client meanwhile
+    started = time.monotonic()
+    assert store.claim(_request("other")).outcome is Outcome.ACQUIRED
+    assert time.monotonic() - started < 5
+    leave.set()
+    stuck.join(10)
+    assert store.get("slow") is not None
