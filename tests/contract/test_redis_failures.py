@@ -90,6 +90,14 @@ def test_a_keys_record_and_fence_share_one_cluster_slot(url: str) -> None:
     assert len(slots) == 3  # different keys still spread over the cluster
 
 
+def _used_store(url: str, prefix: str) -> tuple[RedisStore, type]:
+    """A store that has run a script, and the class of its connections (to patch)."""
+    store = RedisStore.from_url(url, prefix=prefix)
+    assert store.claim(_request("warm")).outcome is Outcome.ACQUIRED
+    pool = store.client.connection_pool
+    return store, type(pool.get_connection())
+
+
 class _Interrupted(BaseException):
     """Stands for what can cut a round trip short: a soft time limit, a signal handler."""
 
@@ -98,9 +106,7 @@ def test_a_round_trip_cut_short_leaves_no_reply_for_the_next_command(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a claim whose reply is never read (the script did run in Redis)
-    store = RedisStore.from_url(url, prefix="cut")
-    assert store.claim(_request("warm")).outcome is Outcome.ACQUIRED
-    connection_class = type(store.client.connection_pool.get_connection())
+    store, connection_class = _used_store(url, prefix="cut")
 
     def interrupted(self: object, *args: object, **kwargs: object) -> object:
         raise _Interrupted()
@@ -207,9 +213,7 @@ def test_a_thread_does_not_wait_for_another_threads_script(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a thread stuck in a script on the kept connection (a slow network, say)
-    store = RedisStore.from_url(url, prefix="threads")
-    assert store.claim(_request("warm")).outcome is Outcome.ACQUIRED
-    connection_class = type(store.client.connection_pool.get_connection())
+    store, connection_class = _used_store(url, prefix="threads")
     entered, leave = threading.Event(), threading.Event()
     real_read = connection_class.read_response
 
