@@ -32,6 +32,7 @@ from typing import Any
 
 from celery import states
 from celery.contrib.testing.worker import start_worker
+from celery.result import AsyncResult
 from celery.signals import after_task_publish
 from shop import (
     COURIER_OUTAGE,
@@ -223,6 +224,11 @@ def _wait_for(found: Callable[[], Any], what: str) -> Any:
     return value
 
 
+def _succeeded(result: AsyncResult) -> AsyncResult | None:
+    """``result`` if its task succeeded, else ``None`` (for :func:`_wait_for`)."""
+    return result if result.state == states.SUCCESS else None
+
+
 def _state(item: DeadLetter) -> str:
     return f"{item.status.value}, retry {item.retry_count}/{item.max_retries}"
 
@@ -347,10 +353,14 @@ def _recovering(sweeps: Sweeps, tally: Tally, checks: Checks) -> DeadLetter | No
         f"{name} ran {_times(ledger.starts[name, 42])} before it was dead-lettered",
     )
     published, item = sweeps.sweep(item)
-    # The re-published task ran under the original task id: that result is now its value.
-    result, value = app.AsyncResult(first.id), None
+    # The re-published task ran under the original task id: that result is now its value. The
+    # dead letter is marked succeeded just before Celery stores the result, so poll with a new
+    # AsyncResult each time: one that has read the earlier FAILURE keeps it (a ready state).
+    value = None
     if item.status is DeadLetterStatus.SUCCEEDED:
-        _wait_for(lambda: result.state == states.SUCCESS, f"{name}'s retry to store its result")
+        result = _wait_for(
+            lambda: _succeeded(app.AsyncResult(first.id)), f"{name}'s retry to store its result"
+        )
         value = result.result
     print(
         f"   sweep {sweeps.sent}: {published} re-published, {_ran(item)} -> {_state(item)}; "
