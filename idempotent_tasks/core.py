@@ -113,16 +113,13 @@ class Attempt:
             signals.result_not_cached.send(
                 task_name=self.request.task_name, key=self.request.key, reason=reason
             )
-        if side_write is None:
+        try:
+            outcome = self.store.complete(self.request, self.token, encoded, side_write)
+            self.side_written = side_write is not None and outcome is CompleteOutcome.STORED
+        except SideWriteRefused as exc:  # raised only when given a side write
+            logger.warning("%s; completing key %r without it", exc, self.request.key)
+            self.side_write_refused = True
             outcome = self.store.complete(self.request, self.token, encoded)
-        else:
-            try:
-                outcome = self.store.complete(self.request, self.token, encoded, side_write)
-                self.side_written = outcome is CompleteOutcome.STORED
-            except SideWriteRefused as exc:
-                logger.warning("%s; completing key %r without it", exc, self.request.key)
-                self.side_write_refused = True
-                outcome = self.store.complete(self.request, self.token, encoded)
         if outcome is CompleteOutcome.STALE:
             logger.warning(
                 "%s finished key %r after its claim was taken over by another execution; "
