@@ -14,19 +14,30 @@
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired, else 0; takeover: 1 or 0
 --          field/value pairs: the record found when not acquired
+-- Integers are handed to Redis as strings made with %d: Lua's own number-to-string (%.14g)
+-- costs Redis about as much as a whole command.
+local function int(n) return string.format('%d', n) end
+
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[5])
 
+-- created_at: the record's creation time to write with the key's names, or nil to leave those
+-- three fields as they are (a queued record's reservation wrote them).
 local function acquire(takeover, created_at)
   local token = redis.call('INCR', KEYS[2])
-  redis.call('HSET', KEYS[1],
-    'status', 'processing', 'owner', ARGV[1], 'token', token, 'task_id', ARGV[3],
-    'fingerprint', ARGV[2], 'lease_expires_at', now + lease, 'created_at', created_at,
-    'updated_at', now, 'expires_at', now + lease + ttl, 'key', ARGV[8], 'task_name', ARGV[9])
-  redis.call('PEXPIRE', KEYS[1], lease + ttl)
-  redis.call('PEXPIRE', KEYS[2], lease + ttl + 1000)
+  local fields = {'status', 'processing', 'owner', ARGV[1], 'token', int(token),
+    'task_id', ARGV[3], 'fingerprint', ARGV[2], 'lease_expires_at', int(now + lease),
+    'updated_at', int(now), 'expires_at', int(now + lease + ttl)}
+  if created_at then
+    for _, item in ipairs({'created_at', created_at, 'key', ARGV[8], 'task_name', ARGV[9]}) do
+      fields[#fields + 1] = item
+    end
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
+  redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
   return {'acquired', token, takeover}
 end
 
@@ -35,7 +46,7 @@ local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'le
 if not found[1] then
   -- No record, or a corrupt one without a status (it protects nothing): start afresh.
   redis.call('DEL', KEYS[1])
-  return acquire(0, now)
+  return acquire(0, int(now))
 end
 
 local function answer(outcome)
@@ -53,7 +64,7 @@ if found[1] == 'queued' then
   if ARGV[6] == '1' and found[3] ~= ARGV[2] then
     return answer('mismatch')
   end
-  return acquire(0, found[5])
+  return acquire(0, nil)
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   return {'acquired', tonumber(found[6]), 0}

@@ -13,6 +13,10 @@
 -- KEYS[4], ARGV[13], ARGV[14]  optional side write: a key, its value and ttl in ms (0: none),
 --          set and published on that key when the outcome is "stored", never otherwise
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
+-- Integers are handed to Redis as strings made with %d: Lua's own number-to-string (%.14g)
+-- costs Redis about as much as a whole command.
+local function int(n) return string.format('%d', n) end
+
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -21,7 +25,7 @@ local function stored()
   if KEYS[4] then
     local side_ttl = tonumber(ARGV[14])
     if side_ttl > 0 then
-      redis.call('SET', KEYS[4], ARGV[13], 'PX', side_ttl)
+      redis.call('SET', KEYS[4], ARGV[13], 'PX', ARGV[14])
     else
       redis.call('SET', KEYS[4], ARGV[13])
     end
@@ -38,30 +42,32 @@ if not found[1] or found[1] == 'queued' then
   outcome = 'recovered'
   -- Tokens never go back: the record keeps the key's highest token given, and the counter
   -- (gone if it expired) is raised to it.
-  local token = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2]))
+  local token = int(math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2])))
   redis.call('SET', KEYS[2], token)
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[3], ARGV[12])
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'fingerprint', ARGV[8],
-    'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', now,
-    'lease_expires_at', now)
+    'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', int(now),
+    'lease_expires_at', int(now))
 elseif found[1] == 'completed' and found[2] == ARGV[1] then
   return stored()  -- a repeated completion
 elseif found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
   return 'stale'
 end
 
-redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', now, 'expires_at', now + ttl,
-  'result_cached', ARGV[4])
 if ARGV[4] == '1' then
-  redis.call('HSET', KEYS[1], 'content_type', ARGV[5], 'content_encoding', ARGV[6],
-    'result', ARGV[7])
+  redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', int(now),
+    'expires_at', int(now + ttl), 'result_cached', '1', 'content_type', ARGV[5],
+    'content_encoding', ARGV[6], 'result', ARGV[7])
+else
+  redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', int(now),
+    'expires_at', int(now + ttl), 'result_cached', ARGV[4])
 end
 redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished', 'due_at')
 redis.call('ZREM', KEYS[3], ARGV[12])
-redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if redis.call('PTTL', KEYS[2]) < ttl then
-  redis.call('PEXPIRE', KEYS[2], ttl + 1000)
+  redis.call('PEXPIRE', KEYS[2], int(ttl + 1000))
 end
 if outcome == 'stored' then
   return stored()

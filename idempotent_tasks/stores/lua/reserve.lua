@@ -5,6 +5,9 @@
 -- ARGV[4]  task name        ARGV[5]  due in, ms        ARGV[6]  re-publication timeout, ms
 -- ARGV[7]  ttl, ms          ARGV[8]  envelope          ARGV[9]  storage key (index member)
 -- Returns  {} when reserved (status "queued"), else the record found as field/value pairs
+-- Integers are handed to Redis as strings made with %d: Lua's own number-to-string (%.14g)
+-- costs Redis about as much as a whole command.
+local function int(n) return string.format('%d', n) end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -15,11 +18,12 @@ end
 redis.call('DEL', KEYS[1])
 local due_in = tonumber(ARGV[5])
 local ttl = tonumber(ARGV[7])
+local now_s, due_at = int(now), int(now + due_in)
 redis.call('HSET', KEYS[1],
-  'status', 'queued', 'owner', '', 'token', 0, 'task_id', ARGV[1], 'fingerprint', ARGV[2],
-  'key', ARGV[3], 'task_name', ARGV[4], 'lease_expires_at', now + due_in, 'created_at', now,
-  'updated_at', now, 'expires_at', now + due_in + ttl, 'envelope', ARGV[8],
-  'pickup_timeout', ARGV[6], 'republished', 0, 'due_at', now + due_in)
-redis.call('PEXPIRE', KEYS[1], due_in + ttl)
-redis.call('ZADD', KEYS[2], now + due_in, ARGV[9])
+  'status', 'queued', 'owner', '', 'token', '0', 'task_id', ARGV[1], 'fingerprint', ARGV[2],
+  'key', ARGV[3], 'task_name', ARGV[4], 'lease_expires_at', due_at, 'created_at', now_s,
+  'updated_at', now_s, 'expires_at', int(now + due_in + ttl), 'envelope', ARGV[8],
+  'pickup_timeout', ARGV[6], 'republished', '0', 'due_at', due_at)
+redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
+redis.call('ZADD', KEYS[2], due_at, ARGV[9])
 return {}
