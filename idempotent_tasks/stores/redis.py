@@ -255,8 +255,8 @@ class RedisStore:
             return bool(self.client.delete(self.names(storage_key)[0]))
 
     def close(self) -> None:
-        if self._direct:
-            kept = _kept_connection(self.client.connection_pool)
+        kept: _KeptConnection | None = getattr(self.client.connection_pool, _KEPT_ATTRIBUTE, None)
+        if kept is not None and kept.pid == os.getpid():
             with kept.lock:
                 kept.hand_back()
         self.client.connection_pool.disconnect()

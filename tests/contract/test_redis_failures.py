@@ -15,7 +15,7 @@ from redis.retry import Retry
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, Outcome
-from idempotent_tasks.stores.redis import RedisStore
+from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
 from tests.contract.conftest import CONTRACT_REDIS_DB
 from tests.services import answers
 
@@ -177,6 +177,12 @@ def test_stores_sharing_a_client_keep_one_connection_between_them(url: str) -> N
     assert len(client.connection_pool._in_use_connections) == 1
     store.close()
     assert _connections_named(url, "kept-once") == 0
+
+
+def test_closing_a_store_that_ran_no_script_leaves_its_pool_as_it_was(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    RedisStore(client, prefix="idle").close()
+    assert not hasattr(client.connection_pool, _KEPT_ATTRIBUTE)
 
 
 class _CountingPool(redis.ConnectionPool):
