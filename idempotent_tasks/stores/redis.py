@@ -47,6 +47,9 @@ SHARDS = 256
 _RETRIED_ERRORS: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError]
 #: What redis-py leaves unset in a URL without them, and Redis (and Celery) take by default.
 _DEFAULT_PORT, _DEFAULT_DB = 6379, 0
+#: Longest duration handed to a script (35 000 years): sums of a few of them and the time stay
+#: below 2^53, the integers Lua's numbers hold exactly and the scripts write out as digits.
+_MAX_MS = 2**50
 
 
 def _lua(name: str) -> str:
@@ -391,7 +394,8 @@ def _address(client: redis.Redis) -> tuple[Any, ...]:
 
 
 def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
+    """Milliseconds for a script, at least 1 and at most :data:`_MAX_MS`."""
+    return min(max(1, round(seconds * 1000)), _MAX_MS)
 
 
 def _text(value: bytes | str) -> str:
