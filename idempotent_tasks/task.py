@@ -10,14 +10,14 @@ from functools import cached_property
 from traceback import format_exc
 from typing import Any, ClassVar, NoReturn
 
-from celery import Task, states
+from celery import Task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
-from celery.result import AsyncResult, EagerResult
+from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.log import get_task_logger
 
-from . import defaults, signals
+from . import defaults, publishing, signals
 from .app_store import store_for
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
@@ -31,16 +31,15 @@ from .dead_letters import (
 )
 from .dlq import Failure
 from .errors import (
-    CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
     SchemaVersionError,
     StoreUnavailable,
 )
-from .keys import KeySource, derive_key, fingerprint, storage_key, validate_key
+from .keys import KeySource, derive_key, fingerprint, storage_key
 from .pickups import make_pickup, pickup_timeout, seconds_until
-from .records import ClaimRequest, Outcome, Record, SideWrite, Status
+from .records import ClaimRequest, Outcome, Record, SideWrite
 from .settings import app_setting, resolve
 
 logger = get_task_logger(__name__)
@@ -131,7 +130,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         call_key = options.pop(KEY_HEADER, None)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        key = self._publish_key(call_key, args, kwargs)
+        key = publishing.publish_key(self, call_key, args, kwargs)
         if key is not None or republish_headers:
             headers = dict(options.pop("headers", None) or {})
             headers.update(republish_headers or {})
@@ -141,7 +140,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is not None and republish_headers is None:
             task_id = task_id or uuid()
             message_options = {**options, "link": link, "link_error": link_error}
-            reservation, short_circuit = self._reserve(key, args, kwargs, task_id, message_options)
+            reservation, short_circuit = publishing.reserve(
+                self, key, args, kwargs, task_id, message_options
+            )
             if short_circuit is not None:
                 return short_circuit
             if reservation is not None:
@@ -150,7 +151,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         args, kwargs, task_id, producer, link, link_error, shadow, **options
                     )
                 except Exception:
-                    self._cancel_reservation(reservation)
+                    publishing.cancel_reservation(self, reservation)
                     raise
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -174,83 +175,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if dead_letter_id is not None:
             carried.setdefault(DEAD_LETTER_HEADER, dead_letter_id)
         return super().signature_from_request(request, args, kwargs, queue, **extra_options)
-
-    def _publish_key(
-        self, call_key: object, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> str | None:
-        if call_key is not None:
-            return validate_key(call_key)
-        if self.idempotency_key is not None:
-            return derive_key(self.idempotency_key, self._signature, args, kwargs)
-        if self.idempotency_key_required:
-            raise ValueError(
-                f"task {self.name} requires an idempotency key: pass "
-                "apply_async(..., idempotency_key=...) or set the task's idempotency_key"
-            )
-        return None
-
-    def _reserve(
-        self,
-        key: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        task_id: str,
-        options: dict[str, Any],
-    ) -> tuple[ClaimRequest | None, Any]:
-        """Queue the key for this message (the pickup guard), or answer from its record.
-
-        Returns the reservation to cancel if the publish fails, and the result to return
-        instead of publishing. Only an optimisation and a safety net: the worker's claim is
-        the guarantee, so an unreachable store lets the message go out unguarded.
-        """
-        request = self._claim_request(key, args, kwargs, task_id, owner="")
-        wait = seconds_until(options.get("countdown"), options.get("eta"))
-        pickup = make_pickup(args, kwargs, options, self._pickup_timeout, wait)
-        store = store_for(self.app)
-        try:
-            if pickup is None:
-                record = store.get(request.storage_key)
-            else:
-                record = store.reserve(request, pickup)
-        except (StoreUnavailable, CorruptRecord) as exc:
-            module_logger.warning("publishing %s without a look at its key: %s", self.name, exc)
-            return None, None
-        if record is None:
-            return (None if pickup is None else request), None
-        return None, self._answer_from_record(record, request)
-
-    def _cancel_reservation(self, request: ClaimRequest) -> None:
-        try:
-            store_for(self.app).cancel_reservation(request)
-        except (StoreUnavailable, CorruptRecord) as exc:
-            module_logger.warning(
-                "could not cancel the reservation of key %r (%s): it will be published later",
-                request.key,
-                exc,
-            )
-
-    def _answer_from_record(self, record: Record, request: ClaimRequest) -> Any:
-        """What a publish of a key that has a record returns instead (``None``: publish)."""
-        if self.idempotency_validate and record.fingerprint != request.fingerprint:
-            raise IdempotencyKeyMismatch(
-                request.key, self.name, record.fingerprint, request.fingerprint
-            )
-        if record.status is Status.COMPLETED:
-            try:
-                value = self._codec.decode(record.result) if record.result else None
-            except CorruptRecord as exc:
-                module_logger.warning("cached result of key %r is unreadable: %s", request.key, exc)
-                return None
-            signals.duplicate_suppressed.send(
-                task_name=self.name, where="publish", outcome=Outcome.COMPLETED
-            )
-            return EagerResult(record.task_id, value, states.SUCCESS, name=self.name)
-        if record.status is Status.QUEUED or record.lease_expires_at > time.time():
-            signals.duplicate_suppressed.send(
-                task_name=self.name, where="publish", outcome=Outcome.IN_PROGRESS
-            )
-            return self.AsyncResult(record.task_id)
-        return None
 
     # -- running ----------------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""The publish side of ``IdempotentTask``: a keyed call is answered from its key's record, or
+the key is queued for the message about to go out (the pickup guard).
+
+Only an optimisation and a safety net: the worker's claim is the guarantee, so a store that
+cannot be reached lets the message go out unguarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from celery.result import EagerResult
+
+from . import signals
+from .app_store import store_for
+from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
+from .keys import derive_key, validate_key
+from .pickups import make_pickup, seconds_until
+from .records import ClaimRequest, Outcome, Record, Status
+
+if TYPE_CHECKING:
+    from .task import IdempotentTask
+
+logger = logging.getLogger(__name__)
+
+
+def publish_key(
+    task: IdempotentTask, call_key: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """The call's key: its own, else the task's, else ``None`` (``ValueError`` if required)."""
+    if call_key is not None:
+        return validate_key(call_key)
+    if task.idempotency_key is not None:
+        return derive_key(task.idempotency_key, task._signature, args, kwargs)
+    if task.idempotency_key_required:
+        raise ValueError(
+            f"task {task.name} requires an idempotency key: pass "
+            "apply_async(..., idempotency_key=...) or set the task's idempotency_key"
+        )
+    return None
+
+
+def reserve(
+    task: IdempotentTask,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: dict[str, Any],
+) -> tuple[ClaimRequest | None, Any]:
+    """Queue the key for this message, or answer from its record.
+
+    Returns the reservation to cancel if the publish fails, and the result to return instead
+    of publishing (``None``: publish).
+    """
+    request = task._claim_request(key, args, kwargs, task_id, owner="")
+    wait = seconds_until(options.get("countdown"), options.get("eta"))
+    pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait)
+    store = store_for(task.app)
+    try:
+        if pickup is None:
+            record = store.get(request.storage_key)
+        else:
+            record = store.reserve(request, pickup)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("publishing %s without a look at its key: %s", task.name, exc)
+        return None, None
+    if record is None:
+        return (None if pickup is None else request), None
+    return None, answer_from_record(task, record, request)
+
+
+def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:
+    """Take back the reservation of a message that could not be published."""
+    try:
+        store_for(task.app).cancel_reservation(request)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning(
+            "could not cancel the reservation of key %r (%s): it will be published later",
+            request.key,
+            exc,
+        )
+
+
+def answer_from_record(task: IdempotentTask, record: Record, request: ClaimRequest) -> Any:
+    """What a publish of a key that has a record returns instead (``None``: publish)."""
+    if task.idempotency_validate and record.fingerprint != request.fingerprint:
+        raise IdempotencyKeyMismatch(
+            request.key, task.name, record.fingerprint, request.fingerprint
+        )
+    if record.status is Status.COMPLETED:
+        try:
+            value = task._codec.decode(record.result) if record.result else None
+        except CorruptRecord as exc:
+            logger.warning("cached result of key %r is unreadable: %s", request.key, exc)
+            return None
+        signals.duplicate_suppressed.send(
+            task_name=task.name, where="publish", outcome=Outcome.COMPLETED
+        )
+        return EagerResult(record.task_id, value, states.SUCCESS, name=task.name)
+    if record.status is Status.QUEUED or record.lease_expires_at > time.time():
+        signals.duplicate_suppressed.send(
+            task_name=task.name, where="publish", outcome=Outcome.IN_PROGRESS
+        )
+        return task.AsyncResult(record.task_id)
+    return None
