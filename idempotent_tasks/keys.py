@@ -92,8 +92,12 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_ca
 def storage_key(task_name: str, key: str) -> str:
     """Name a (task, key) pair for storage: readable when short, its SHA-256 when long.
 
+    The task name's ``%`` and ``:`` are escaped, so no two pairs share a name (task ``a:b``
+    with key ``c`` is not task ``a`` with key ``b:c``); names without them stay as they are.
     Braces are never kept, so a Redis Cluster hash tag built around the name stays one tag.
     """
+    if ":" in task_name or "%" in task_name:
+        task_name = task_name.replace("%", "%25").replace(":", "%3A")
     scoped = f"{task_name}:{key}"
     if len(scoped) <= defaults.KEY_MAX_STORED_CHARS and "{" not in scoped and "}" not in scoped:
         return scoped

@@ -90,6 +90,12 @@ def test_short_keys_are_stored_readably_and_scoped_by_task() -> None:
     assert storage_key("shop.refund", "order-42") != storage_key("shop.charge", "order-42")
 
 
+def test_a_colon_in_a_task_name_cannot_make_two_pairs_share_a_name() -> None:
+    assert storage_key("a:b", "c") != storage_key("a", "b:c")
+    assert storage_key("a%3Ab", "c") != storage_key("a:b", "c")
+    assert storage_key("a:b", "x" * 500) != storage_key("a", "b:" + "x" * 498)
+
+
 def test_long_keys_and_keys_with_braces_are_hashed() -> None:
     long_name = storage_key("shop.charge", "x" * 500)
     assert long_name.startswith("sha256:")
