@@ -53,7 +53,10 @@ _MAX_MS = 2**50
 
 
 def _lua(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+    """The text of a script, after the helpers every script may use (``lua/prelude.lua``)."""
+    folder = resources.files(__package__).joinpath("lua")
+    prelude = folder.joinpath("prelude.lua").read_text("utf-8")
+    return prelude + folder.joinpath(f"{name}.lua").read_text("utf-8")
 
 
 class RedisStore:
@@ -258,8 +261,8 @@ class RedisStore:
             return bool(self.client.delete(self.names(storage_key)[0]))
 
     def close(self) -> None:
-        kept: _KeptConnection | None = getattr(self.client.connection_pool, _KEPT_ATTRIBUTE, None)
-        if kept is not None and kept.pid == os.getpid():
+        kept = _own_kept_connection(self.client.connection_pool)
+        if kept is not None:
             with kept.lock:
                 kept.hand_back()
         self.client.connection_pool.disconnect()
@@ -354,14 +357,20 @@ def _kept_connection(pool: Any) -> _KeptConnection:
     It lives on the pool itself, so it goes when the pool goes. A forked child makes its own
     (the parent's connection, and maybe its held lock, are the parent's).
     """
-    kept: _KeptConnection | None = getattr(pool, _KEPT_ATTRIBUTE, None)
-    if kept is None or kept.pid != os.getpid():
+    kept = _own_kept_connection(pool)
+    if kept is None:
         with _KEPT_LOCK:
-            kept = getattr(pool, _KEPT_ATTRIBUTE, None)
-            if kept is None or kept.pid != os.getpid():
+            kept = _own_kept_connection(pool)
+            if kept is None:
                 kept = _KeptConnection(pool)
                 setattr(pool, _KEPT_ATTRIBUTE, kept)
     return kept
+
+
+def _own_kept_connection(pool: Any) -> _KeptConnection | None:
+    """The kept connection this process made for ``pool``, if it made one."""
+    kept: _KeptConnection | None = getattr(pool, _KEPT_ATTRIBUTE, None)
+    return kept if kept is not None and kept.pid == os.getpid() else None
 
 
 @contextmanager

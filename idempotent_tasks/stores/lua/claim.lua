@@ -14,30 +14,20 @@
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired, else 0; takeover: 1 or 0
 --          field/value pairs: the record found when not acquired
--- Integers go to Redis as strings made here: Redis 7.0 turns a Lua number argument into text
--- with %.17g, which costs it about as much as a whole command. %d is cheap, but it takes a C
--- long, which has 32 bits on some platforms; there %.0f (exact below 2^53) is used instead.
-local int_format = string.format('%d', 2^40) == '1099511627776' and '%d' or '%.0f'
-local function int(n) return string.format(int_format, n) end
-
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[5])
 
 -- created_at: the record's creation time to write with the key's names, or nil to leave those
--- three fields as they are (a queued record's reservation wrote them).
+-- three fields as they are (a queued record's reservation wrote them: the usual case).
 local function acquire(takeover, created_at)
   local token = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
+    'task_id', ARGV[3], 'fingerprint', ARGV[2], 'lease_expires_at', int(now + lease),
+    'updated_at', int(now), 'expires_at', int(now + lease + ttl))
   if created_at then
-    redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
-      'task_id', ARGV[3], 'fingerprint', ARGV[2], 'lease_expires_at', int(now + lease),
-      'updated_at', int(now), 'expires_at', int(now + lease + ttl), 'created_at', created_at,
-      'key', ARGV[8], 'task_name', ARGV[9])
-  else
-    redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
-      'task_id', ARGV[3], 'fingerprint', ARGV[2], 'lease_expires_at', int(now + lease),
-      'updated_at', int(now), 'expires_at', int(now + lease + ttl))
+    redis.call('HSET', KEYS[1], 'created_at', created_at, 'key', ARGV[8], 'task_name', ARGV[9])
   end
   redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))

@@ -13,12 +13,6 @@
 -- KEYS[4], ARGV[13], ARGV[14]  optional side write: a key, its value and ttl in ms (0: none),
 --          set and published on that key when the outcome is "stored", never otherwise
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
--- Integers go to Redis as strings made here: Redis 7.0 turns a Lua number argument into text
--- with %.17g, which costs it about as much as a whole command. %d is cheap, but it takes a C
--- long, which has 32 bits on some platforms; there %.0f (exact below 2^53) is used instead.
-local int_format = string.format('%d', 2^40) == '1099511627776' and '%d' or '%.0f'
-local function int(n) return string.format(int_format, n) end
-
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -57,6 +51,7 @@ elseif found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
   return 'stale'
 end
 
+-- One HSET either way: a cached result is the usual case, and each redis.call costs.
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', int(now),
     'expires_at', int(now + ttl), 'result_cached', '1', 'content_type', ARGV[5],
