@@ -14,7 +14,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
-from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Status
 from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
 from tests.contract.conftest import CONTRACT_REDIS_DB
 from tests.services import answers
@@ -70,6 +70,29 @@ def test_record_missing_fields_is_a_corrupt_record_and_a_claim_repairs_it(url: s
     assert store.claim(_request("k")).outcome is Outcome.ACQUIRED
     record = store.get("k")
     assert record is not None
+
+
+def test_a_queued_record_missing_its_names_is_repaired_by_its_claim(url: str) -> None:
+    # Given a queued record that lost what its reservation wrote besides status and fingerprint
+    store = RedisStore.from_url(url, prefix="corrupt-queued")
+    request = _request("k")
+    record_name = store.names("k")[0]
+    redis.Redis.from_url(url).hset(
+        record_name, mapping={"status": "queued", "fingerprint": request.fingerprint}
+    )
+    # When a worker claims it and completes
+    claim = store.claim(request)
+    assert claim.outcome is Outcome.ACQUIRED
+    assert store.complete(request, claim.token, None) is CompleteOutcome.STORED
+    # Then the record reads back whole, with the claim's names
+    record = store.get("k")
+    assert record is not None
+    assert (record.status, record.key, record.task_name) == (
+        Status.COMPLETED,
+        request.key,
+        request.task_name,
+    )
+    assert record.created_at > 0
 
 
 def test_scripts_are_reloaded_after_a_script_flush(url: str) -> None:

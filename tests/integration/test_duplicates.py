@@ -114,13 +114,17 @@ def test_key_reused_with_other_arguments_is_refused_at_publish() -> None:
 def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publish(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Both calls are published before either is claimed, and with the pickup guard off nothing
-    # is written at publish: the worker is where it is caught.
+    # With the pickup guard off nothing is written at publish, and the countdown keeps both
+    # messages from being claimed until both are out (without it, a quick worker could claim the
+    # first before the second's look, which would then refuse it at publish): the worker is
+    # where it is caught.
     set_pickup_timeout(monkeypatch, worker_app.app, 0)
     order, key = fresh("order"), fresh("key")
     with ThreadPoolExecutor(max_workers=2) as pool:
         first, second = pool.map(
-            lambda amount: charge.apply_async((order, amount), {"sleep": 0.5}, idempotency_key=key),
+            lambda amount: charge.apply_async(
+                (order, amount), {"sleep": 0.5}, idempotency_key=key, countdown=2
+            ),
             (10, 11),
         )
     outcomes: list[Any] = []

@@ -57,7 +57,11 @@ if found[1] == 'queued' then
   if ARGV[6] == '1' and found[3] ~= ARGV[2] then
     return answer('mismatch')
   end
-  return acquire(0, nil)
+  -- A queued record without its creation time is corrupt: it gets its names written anew.
+  if found[5] then
+    return acquire(0, nil)
+  end
+  return acquire(0, int(now))
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   return {'acquired', tonumber(found[6]), 0}
