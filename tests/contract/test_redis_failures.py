@@ -72,17 +72,27 @@ def test_record_missing_fields_is_a_corrupt_record_and_a_claim_repairs_it(url: s
     assert record is not None
 
 
-def test_a_queued_record_missing_its_names_is_repaired_by_its_claim(url: str) -> None:
-    # Given a queued record that lost what its reservation wrote besides status and fingerprint
-    store = RedisStore.from_url(url, prefix="corrupt-queued")
+@pytest.mark.parametrize(
+    ("left", "takeover"),
+    [
+        ({"status": "queued"}, False),
+        ({"status": "processing", "owner": "dead", "token": "1", "lease_expires_at": "0"}, True),
+    ],
+    ids=["queued", "processing-with-expired-lease"],
+)
+def test_a_record_missing_its_names_gets_them_from_its_claim(
+    url: str, left: dict[str, str], takeover: bool
+) -> None:
+    # Given a record that lost its creation time, key and task name
+    store = RedisStore.from_url(url, prefix="corrupt-names")
     request = _request("k")
     record_name = store.names("k")[0]
     redis.Redis.from_url(url).hset(
-        record_name, mapping={"status": "queued", "fingerprint": request.fingerprint}
+        record_name, mapping={**left, "fingerprint": request.fingerprint}
     )
     # When a worker claims it and completes
     claim = store.claim(request)
-    assert claim.outcome is Outcome.ACQUIRED
+    assert (claim.outcome, claim.takeover) == (Outcome.ACQUIRED, takeover)
     assert store.complete(request, claim.token, None) is CompleteOutcome.STORED
     # Then the record reads back whole, with the claim's names
     record = store.get("k")

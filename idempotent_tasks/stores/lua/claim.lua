@@ -19,15 +19,16 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[5])
 
--- created_at: the record's creation time to write with the key's names, or nil to leave those
--- three fields as they are (a queued record's reservation wrote them: the usual case).
+-- created_at: the record's creation time, which its reservation or first claim wrote with the
+-- key's names (the usual case: they stay as they are); nil or false for a new record, or a
+-- corrupt one that lost it: the names are written, with now as that time.
 local function acquire(takeover, created_at)
   local token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
     'task_id', ARGV[3], 'fingerprint', ARGV[2], 'lease_expires_at', int(now + lease),
     'updated_at', int(now), 'expires_at', int(now + lease + ttl))
-  if created_at then
-    redis.call('HSET', KEYS[1], 'created_at', created_at, 'key', ARGV[8], 'task_name', ARGV[9])
+  if not created_at then
+    redis.call('HSET', KEYS[1], 'created_at', int(now), 'key', ARGV[8], 'task_name', ARGV[9])
   end
   redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
@@ -39,7 +40,7 @@ local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'le
 if not found[1] then
   -- No record, or a corrupt one without a status (it protects nothing): start afresh.
   redis.call('DEL', KEYS[1])
-  return acquire(0, int(now))
+  return acquire(0, nil)
 end
 
 local function answer(outcome)
@@ -57,11 +58,7 @@ if found[1] == 'queued' then
   if ARGV[6] == '1' and found[3] ~= ARGV[2] then
     return answer('mismatch')
   end
-  -- A queued record without its creation time is corrupt: it gets its names written anew.
-  if found[5] then
-    return acquire(0, nil)
-  end
-  return acquire(0, int(now))
+  return acquire(0, found[5])
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   return {'acquired', tonumber(found[6]), 0}
