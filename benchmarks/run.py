@@ -297,9 +297,10 @@ def targets(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) 
     if distinct is not None:
         # Judged round by round when there are rounds to pair: one run's medians drift with the
         # machine (a run has shown 1.21x), the ratio within a round much less.
-        paired = paired_ratios(cells, "distinct")
-        judged = statistics.median(paired) if len(paired) > 1 else distinct
-        basis = "median of the round-by-round ratios" if len(paired) > 1 else "one round"
+        paired = {impl: paired_ratios(cells, "distinct", impl) for impl in ("idempotent", "late")}
+        rounds = len(paired["idempotent"])
+        judged = statistics.median(paired["idempotent"]) if rounds > 1 else distinct
+        basis = "median of the round-by-round ratios" if rounds > 1 else "one round"
         references = [
             f"{IMPL_TITLES[impl]}: {reference:.2f}x"
             for impl in REFERENCES
@@ -310,8 +311,7 @@ def targets(args: argparse.Namespace, cells: dict[tuple[str, str], list[Cell]]) 
         )
         verdict = _verdict(args, judged >= 0.90)
         lines.append(f"- distinct keys >= 0.90x: {judged:.2f}x ({basis}), {verdict}{bound}")
-        for impl in ("idempotent", "late"):
-            ratios = paired_ratios(cells, "distinct", impl)
+        for impl, ratios in paired.items():
             if len(ratios) > 1:
                 lines.append(
                     f"  round by round, {IMPL_TITLES[impl]} / that round's plain Celery: "
