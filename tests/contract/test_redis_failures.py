@@ -77,13 +77,14 @@ def test_record_missing_fields_is_a_corrupt_record_and_a_claim_repairs_it(url: s
     [
         ({"status": "queued"}, False),
         ({"status": "processing", "owner": "dead", "token": "1", "lease_expires_at": "0"}, True),
+        ({"status": "processing", "owner": "dead", "token": "1"}, True),
     ],
-    ids=["queued", "processing-with-expired-lease"],
+    ids=["queued", "processing-with-expired-lease", "processing-without-lease"],
 )
-def test_a_record_missing_its_names_gets_them_from_its_claim(
+def test_a_claim_of_a_record_missing_fields_leaves_it_whole(
     url: str, left: dict[str, str], takeover: bool
 ) -> None:
-    # Given a record that lost its creation time, key and task name
+    # Given a record that lost its creation time, key and task name (and perhaps its lease)
     store = RedisStore.from_url(url, prefix="corrupt-names")
     request = _request("k")
     record_name = store.names("k")[0]

@@ -69,7 +69,8 @@ end
 if found[1] == 'completed' then
   return answer('completed')
 end
-if (ARGV[7] ~= '' and found[2] == ARGV[7]) or tonumber(found[4]) <= now then
+-- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.
+if (ARGV[7] ~= '' and found[2] == ARGV[7]) or (tonumber(found[4]) or 0) <= now then
   return acquire(1, found[5])
 end
 return answer('in_progress')
