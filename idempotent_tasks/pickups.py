@@ -6,8 +6,10 @@ task is published, the claim store records the key as ``queued`` with an envelop
 message (:meth:`~idempotent_tasks.stores.base.Store.reserve`); a worker's claim ends that. The
 beat sweep (:func:`republish_lost`) publishes again, with the same task id, every queued key no
 worker claimed within ``idempotency_pickup_timeout`` seconds of when it was due, and then
-after twice as long each time. A message that was only slow runs no body twice: its
-duplicate finds the key claimed or completed.
+after twice as long each time. A publish of a key whose message counts as lost does the same
+for that key (see :mod:`idempotent_tasks.publishing`), so a lost message is found without
+beat too. A message that was only slow runs no body twice: its duplicate finds the key
+claimed or completed.
 """
 
 from __future__ import annotations
@@ -148,19 +150,26 @@ def republish_lost(app: Any, store: Any, batch: int = SWEEP_BATCH) -> int:
         except StoreUnavailable as exc:
             logger.warning("could not look for lost messages: %s", exc)
             return published
-        for due in taken:
-            try:
-                republish(app, due)
-            except Exception as exc:  # the key stays queued: the next sweep tries again
-                logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
-                continue
-            published += 1
-            logger.warning(
-                "published %s (%s) again: no worker claimed its message in time (%s time)",
-                due.task_name,
-                due.task_id,
-                due.republished,
-            )
-            signals.lost_message_republished.send(task_name=due.task_name)
+        published += sum(republish_taken(app, due) for due in taken)
         if len(taken) < batch:
             return published
+
+
+def republish_taken(app: Any, due: DuePickup) -> bool:
+    """Publish a pickup taken from the store again, logging it; whether it went out.
+
+    A pickup that cannot be published stays with its key: it is due again after its backoff.
+    """
+    try:
+        republish(app, due)
+    except Exception as exc:
+        logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
+        return False
+    logger.warning(
+        "published %s (%s) again: no worker claimed its message in time (%s time)",
+        due.task_name,
+        due.task_id,
+        due.republished,
+    )
+    signals.lost_message_republished.send(task_name=due.task_name)
+    return True

@@ -8,7 +8,6 @@ cannot be reached lets the message go out unguarded.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -18,7 +17,7 @@ from . import signals
 from .app_store import store_for
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from .keys import derive_key, validate_key
-from .pickups import make_pickup, seconds_until
+from .pickups import make_pickup, republish_taken, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
 
 if TYPE_CHECKING:
@@ -86,7 +85,10 @@ def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:
 
 
 def answer_from_record(task: IdempotentTask, record: Record, request: ClaimRequest) -> Any:
-    """What a publish of a key that has a record returns instead (``None``: publish)."""
+    """What a publish of a key that has a record returns instead (``None``: publish).
+
+    Leases are judged by the store's clock, which wrote them, not by this host's.
+    """
     if task.idempotency_validate and record.fingerprint != request.fingerprint:
         raise IdempotencyKeyMismatch(
             request.key, task.name, record.fingerprint, request.fingerprint
@@ -101,9 +103,32 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
             task_name=task.name, where="publish", outcome=Outcome.COMPLETED
         )
         return EagerResult(record.task_id, value, states.SUCCESS, name=task.name)
-    if record.status is Status.QUEUED or record.lease_expires_at > time.time():
-        signals.duplicate_suppressed.send(
-            task_name=task.name, where="publish", outcome=Outcome.IN_PROGRESS
-        )
-        return task.AsyncResult(record.task_id)
-    return None
+    if record.lease_expires_at > record.store_time():
+        task_id: str | None = record.task_id  # its message is on its way, or its owner alive
+    else:
+        # A queued key past the time its message counts as lost, or a claimed one whose owner's
+        # lease ended (lost too once that was a pickup timeout ago: the store decides).
+        task_id = _republish_if_lost(task, record)
+        if task_id is None and record.status is Status.QUEUED:
+            task_id = record.task_id
+        if task_id is None:
+            return None  # a dead owner's key: this message takes it over
+    signals.duplicate_suppressed.send(
+        task_name=task.name, where="publish", outcome=Outcome.IN_PROGRESS
+    )
+    return task.AsyncResult(task_id)
+
+
+def _republish_if_lost(task: IdempotentTask, record: Record) -> str | None:
+    """Publish the key's message again, as the beat sweep would, if it counts as lost (so a
+    lost message is found without beat too); the task id it went out under, else ``None``."""
+    if task._pickup_timeout <= 0:
+        return None
+    try:
+        due = store_for(task.app).take(record.storage_key)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("could not take over the lost message of key %r: %s", record.key, exc)
+        return None
+    if due is None or not republish_taken(task.app, due):
+        return None
+    return due.task_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 
@@ -97,6 +98,13 @@ class Record:
     result: EncodedResult | None = None
     #: False when the result was too big or could not be serialized: duplicates get ``None``.
     result_cached: bool = False
+    #: The store's clock when :meth:`Store.reserve` or :meth:`Store.get` read the record, so
+    #: a caller on another host judges its lease by the clock that wrote it (``None``: unknown).
+    read_at: float | None = None
+
+    def store_time(self) -> float:
+        """The store's time when this record was read, else this host's time now."""
+        return time.time() if self.read_at is None else self.read_at
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from redis import Redis
@@ -262,7 +261,7 @@ class IdempotentQueue(Queue):
             raise IdempotencyKeyMismatch(key, task_name, record.fingerprint, expected_fingerprint)
         if record.status is Status.COMPLETED:
             return self._cached(record, func, args, kwargs)
-        if record.lease_expires_at > time.time():
+        if record.lease_expires_at > record.store_time():
             try:
                 owner = self.job_class.fetch(
                     record.task_id, connection=self.connection, serializer=self.serializer

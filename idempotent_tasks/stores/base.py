@@ -31,8 +31,9 @@ class Store(Protocol):
 
         When the key has no live record, writes a ``queued`` one (task id, fingerprint, the
         ``pickup``; ``lease_expires_at`` is when the message counts as lost) and returns
-        ``None``. Otherwise writes nothing and returns the record found, whatever its state.
-        ``request.owner`` and ``request.lease_seconds`` are not used.
+        ``None``. Otherwise writes nothing and returns the record found, whatever its state,
+        with the store's time it was read (``read_at``). ``request.owner`` and
+        ``request.lease_seconds`` are not used.
         """
         ...
 
@@ -50,6 +51,11 @@ class Store(Protocol):
         :meth:`reserve` or a retry's :meth:`release`); a claim does not reset it.
         Index entries of keys no longer queued are dropped on the way.
         """
+        ...
+
+    def take(self, storage_key: str) -> DuePickup | None:
+        """The pickup of one key, taken as :meth:`take_due` takes each one it hands out, if
+        the key's message counts as lost now; else ``None``."""
         ...
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
@@ -102,7 +108,10 @@ class Store(Protocol):
         ...
 
     def get(self, storage_key: str) -> Record | None:
-        """The record of a key, or ``None`` when there is none (or it expired)."""
+        """The record of a key, or ``None`` when there is none (or it expired).
+
+        Like :meth:`reserve`'s, the record carries the store's time it was read (``read_at``).
+        """
         ...
 
     def forget(self, storage_key: str) -> bool:

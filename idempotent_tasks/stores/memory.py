@@ -53,7 +53,7 @@ class MemoryStore:
             now = self._clock()
             found = self._live(request.storage_key, now)
             if found is not None:
-                return found
+                return dataclasses.replace(found, read_at=now)
             self._queue(request, pickup, now, created_at=now, token=0)
             return None
 
@@ -74,34 +74,43 @@ class MemoryStore:
             for storage_key in list(self._pending):
                 if len(taken) == limit:
                     break
-                found = self._live(storage_key, now)
-                if found is None or found.status is Status.COMPLETED:
-                    self._pending.pop(storage_key, None)
-                    continue
-                pending = self._pending[storage_key]
-                due = pending.due_at
-                if found.status is Status.PROCESSING:
-                    # Claimed: lost only if its owner's lease ended a timeout ago, untaken.
-                    due = max(due, found.lease_expires_at + pending.pickup.timeout)
-                if due > now:
-                    continue
-                pending.republished += 1
-                backoff = 2 ** min(pending.republished, MAX_BACKOFF_EXPONENT)
-                pending.due_at = now + pending.pickup.timeout * backoff
-                if found.status is Status.QUEUED:
-                    self._records[storage_key] = dataclasses.replace(
-                        found, lease_expires_at=pending.due_at, updated_at=now
-                    )
-                taken.append(
-                    DuePickup(
-                        storage_key=storage_key,
-                        task_name=found.task_name,
-                        task_id=found.task_id,
-                        envelope=pending.pickup.envelope,
-                        republished=pending.republished,
-                    )
-                )
+                due = self._take(storage_key, now)
+                if due is not None:
+                    taken.append(due)
             return taken
+
+    def take(self, storage_key: str) -> DuePickup | None:
+        with self._lock:
+            return self._take(storage_key, self._clock())
+
+    def _take(self, storage_key: str, now: float) -> DuePickup | None:
+        pending = self._pending.get(storage_key)
+        if pending is None:
+            return None
+        found = self._live(storage_key, now)
+        if found is None or found.status is Status.COMPLETED:
+            self._pending.pop(storage_key, None)
+            return None
+        due = pending.due_at
+        if found.status is Status.PROCESSING:
+            # Claimed: lost only if its owner's lease ended a timeout ago, untaken.
+            due = max(due, found.lease_expires_at + pending.pickup.timeout)
+        if due > now:
+            return None
+        pending.republished += 1
+        backoff = 2 ** min(pending.republished, MAX_BACKOFF_EXPONENT)
+        pending.due_at = now + pending.pickup.timeout * backoff
+        if found.status is Status.QUEUED:
+            self._records[storage_key] = dataclasses.replace(
+                found, lease_expires_at=pending.due_at, updated_at=now
+            )
+        return DuePickup(
+            storage_key=storage_key,
+            task_name=found.task_name,
+            task_id=found.task_id,
+            envelope=pending.pickup.envelope,
+            republished=pending.republished,
+        )
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
         with self._lock:
@@ -187,7 +196,9 @@ class MemoryStore:
 
     def get(self, storage_key: str) -> Record | None:
         with self._lock:
-            return self._live(storage_key, self._clock())
+            now = self._clock()
+            found = self._live(storage_key, now)
+            return None if found is None else dataclasses.replace(found, read_at=now)
 
     def forget(self, storage_key: str) -> bool:
         with self._lock:

@@ -40,7 +40,7 @@ from ..records import (
 )
 
 _T = TypeVar("_T")
-_SCRIPTS = ("reserve", "cancel", "due", "take", "claim", "complete", "release", "extend")
+_SCRIPTS = ("reserve", "read", "cancel", "due", "take", "claim", "complete", "release", "extend")
 #: Shards keys are spread over (each one Redis Cluster slot, with its own due index).
 SHARDS = 256
 #: Connection errors after which redis-py reconnects and tries the command again.
@@ -121,7 +121,7 @@ class RedisStore:
         )
         if not reply:
             return None
-        return _record(request.storage_key, _pairs(reply))
+        return _record(request.storage_key, _pairs(reply[1:]), read_at=int(reply[0]) / 1000)
 
     def cancel_reservation(self, request: ClaimRequest) -> bool:
         record, _, index = self.names(request.storage_key)
@@ -136,21 +136,25 @@ class RedisStore:
             members = [_text(m) for found in pipe.execute() for m in found]
         taken: list[DuePickup] = []
         for storage_key in members:
-            record, _, index = self.names(storage_key)
-            reply = self._run("take", [record, index], [storage_key])
-            if reply:
-                taken.append(
-                    DuePickup(
-                        storage_key=storage_key,
-                        task_id=_text(reply[0]),
-                        task_name=_text(reply[1]),
-                        envelope=_bytes(reply[2]),
-                        republished=int(reply[3]),
-                    )
-                )
+            due = self.take(storage_key)
+            if due is not None:
+                taken.append(due)
                 if len(taken) == limit:
                     break
         return taken
+
+    def take(self, storage_key: str) -> DuePickup | None:
+        record, _, index = self.names(storage_key)
+        reply = self._run("take", [record, index], [storage_key])
+        if not reply:
+            return None
+        return DuePickup(
+            storage_key=storage_key,
+            task_id=_text(reply[0]),
+            task_name=_text(reply[1]),
+            envelope=_bytes(reply[2]),
+            republished=int(reply[3]),
+        )
 
     def claim(self, request: ClaimRequest) -> ClaimResult:
         reply = self._run(
@@ -250,11 +254,10 @@ class RedisStore:
         return bool(self._run("extend", self.names(request.storage_key)[:2], args))
 
     def get(self, storage_key: str) -> Record | None:
-        with _translated_errors():
-            fields = self.client.hgetall(self.names(storage_key)[0])
-        if not fields:
+        reply = self._run("read", self.names(storage_key)[:1], [])
+        if len(reply) == 1:
             return None
-        return _record(storage_key, {_text(k): _bytes(v) for k, v in fields.items()})
+        return _record(storage_key, _pairs(reply[1:]), read_at=int(reply[0]) / 1000)
 
     def forget(self, storage_key: str) -> bool:
         with _translated_errors():
@@ -426,7 +429,7 @@ def _field(fields: dict[str, bytes], name: str, convert: Callable[[str], _T]) ->
         raise CorruptRecord(f"record field {name!r} is missing or unreadable") from exc
 
 
-def _record(storage_key: str, fields: dict[str, bytes]) -> Record:
+def _record(storage_key: str, fields: dict[str, bytes], read_at: float | None = None) -> Record:
     cached = fields.get("result_cached") == b"1" and "result" in fields
     result = None
     if cached:
@@ -450,4 +453,5 @@ def _record(storage_key: str, fields: dict[str, bytes]) -> Record:
         expires_at=_field(fields, "expires_at", float) / 1000,
         result=result,
         result_cached=cached,
+        read_at=read_at,
     )

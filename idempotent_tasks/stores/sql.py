@@ -76,6 +76,7 @@ from .sql_statements import (
     retime_queued,
     select_claim,
     select_due,
+    select_pickup,
     update_held,
     upsert_pickup,
 )
@@ -131,7 +132,7 @@ class SqlStore:
             if found is None:
                 continue  # deleted between the two statements: insert again
             if _is_live(found, now):
-                return _record(request.storage_key, found)
+                return _record(request.storage_key, found, read_at=now)
             # An expired or released row: replace it, keeping its token so tokens keep growing.
             token = int(found["token"])
             swap = replace_if_unchanged(claim_id, found, {**fresh, "token": token})
@@ -164,6 +165,14 @@ class SqlStore:
             if len(rows) < wanted:
                 break
         return taken
+
+    def take(self, storage_key: str) -> DuePickup | None:
+        claim_id = self.claim_id(storage_key)
+        row = self._one(select_pickup(claim_id))
+        now = self._clock()
+        if row is None or row["due_at"] > now:
+            return None
+        return self._take(row, now)
 
     def _take(self, row: RowMapping, now: float) -> DuePickup | None:
         """Move one due pickup on and return it, unless another sweep took it or its key no
@@ -320,9 +329,10 @@ class SqlStore:
 
     def get(self, storage_key: str) -> Record | None:
         row = self._one(select_claim(self.claim_id(storage_key)))
-        if row is None or row["status"] == RELEASED or row["expires_at"] <= self._clock():
+        now = self._clock()
+        if row is None or row["status"] == RELEASED or row["expires_at"] <= now:
             return None
-        return _record(storage_key, row)
+        return _record(storage_key, row, read_at=now)
 
     def forget(self, storage_key: str) -> bool:
         claim_id = self.claim_id(storage_key)
@@ -461,7 +471,7 @@ def _is_live(row: Any, now: float) -> bool:
     return bool(row["status"] != RELEASED and row["expires_at"] > now)
 
 
-def _record(storage_key: str, row: Any) -> Record:
+def _record(storage_key: str, row: Any, read_at: float | None = None) -> Record:
     try:
         result = None
         if row["result_cached"] and row["result"] is not None:
@@ -485,6 +495,7 @@ def _record(storage_key: str, row: Any) -> Record:
             expires_at=float(row["expires_at"]),
             result=result,
             result_cached=result is not None,
+            read_at=read_at,
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise CorruptRecord(f"claim row of {storage_key!r} is unreadable: {exc}") from exc

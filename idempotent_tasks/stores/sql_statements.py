@@ -133,6 +133,11 @@ def select_due(prefix: str, now: float, limit: int) -> Select[Any]:
     )
 
 
+def select_pickup(claim_id: str) -> Select[Any]:
+    """The pickup row of one claim."""
+    return select(pickups).where(pickups.c.id == claim_id)
+
+
 def _same_pickup(claim_id: str, republished: int, due_at: float) -> Any:
     # Count and due time change on every write of a pickup row (due times are exact doubles
     # on every dialect), so together they tell whether the row is still the one read.

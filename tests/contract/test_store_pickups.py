@@ -26,7 +26,8 @@ from idempotent_tasks.records import (
     Record,
     Status,
 )
-from idempotent_tasks.stores import Store
+from idempotent_tasks.stores import MemoryStore, Store
+from idempotent_tasks.stores.sql import SqlStore
 from tests.contract.conftest import SERVER_STORES, open_store, store_url
 
 Make = Callable[..., ClaimRequest]
@@ -52,6 +53,11 @@ def request_for(make_request: Make, name: str, **overrides: object) -> ClaimRequ
 
 def taken_keys(store: Store, limit: int = 100) -> list[str]:
     return [due.storage_key for due in store.take_due(limit)]
+
+
+def unread(record: Record | None) -> Record | None:
+    """``record`` without the time it was read, to compare what two reads found."""
+    return None if record is None else dataclasses.replace(record, read_at=None)
 
 
 # -- reserve ------------------------------------------------------------------------------
@@ -101,7 +107,7 @@ def test_reserve_on_a_live_record_returns_it_and_writes_nothing(
         before.token,
         "task-1",
     )
-    assert store.get(first.storage_key) == before
+    assert unread(store.get(first.storage_key)) == unread(before)
     if state == "queued":  # the first reservation's message is the one kept
         time.sleep(PAST_DUE)
         [due] = store.take_due(10)
@@ -221,6 +227,80 @@ def test_take_due_hands_an_overdue_key_out_once_per_backoff(
         ENVELOPE,
         2,
     )
+
+
+def test_take_hands_one_overdue_key_out_once_per_backoff(store: Store, make_request: Make) -> None:
+    # Given two reserved keys
+    first, second = request_for(make_request, "first"), request_for(make_request, "second")
+    for request in (first, second):
+        assert store.reserve(request, make_pickup()) is None
+    # Not before it is due
+    assert store.take(first.storage_key) is None
+    time.sleep(PAST_DUE)
+    # Then once, with its envelope, as the sweep would have taken it
+    assert store.take(first.storage_key) == DuePickup(
+        storage_key=first.storage_key,
+        task_name=first.task_name,
+        task_id=first.task_id,
+        envelope=ENVELOPE,
+        republished=1,
+    )
+    assert store.take(first.storage_key) is None
+    # and the sweep, backed off the same, hands out only the other key
+    assert taken_keys(store) == [second.storage_key]
+    time.sleep(PAST_FIRST_BACKOFF)
+    again = store.take(first.storage_key)
+    assert again is not None and again.republished == 2
+
+
+@pytest.mark.parametrize("state", ["unknown", "claimed unreserved, lease over", "completed"])
+def test_take_of_a_key_without_a_lost_message_is_none(
+    store: Store, make_request: Make, state: str
+) -> None:
+    request = make_request(lease_seconds=0.1)
+    if state != "unknown":
+        token = store.claim(request).token
+        if state == "completed":
+            store.complete(request, token, RESULT)
+    time.sleep(PAST_FIRST_BACKOFF)
+    assert store.take(request.storage_key) is None
+
+
+def test_records_read_carry_the_store_time(store: Store, make_request: Make) -> None:
+    request = make_request()
+    assert store.reserve(request, make_pickup()) is None
+    found = store.reserve(make_request(task_id="task-2"), make_pickup())
+    read = store.get(request.storage_key)
+    assert found is not None and read is not None
+    # This host's clock is the stores' here (Redis, the databases and this process share it).
+    assert found.read_at == pytest.approx(time.time(), abs=1)
+    assert read.read_at == pytest.approx(time.time(), abs=1)
+    assert read.lease_expires_at == pytest.approx(read.store_time() + DUE_IN, abs=0.1)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_read_at_is_the_stores_clock_not_this_hosts(
+    kind: str, make_request: Make, request: pytest.FixtureRequest
+) -> None:
+    # Given a store whose clock runs an hour ahead of this host's (Redis's is its TIME)
+    def ahead() -> float:
+        return time.time() + 3600
+
+    store: Store = (
+        MemoryStore(clock=ahead)
+        if kind == "memory"
+        else SqlStore(store_url(kind, request), prefix="contract", clock=ahead)
+    )
+    claim = make_request()
+    store.claim(claim)
+    # Then the records it reads say when by its clock
+    found = store.reserve(make_request(task_id="task-2"), make_pickup())
+    read = store.get(claim.storage_key)
+    assert found is not None and read is not None
+    assert found.read_at == pytest.approx(ahead(), abs=1)
+    assert read.read_at == pytest.approx(ahead(), abs=1)
+    assert read.store_time() == read.read_at
+    store.close()
 
 
 def test_a_large_envelope_round_trips(store: Store, make_request: Make) -> None:

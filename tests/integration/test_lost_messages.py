@@ -1,4 +1,5 @@
-"""The pickup guard: a keyed message the broker loses is published again by the beat sweep.
+"""The pickup guard: a keyed message the broker loses is published again, by the beat sweep
+or by the next publish of its key.
 
 Kombu's Redis transport loses a message popped by a worker that dies (or whose Redis
 restarts) before the message is recorded as unacknowledged. These tests lose the message
@@ -7,6 +8,8 @@ deliberately, by taking it out of the broker's list, and expect the task to run 
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,16 @@ import redis
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import republish_lost
-from idempotent_tasks.records import Status
+from idempotent_tasks.records import Outcome, Status
 from tests.integration import worker_app
-from tests.integration.helpers import fresh, ledger_events, set_pickup_timeout, wait_until
+from tests.integration.helpers import (
+    IDLE_QUEUE,
+    fresh,
+    ledger_events,
+    queue_length,
+    set_pickup_timeout,
+    wait_until,
+)
 from tests.integration.workers import BeatProcess, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -143,6 +153,87 @@ def test_an_owner_killed_with_its_message_lost_is_published_again(worker_and_bea
     assert _status(worker_app.charge, key) is Status.COMPLETED
 
 
+@pytest.mark.usefixtures("short_pickup")
+def test_a_lost_message_is_published_again_by_the_next_publish_of_its_key(
+    worker_and_beat: Any,
+) -> None:
+    # Given a keyed task whose message the broker lost, and no beat to sweep for it
+    name, key = fresh("lost-no-beat"), fresh("key")
+    first = worker_app.ledgered.apply_async((name,), idempotency_key=key)
+    _lose_message("celery", first.id)
+    time.sleep(PICKUP_TIMEOUT + 0.2)  # the message now counts as lost
+
+    # When the key is published again, and again at once
+    again = worker_app.ledgered.apply_async((name,), idempotency_key=key)
+    once_more = worker_app.ledgered.apply_async((name,), idempotency_key=key)
+
+    # Then the lost message went out again, once, under its own id, and every caller gets its
+    # value from a worker running without beat
+    assert again.id == once_more.id == first.id
+    assert _messages_of("celery", first.id) == 1
+    worker_and_beat(beat=False)
+    assert first.get(timeout=30) == again.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
+    assert _status(worker_app.ledgered, key) is Status.COMPLETED
+
+
+@pytest.mark.usefixtures("short_pickup")
+def test_a_dead_owners_lost_message_is_published_again_by_the_next_publish(
+    worker_and_beat: Any,
+) -> None:
+    # Given a key whose message was claimed by an owner that then died (its 0.2 s lease ends)
+    # and was lost with it
+    name, key = fresh("dead-owner"), fresh("key")
+    first = worker_app.ledgered.apply_async((name,), idempotency_key=key)
+    _lose_message("celery", first.id)
+    task = worker_app.ledgered
+    owner = dataclasses.replace(
+        task._claim_request(key, (name,), {}, first.id, owner="dead-owner"), lease_seconds=0.2
+    )
+    assert store_for(app).claim(owner).outcome is Outcome.ACQUIRED
+
+    # While the broker may still redeliver it (a pickup timeout after the lease), a publish
+    # takes the key over with a message of its own
+    time.sleep(0.3)
+    early = task.apply_async((name,), idempotency_key=key, queue=IDLE_QUEUE)
+    assert early.id != first.id
+    assert queue_length(IDLE_QUEUE) == 1
+    redis.Redis.from_url(app.conf.broker_url).delete(IDLE_QUEUE)
+
+    # Once that timeout has passed too, a publish sends the owner's message again instead
+    time.sleep(PICKUP_TIMEOUT)
+    late = task.apply_async((name,), idempotency_key=key, queue=IDLE_QUEUE)
+    assert late.id == first.id
+    assert queue_length(IDLE_QUEUE) == 0
+    worker_and_beat(beat=False)
+    assert first.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
+
+
+def test_a_producer_whose_clock_runs_behind_sees_a_dead_owners_lease_as_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a key claimed by an owner whose 0.2 s lease ended (by the store's clock)
+    name, key = fresh("skewed"), fresh("key")
+    task = worker_app.ledgered
+    owner = dataclasses.replace(
+        task._claim_request(key, (name,), {}, "dead-task", owner="dead-owner"), lease_seconds=0.2
+    )
+    assert store_for(app).claim(owner).outcome is Outcome.ACQUIRED
+    time.sleep(0.3)
+
+    # When a producer whose clock runs an hour behind publishes the key
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
+    result = task.apply_async((name,), idempotency_key=key, queue=IDLE_QUEUE)
+    monkeypatch.undo()
+
+    # Then it publishes (the message takes the key over) rather than wait on the dead owner
+    assert result.id != "dead-task"
+    assert queue_length(IDLE_QUEUE) == 1
+    redis.Redis.from_url(app.conf.broker_url).delete(IDLE_QUEUE)
+
+
 def test_a_failed_publish_leaves_no_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a broker that refuses the message
     name, key = fresh("unpublished"), fresh("key")
@@ -156,6 +247,12 @@ def test_a_failed_publish_leaves_no_reservation(monkeypatch: pytest.MonkeyPatch)
 
     # Then the key is free again: nothing will publish it behind the caller's back
     assert _status(worker_app.ledgered, key) is None
+
+
+def _messages_of(queue: str, task_id: str) -> int:
+    """Messages of ``task_id`` waiting in ``queue``."""
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    return sum(task_id.encode() in raw for raw in broker.lrange(queue, 0, -1))
 
 
 def _queue_empty(queue: str) -> bool:

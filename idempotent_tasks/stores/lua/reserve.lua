@@ -4,12 +4,15 @@
 -- ARGV[1]  task id          ARGV[2]  fingerprint       ARGV[3]  the caller's key
 -- ARGV[4]  task name        ARGV[5]  due in, ms        ARGV[6]  re-publication timeout, ms
 -- ARGV[7]  ttl, ms          ARGV[8]  envelope          ARGV[9]  storage key (index member)
--- Returns  {} when reserved (status "queued"), else the record found as field/value pairs
+-- Returns  {} when reserved (status "queued"), else {now in ms, field, value, ...}: the time
+--          and the record found
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 if redis.call('HGET', KEYS[1], 'status') then
-  return redis.call('HGETALL', KEYS[1])
+  local reply = redis.call('HGETALL', KEYS[1])
+  table.insert(reply, 1, now)
+  return reply
 end
 -- No record, or a corrupt one without a status (it protects nothing).
 redis.call('DEL', KEYS[1])
