@@ -14,6 +14,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import StoreUnavailable
+from ..stores.sql_clock import ServerClock
 from . import queries
 from .backoff import next_retry_at
 from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
@@ -27,8 +28,15 @@ SWEEP_BATCH = 100
 TAKE_ROUNDS = 5
 
 
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+def server_utc_clock(engine: Engine) -> Callable[[], datetime]:
+    """The database server's current UTC time, read without a query per call.
+
+    Due times and sweep leases are written by one process and compared by another; on the
+    server's clock (see :class:`~idempotent_tasks.stores.sql_clock.ServerClock`), hosts whose
+    clocks disagree still agree on when an item is due or stuck.
+    """
+    seconds = ServerClock(engine, local=lambda: datetime.now(timezone.utc).timestamp())
+    return lambda: datetime.fromtimestamp(seconds(), timezone.utc)
 
 
 class DeadLetterQueue:
@@ -41,7 +49,8 @@ class DeadLetterQueue:
     Args:
         url: SQLAlchemy URL; ``None`` for the local SQLite file (see ``default_sqlite_url``).
         base_delay: seconds of the first backoff step (doubling with every retry).
-        clock: returns the current UTC time (for tests).
+        clock: returns the current UTC time; default: the database server's
+            (:func:`server_utc_clock`; SQLite's is the host's). Tests pass their own.
         rng: the jitter's random source (for tests).
     """
 
@@ -50,13 +59,13 @@ class DeadLetterQueue:
         url: str | None = None,
         *,
         base_delay: float = 60,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.url = url or default_sqlite_url()
         self.base_delay = base_delay
         self.engine: Engine = create_dlq_engine(self.url)
-        self._clock = clock
+        self._clock = server_utc_clock(self.engine) if clock is None else clock
         self._rng = rng
         self._schema_ready = False
         self._schema_lock = threading.Lock()

@@ -76,7 +76,9 @@ class ServerClock:
                 offset = self._measure()
             except SQLAlchemyError as exc:
                 if next_sync is None:
-                    raise StoreUnavailable(f"SQL store error: {exc}") from exc
+                    raise StoreUnavailable(
+                        f"could not read the database server's clock: {exc}"
+                    ) from exc
                 logger.warning("could not read the database server's clock, will retry: %s", exc)
                 self._next_sync = time.monotonic() + RETRY_SECONDS
                 return

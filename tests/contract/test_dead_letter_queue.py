@@ -317,6 +317,43 @@ def test_timestamps_do_not_depend_on_the_session_time_zone(name: str, clock: Clo
         in_utc.dispose()
 
 
+class _HourBehind(datetime):
+    """``datetime`` on a host whose clock runs an hour behind."""
+
+    @classmethod
+    def now(cls, tz: Any = None) -> Any:
+        return datetime.now(tz) - timedelta(hours=1)
+
+
+@pytest.mark.parametrize("name", sorted(SERVERS))
+def test_a_host_whose_clock_is_wrong_still_writes_and_judges_times_on_the_servers(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, url = SERVERS[name]
+    require(service)
+    _drop_dead_letter_tables(url)
+    # Given an item made due now by a host whose clock is right
+    right = DeadLetterQueue(url, base_delay=BASE)
+    due_now = right.add(_failure())
+    assert right.retry_now(due_now.id)
+    # And a host whose clock runs an hour behind the database server's
+    monkeypatch.setattr("idempotent_tasks.dlq.queue.datetime", _HourBehind)
+    behind = DeadLetterQueue(url, base_delay=BASE)
+    try:
+        # Then its sweep finds the item due now, not in an hour
+        assert _ids(behind.take_due()) == {due_now.id}
+        # And the rows it writes carry the server's times, not times an hour off
+        before = datetime.now(timezone.utc)
+        written = behind.add(_failure())
+        after = datetime.now(timezone.utc)
+        assert before - timedelta(seconds=2) <= written.created_at <= after + timedelta(seconds=2)
+        assert written.next_retry_at is not None
+        assert written.next_retry_at >= before + timedelta(seconds=BASE * 0.75 - 2)
+    finally:
+        right.dispose()
+        behind.dispose()
+
+
 def test_the_same_failure_twice_is_one_row(dlq: DeadLetterQueue, clock: Clock) -> None:
     # Given a write repeated after a lost reply (same failed delivery, later)
     failure = _failure(failure_id="task-7:2")
