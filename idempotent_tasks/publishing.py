@@ -109,10 +109,10 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
         # A queued key past the time its message counts as lost, or a claimed one whose owner's
         # lease ended (lost too once that was a pickup timeout ago: the store decides).
         task_id = _republish_if_lost(task, record)
-        if task_id is None and record.status is Status.QUEUED:
-            task_id = record.task_id
         if task_id is None:
-            return None  # a dead owner's key: this message takes it over
+            if record.status is not Status.QUEUED:
+                return None  # a dead owner's key: this message takes it over
+            task_id = record.task_id  # not lost after all, or its re-publication failed
     signals.duplicate_suppressed.send(
         task_name=task.name, where="publish", outcome=Outcome.IN_PROGRESS
     )
