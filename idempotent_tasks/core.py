@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from . import signals
+from . import defaults, signals
 from .codec import ResultCodec
 from .errors import CorruptRecord, SideWriteRefused, StoreUnavailable
 from .heartbeat import keeper
@@ -37,6 +37,17 @@ logger = logging.getLogger(__name__)
 def new_owner() -> str:
     """A unique id for one execution attempt (task ids repeat on redelivery; owners never do)."""
     return uuid.uuid4().hex
+
+
+def wait_for_owner(record: Record, waits: int) -> float:
+    """Seconds a duplicate waits before it looks again at a key in progress, after ``waits``
+    earlier looks: doubling up to a cap, never past the owner's lease, at least 50 ms.
+
+    The lease is judged by the store's clock, which wrote it: on a worker whose clock runs
+    ahead, the local clock would see every lease as over and look again every 50 ms.
+    """
+    delay = min(defaults.WAIT_INITIAL_DELAY * 2.0**waits, defaults.WAIT_MAX_DELAY)
+    return max(min(delay, record.lease_expires_at - record.store_time()), 0.05)
 
 
 @dataclass

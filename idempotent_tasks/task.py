@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import time
 from functools import cached_property
 from traceback import format_exc
 from typing import Any, ClassVar, NoReturn
@@ -21,7 +20,7 @@ from . import defaults, publishing, signals
 from .app_store import store_for
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
-from .core import Attempt, new_owner
+from .core import Attempt, new_owner, wait_for_owner
 from .dead_letters import (
     DEAD_LETTER_HEADER,
     UNWRITTEN_FAILURE_HEADER,
@@ -399,9 +398,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if mode == "raise" or self.request.is_eager:
             raise IdempotencyConflict(key, self.name, record.task_id)
         waits = int(_request_header(self.request, WAITS_HEADER) or 0)
-        delay = min(defaults.WAIT_INITIAL_DELAY * 2**waits, defaults.WAIT_MAX_DELAY)
-        delay = max(min(delay, record.lease_expires_at - time.time()), 0.05)
-        self._republish_self(delay, None, {WAITS_HEADER: waits + 1})
+        self._republish_self(wait_for_owner(record, waits), None, {WAITS_HEADER: waits + 1})
 
     def _republish_self(
         self, countdown: float, exc: Exception | None, headers: dict[str, Any] | None = None

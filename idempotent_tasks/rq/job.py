@@ -26,7 +26,7 @@ from rq.queue import Queue
 
 from .. import defaults, signals
 from ..codec import ResultCodec
-from ..core import Attempt, new_owner
+from ..core import Attempt, new_owner, wait_for_owner
 from ..dlq import Failure
 from ..errors import (
     DeadLettered,
@@ -278,8 +278,7 @@ class IdempotentJob(Job):
         if mode == "raise" or self._is_sync:
             self._caller_error()
             raise IdempotencyConflict(request.key, request.task_name, record.task_id)
-        delay = min(defaults.WAIT_INITIAL_DELAY * 2.0**waits, defaults.WAIT_MAX_DELAY)
-        return max(min(delay, record.lease_expires_at - time.time()), 0.05)
+        return wait_for_owner(record, waits)
 
     def _run_body(
         self,

@@ -66,7 +66,8 @@ class Store(Protocol):
         lease or under ``request.previous_owner`` (a takeover: the fencing token is incremented),
         or when it is already held by this very owner (a retried call). Otherwise returns the
         record found: ``MISMATCH`` if validation is on and its fingerprint differs, else
-        ``COMPLETED`` or ``IN_PROGRESS``.
+        ``COMPLETED`` or ``IN_PROGRESS``; like :meth:`reserve`'s, that record carries the
+        store's time it was read (``read_at``).
         """
         ...
 

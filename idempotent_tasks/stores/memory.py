@@ -116,6 +116,8 @@ class MemoryStore:
         with self._lock:
             now = self._clock()
             found = self._live(request.storage_key, now)
+            if found is not None:
+                found = dataclasses.replace(found, read_at=now)
             if found is not None and found.status is Status.QUEUED:
                 if request.validate and found.fingerprint != request.fingerprint:
                     return ClaimResult(outcome=Outcome.MISMATCH, record=found)

@@ -175,7 +175,7 @@ class RedisStore:
         outcome = Outcome(_text(reply[0]))
         if outcome is Outcome.ACQUIRED:
             return ClaimResult(outcome=outcome, token=int(reply[1]), takeover=bool(reply[2]))
-        record = _record(request.storage_key, _pairs(reply[3:]))
+        record = _record(request.storage_key, _pairs(reply[3:]), read_at=int(reply[1]) / 1000)
         return ClaimResult(outcome=outcome, record=record)
 
     def complete(

@@ -246,12 +246,12 @@ class SqlStore:
             # Published and not claimed yet: acquirable, still only with the same arguments.
             if request.validate and row["fingerprint"] != request.fingerprint:
                 return ClaimResult(
-                    outcome=Outcome.MISMATCH, record=_record(request.storage_key, row)
+                    outcome=Outcome.MISMATCH, record=_record(request.storage_key, row, now)
                 )
             return None
         if row["status"] == PROCESSING and row["owner"] == request.owner:
             return ClaimResult(outcome=Outcome.ACQUIRED, token=int(row["token"]))
-        record = _record(request.storage_key, row)
+        record = _record(request.storage_key, row, now)
         if request.validate and row["fingerprint"] != request.fingerprint:
             return ClaimResult(outcome=Outcome.MISMATCH, record=record)
         if row["status"] == COMPLETED:

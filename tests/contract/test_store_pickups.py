@@ -278,6 +278,25 @@ def test_records_read_carry_the_store_time(store: Store, make_request: Make) -> 
     assert read.lease_expires_at == pytest.approx(read.store_time() + DUE_IN, abs=0.1)
 
 
+@pytest.mark.parametrize("answer", ["in_progress", "completed", "mismatch"])
+def test_a_claims_answer_carries_the_store_time(
+    store: Store, make_request: Make, answer: str
+) -> None:
+    # Given a key another owner holds (or finished)
+    owner = make_request(owner="owner-1", lease_seconds=30.0)
+    token = store.claim(owner).token
+    if answer == "completed":
+        store.complete(owner, token, RESULT)
+    # When another attempt claims it
+    fingerprint = "other-arguments" if answer == "mismatch" else owner.fingerprint
+    found = store.claim(make_request(owner="owner-2", fingerprint=fingerprint)).record
+    # Then the record it is answered with says when the store read it
+    assert found is not None
+    assert found.read_at == pytest.approx(time.time(), abs=1)
+    if answer == "in_progress":
+        assert found.lease_expires_at - found.store_time() == pytest.approx(30.0, abs=0.5)
+
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_read_at_is_the_stores_clock_not_this_hosts(
     kind: str, make_request: Make, request: pytest.FixtureRequest
@@ -296,9 +315,11 @@ def test_read_at_is_the_stores_clock_not_this_hosts(
     # Then the records it reads say when by its clock
     found = store.reserve(make_request(task_id="task-2"), make_pickup())
     read = store.get(claim.storage_key)
-    assert found is not None and read is not None
+    claimed = store.claim(make_request(owner="owner-2")).record
+    assert found is not None and read is not None and claimed is not None
     assert found.read_at == pytest.approx(ahead(), abs=1)
     assert read.read_at == pytest.approx(ahead(), abs=1)
+    assert claimed.read_at == pytest.approx(ahead(), abs=1)
     assert read.store_time() == read.read_at
     store.close()
 

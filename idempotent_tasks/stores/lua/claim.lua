@@ -12,8 +12,8 @@
 -- ARGV[9]  task name
 -- Returns  {outcome, token, takeover, field, value, ...}
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
---          token: the fencing token when acquired, else 0; takeover: 1 or 0
---          field/value pairs: the record found when not acquired
+--          token: the fencing token when acquired; else the time of the read, ms
+--          takeover: 1 or 0; field/value pairs: the record found when not acquired
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
@@ -44,7 +44,7 @@ if not found[1] then
 end
 
 local function answer(outcome)
-  local reply = {outcome, 0, 0}
+  local reply = {outcome, now, 0}
   for _, item in ipairs(redis.call('HGETALL', KEYS[1])) do
     reply[#reply + 1] = item
   end
