@@ -25,6 +25,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from .. import defaults
 from ..errors import CorruptRecord, SideWriteRefused, StoreUnavailable
 from ..records import (
     ClaimRequest,
@@ -145,7 +146,7 @@ class RedisStore:
 
     def take(self, storage_key: str) -> DuePickup | None:
         record, _, index = self.names(storage_key)
-        reply = self._run("take", [record, index], [storage_key])
+        reply = self._run("take", [record, index], [storage_key, _ms(defaults.PICKUP_TIMEOUT)])
         if not reply:
             return None
         return DuePickup(

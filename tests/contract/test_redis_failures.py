@@ -14,7 +14,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
-from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Status
+from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Pickup, Status
 from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
 from tests.contract.conftest import CONTRACT_REDIS_DB
 from tests.services import answers
@@ -104,6 +104,33 @@ def test_a_claim_of_a_record_missing_fields_leaves_it_whole(
         request.task_name,
     )
     assert record.created_at > 0
+
+
+@pytest.mark.parametrize("field", ["pickup_timeout", "republished", "due_at", "lease_expires_at"])
+@pytest.mark.parametrize("value", ["oops", "nan", "-1e300", "1e300"])
+def test_a_pickup_whose_numbers_cannot_be_read_is_taken_not_lost(
+    url: str, field: str, value: str
+) -> None:
+    # Given a queued key past its due time whose pickup has one unreadable number, and a key
+    # queued after it in the same sweep
+    store = RedisStore.from_url(url, prefix="corrupt-pickup")
+    for key in ("k", "after"):
+        assert store.reserve(_request(key), Pickup(envelope=b"m", due_in=0.01, timeout=30)) is None
+    redis.Redis.from_url(url).hset(store.names("k")[0], field, value)
+    time.sleep(0.05)
+    # When the sweep takes the due keys
+    taken = {due.storage_key: due for due in store.take_due(10)}
+    # Then both are handed out once (no script error stops the sweep), and the key is due
+    # again later, on a readable backoff
+    assert set(taken) == {"k", "after"}
+    assert taken["k"].envelope == b"m"
+    assert taken["k"].republished == 1
+    assert store.take("k") is None
+    fields = redis.Redis.from_url(url, decode_responses=True).hgetall(store.names("k")[0])
+    for name in ("pickup_timeout", "republished", "due_at"):
+        assert fields[name].isdigit(), (name, fields[name])
+    record = store.get("k")
+    assert record is not None and record.status is Status.QUEUED
 
 
 def test_scripts_are_reloaded_after_a_script_flush(url: str) -> None:

@@ -3,6 +3,7 @@
 -- (the owner died and no redelivery took the key over: its message was lost too).
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  storage key (index member)
+-- ARGV[2]  re-publication timeout, ms, for a record whose own cannot be read
 -- Returns  {task id, task name, envelope, republished} when taken, else nil; a key neither
 --          queued nor processing (or without a pickup) leaves the index
 local clock = redis.call('TIME')
@@ -14,18 +15,27 @@ if (status ~= 'queued' and status ~= 'processing') or not found[5] then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return nil
 end
-local timeout = tonumber(found[3])
-local due = tonumber(found[8] or found[2])
-if status == 'processing' then
-  due = math.max(due, tonumber(found[2]) + timeout)
-end
-if due > now then
-  redis.call('ZADD', KEYS[2], due, ARGV[1])
+-- A number that cannot be read (a corrupt record) makes the message due now, not lost: as
+-- with an unreadable lease in the claim, it protects nothing.
+local function readable(value, low, high)
+  local n = tonumber(value)
+  if n and n >= low and n <= high then return n end  -- false for NaN too
   return nil
 end
-local republished = tonumber(found[4] or 0) + 1
-local next_due = now + timeout * 2 ^ math.min(republished, 20)
-redis.call('HSET', KEYS[1], 'due_at', next_due, 'republished', republished, 'updated_at', now)
+local timeout = readable(found[3], 1, 2 ^ 50) or tonumber(ARGV[2])
+local lease_end = readable(found[2], 0, 2 ^ 53) or 0
+local due = readable(found[8], 0, 2 ^ 53) or lease_end
+if status == 'processing' then
+  due = math.max(due, lease_end + timeout)
+end
+if due > now then
+  redis.call('ZADD', KEYS[2], int(due), ARGV[1])
+  return nil
+end
+local republished = (readable(found[4], 0, 2 ^ 40) or 0) + 1
+local next_due = int(math.min(now + timeout * 2 ^ math.min(republished, 20), 2 ^ 53))
+redis.call('HSET', KEYS[1], 'due_at', next_due, 'republished', int(republished),
+  'updated_at', int(now), 'pickup_timeout', int(timeout))
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'lease_expires_at', next_due)
 end
