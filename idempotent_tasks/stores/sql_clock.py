@@ -3,10 +3,10 @@
 Leases and expiries in claim rows are written by one worker and compared by another. Were each
 to use its own clock, a host whose clock runs ahead would find live leases expired and take
 them over (the body would run twice), and one running behind would wait on dead owners. So
-each process measures how far its clock is from the database server's (one query, on first use
-and then every :data:`RESYNC_SECONDS`) and adds that to its own, as the Redis store takes every
-time from Redis' ``TIME``. SQLite has no server: every process of one file shares the host's
-clock, so that one is used as it is.
+each process measures how far its clock is from the database server's (one query, on first use,
+then every :data:`RESYNC_SECONDS`, and at once when its own clock is stepped) and adds that to
+its own, as the Redis store takes every time from Redis' ``TIME``. SQLite has no server: every
+process of one file shares the host's clock, so that one is used as it is.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ from .sql_statements import select_server_time
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between two measurements of the offset (an NTP step on either host is followed
-#: within this long).
+#: Seconds between two measurements of the offset (the server's clock stepped by NTP or an
+#: operator is followed within this long).
 RESYNC_SECONDS = 60.0
+#: Seconds this process's clock may run apart from ``time.monotonic`` before it counts as
+#: stepped (NTP, an operator, a resume from suspend) and the offset is measured again at once:
+#: an offset measured before the step would be off by the step (a worker stepped an hour
+#: ahead would take live leases over; a sweep would retry dead letters twice).
+STEP_SECONDS = 1.0
 #: Seconds before trying again when a measurement failed after an earlier one succeeded.
 RETRY_SECONDS = 5.0
 
@@ -59,18 +64,26 @@ class ServerClock:
         self.offset = 0.0
         #: ``time.monotonic()`` after which the offset is measured again (None: never measured).
         self._next_sync: float | None = None
+        #: The local clock minus ``time.monotonic()`` when the offset was measured.
+        self._local_ahead_of_monotonic = 0.0
 
     def __call__(self) -> float:
-        if self._query is not None:
-            next_sync = self._next_sync
-            if next_sync is None or time.monotonic() >= next_sync:
-                self._sync()
-        return self._local() + self.offset
+        local = self._local()
+        if self._query is not None and self._due(local, time.monotonic()):
+            self._sync()
+            local = self._local()
+        return local + self.offset
+
+    def _due(self, local: float, monotonic: float) -> bool:
+        next_sync = self._next_sync
+        if next_sync is None or monotonic >= next_sync:
+            return True
+        return abs(local - monotonic - self._local_ahead_of_monotonic) > STEP_SECONDS
 
     def _sync(self) -> None:
         with self._lock:
             next_sync = self._next_sync
-            if next_sync is not None and time.monotonic() < next_sync:
+            if not self._due(self._local(), time.monotonic()):
                 return  # another thread measured it meanwhile
             try:
                 offset = self._measure()
@@ -80,10 +93,15 @@ class ServerClock:
                         f"could not read the database server's clock: {exc}"
                     ) from exc
                 logger.warning("could not read the database server's clock, will retry: %s", exc)
-                self._next_sync = time.monotonic() + RETRY_SECONDS
+                self._set_next_sync(RETRY_SECONDS)  # one try per step, too
                 return
             self.offset = offset
-            self._next_sync = time.monotonic() + self._resync_seconds
+            self._set_next_sync(self._resync_seconds)
+
+    def _set_next_sync(self, seconds: float) -> None:
+        monotonic = time.monotonic()
+        self._local_ahead_of_monotonic = self._local() - monotonic
+        self._next_sync = monotonic + seconds
 
     def _measure(self) -> float:
         assert self._query is not None

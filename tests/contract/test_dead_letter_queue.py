@@ -354,6 +354,48 @@ def test_a_host_whose_clock_is_wrong_still_writes_and_judges_times_on_the_server
         behind.dispose()
 
 
+class _Stepped(datetime):
+    """``datetime`` on a host whose clock NTP or an operator steps: ``step`` is how far off."""
+
+    step = timedelta(0)
+
+    @classmethod
+    def now(cls, tz: Any = None) -> Any:
+        return datetime.now(tz) + cls.step
+
+
+@pytest.mark.parametrize("name", sorted(SERVERS))
+def test_a_sweep_host_whose_clock_is_stepped_takes_no_item_another_sweep_holds(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, url = SERVERS[name]
+    require(service)
+    _drop_dead_letter_tables(url)
+    monkeypatch.setattr("idempotent_tasks.dlq.queue.datetime", _Stepped)
+    # Given a sweep host that read the server's time while its clock ran an hour behind
+    monkeypatch.setattr(_Stepped, "step", timedelta(hours=-1))
+    stepped = DeadLetterQueue(url, base_delay=BASE)
+    right = DeadLetterQueue(url, base_delay=BASE)
+    try:
+        assert stepped.take_due() == []
+        # And whose clock was then set right
+        monkeypatch.setattr(_Stepped, "step", timedelta(0))
+        # When another sweep takes an item a moment later
+        item = right.add(_failure())
+        assert right.retry_now(item.id)
+        assert _ids(right.take_due()) == {item.id}
+        # Then the stepped host neither counts it as stuck nor takes it again
+        assert stepped.recover_stuck(timedelta(hours=1)) == 0
+        assert stepped.take_due() == []
+        written = stepped.add(_failure())
+        assert written.created_at == pytest.approx(
+            datetime.now(timezone.utc), abs=timedelta(seconds=2)
+        )
+    finally:
+        stepped.dispose()
+        right.dispose()
+
+
 def test_the_same_failure_twice_is_one_row(dlq: DeadLetterQueue, clock: Clock) -> None:
     # Given a write repeated after a lost reply (same failed delivery, later)
     failure = _failure(failure_id="task-7:2")

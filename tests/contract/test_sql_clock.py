@@ -104,22 +104,56 @@ def test_lease_of_a_worker_with_a_clock_behind_ends_on_time(
         other.close()
 
 
+def _count_queries(engine: sa.Engine) -> list[str]:
+    """The statements ``engine`` runs from now on."""
+    statements: list[str] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    return statements
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_offset_is_measured_once_while_the_local_clock_runs_steadily(
+    kind: str, engine_of: Callable[[str], sa.Engine]
+) -> None:
+    engine = engine_of(kind)
+    queries = _count_queries(engine)
+    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=3600)
+    for _ in range(50):
+        assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    assert len(queries) == 1
+
+
 @pytest.mark.parametrize("kind", SERVERS)
 def test_offset_is_measured_again_after_resync_seconds(
     kind: str, engine_of: Callable[[str], sa.Engine]
 ) -> None:
-    step = [0.0]
+    engine = engine_of(kind)
+    queries = _count_queries(engine)
+    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=0)
+    for _ in range(3):
+        assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    assert len(queries) == 3
 
-    def local() -> float:
-        return time.time() + step[0]
 
-    cached = ServerClock(engine_of(kind), local=local, resync_seconds=3600)
-    fresh = ServerClock(engine_of(kind), local=local, resync_seconds=0)
-    assert cached() == pytest.approx(time.time(), abs=TOLERANCE)
-    assert fresh() == pytest.approx(time.time(), abs=TOLERANCE)
-    step[0] = 100.0  # the local clock is stepped (NTP, an operator)
-    assert cached() == pytest.approx(time.time() + 100, abs=TOLERANCE)  # no query per call
-    assert fresh() == pytest.approx(time.time(), abs=TOLERANCE)
+@pytest.mark.parametrize("kind", SERVERS)
+@pytest.mark.parametrize("step", [SKEW, -SKEW])
+def test_a_stepped_local_clock_is_measured_again_at_once(
+    kind: str, step: float, engine_of: Callable[[str], sa.Engine]
+) -> None:
+    # Given a clock whose offset was measured, and is not due to be measured for an hour
+    stepped = [0.0]
+    clock = ServerClock(
+        engine_of(kind), local=lambda: time.time() + stepped[0], resync_seconds=3600
+    )
+    assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    # When this host's clock is stepped (NTP, an operator, a resume from suspend)
+    stepped[0] = step
+    # Then the very next read is the server's time still, not off by the step
+    assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
 
 
 def test_sqlite_has_no_server_and_uses_the_local_clock(
@@ -138,15 +172,28 @@ def test_unreachable_server_at_first_read_raises_store_unavailable() -> None:
 
 def test_unreachable_server_later_keeps_the_last_offset(sql_urls: dict[str, str]) -> None:
     reachable = [True]
+    attempts = [0]
 
     def connect() -> psycopg.Connection[object]:
+        attempts[0] += 1
         if not reachable[0]:
             raise psycopg.OperationalError("connection refused (simulated)")
         return psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=test")
 
     engine = sa.create_engine("postgresql+psycopg://", creator=connect, poolclass=NullPool)
-    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=0)
+    stepped = [SKEW]
+    clock = ServerClock(engine, local=lambda: time.time() + stepped[0], resync_seconds=0)
     assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
     reachable[0] = False
     assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
+    # A failed measurement is tried again after RETRY_SECONDS, not on every read, and a step of
+    # the local clock meanwhile is tried once
+    attempts[0] = 0
+    for _ in range(5):
+        clock()
+    assert attempts[0] == 0
+    stepped[0] = 0.0
+    for _ in range(5):
+        clock()
+    assert attempts[0] == 1
     engine.dispose()
