@@ -120,10 +120,6 @@ def _store(ctx: click.Context) -> tuple[Store, str]:
     return store, url
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -177,12 +173,13 @@ def dlq_show(ctx: click.Context, item_id: str, as_json: bool) -> None:
     queue = _queue(ctx)
     with _reaching("dead-letter database", queue.url):
         item = queue.get(item_id)
+        now = queue.now()  # "due in ..." as the sweep will judge it
     if item is None:
         raise click.ClickException(f"no dead letter with id {item_id!r}")
     if as_json:
         click.echo(cli_format.to_json(cli_format.dead_letter_json(item)))
     else:
-        click.echo(cli_format.dead_letter_detail(item, _now()))
+        click.echo(cli_format.dead_letter_detail(item, now))
 
 
 @dlq.command(name="retry")
@@ -305,7 +302,8 @@ def key_show(ctx: click.Context, idempotency_key: str, task_name: str, as_json: 
     if as_json:
         click.echo(cli_format.to_json(cli_format.record_json(record, decoded)))
     else:
-        click.echo(cli_format.record_detail(record, decoded, _now()))
+        read_at = datetime.fromtimestamp(record.store_time(), timezone.utc)
+        click.echo(cli_format.record_detail(record, decoded, read_at))
 
 
 @key.command(name="forget")

@@ -65,6 +65,9 @@ class DeadLetterQueue:
         self.url = url or default_sqlite_url()
         self.base_delay = base_delay
         self.engine: Engine = create_dlq_engine(self.url)
+        # Read before a transaction begins, never inside one: a first read or a resync asks the
+        # server on a connection of its own, and a transaction holding the pool's last one
+        # would wait for itself.
         self._clock = server_utc_clock(self.engine) if clock is None else clock
         self._rng = rng
         self._schema_ready = False
@@ -148,14 +151,16 @@ class DeadLetterQueue:
 
     def unclaim(self, item_id: str) -> bool:
         """Put a ``retrying`` item back to ``pending`` (its re-publication failed)."""
+        now = self._db(self._clock())
         with self._begin() as connection:
-            result = connection.execute(queries.unclaim(item_id, self._db(self._clock())))
+            result = connection.execute(queries.unclaim(item_id, now))
         return bool(result.rowcount)
 
     def mark_succeeded(self, item_id: str) -> bool:
         """Mark a re-published item ``succeeded``; whether it was ``retrying`` or ``pending``."""
+        now = self._db(self._clock())
         with self._begin() as connection:
-            result = connection.execute(queries.mark_succeeded(item_id, self._db(self._clock())))
+            result = connection.execute(queries.mark_succeeded(item_id, now))
         return bool(result.rowcount)
 
     def record_retry_failure(
@@ -226,8 +231,9 @@ class DeadLetterQueue:
 
     def retry_now(self, item_id: str) -> bool:
         """Make an item due at once (``pending``), whatever its status but ``retrying``."""
+        now = self._db(self._clock())
         with self._begin() as connection:
-            result = connection.execute(queries.retry_now(item_id, self._db(self._clock())))
+            result = connection.execute(queries.retry_now(item_id, now))
         return bool(result.rowcount)
 
     def purge(
@@ -239,6 +245,10 @@ class DeadLetterQueue:
         with self._begin() as connection:
             result = connection.execute(queries.purge(status_value, cutoff))
         return int(result.rowcount)
+
+    def now(self) -> datetime:
+        """The current UTC time on this queue's clock (the database server's by default)."""
+        return self._clock()
 
     def dispose(self) -> None:
         """Close pooled connections (after a fork, or when done)."""

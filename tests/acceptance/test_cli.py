@@ -535,6 +535,35 @@ def test_key_show_of_a_running_key_shows_its_lease(run: Run, store: RedisStore) 
     assert as_json["result"] is None
 
 
+class _HourBehind(datetime):
+    """``datetime`` on a host whose clock runs an hour behind."""
+
+    @classmethod
+    def now(cls, tz: Any = None) -> Any:
+        return datetime.now(tz) - timedelta(hours=1)
+
+
+def test_times_shown_are_from_the_stores_clock_on_a_host_whose_clock_is_wrong(
+    run: Run,
+    store: RedisStore,
+    queue: DeadLetterQueue,
+    clock: Clock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a running key and a dead letter written two minutes ago
+    claim(store, "shop.charge", "order-7")
+    item = seed_three(queue, clock)[1]
+    # When the command runs on a host whose clock is an hour behind the servers'
+    monkeypatch.setattr("idempotent_tasks.cli.datetime", _HourBehind)
+    monkeypatch.setattr("idempotent_tasks.dlq.queue.datetime", _HourBehind)
+    key = run("key", "show", "order-7", "--task", "shop.charge")
+    dead_letter = run("dlq", "show", item.id)
+    # Then "how long from now" is told by the clocks the sweeps and leases go by
+    assert key.exit_code == 0 and dead_letter.exit_code == 0, key.output + dead_letter.output
+    assert re.search(r"^lease expires .*\(in 4m( \d+s)?\)$", key.stdout, re.M), key.stdout
+    assert re.search(r"^created +\S+ \S+ UTC \(2m( \d+s)? ago\)$", dead_letter.stdout, re.M)
+
+
 def test_key_show_of_a_long_key_finds_its_hashed_record(run: Run, store: RedisStore) -> None:
     long_key = "report:{2024}:" + "x" * 300
     complete(store, "shop.charge", long_key, [1, 2], "json")

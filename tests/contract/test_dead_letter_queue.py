@@ -396,6 +396,36 @@ def test_a_sweep_host_whose_clock_is_stepped_takes_no_item_another_sweep_holds(
         right.dispose()
 
 
+@pytest.mark.parametrize("name", sorted(SERVERS))
+@pytest.mark.parametrize(
+    ("operation", "taken"), [("mark_succeeded", True), ("unclaim", True), ("retry_now", False)]
+)
+def test_a_first_read_of_the_servers_clock_needs_no_second_pooled_connection(
+    name: str, operation: str, taken: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, url = SERVERS[name]
+    require(service)
+    _drop_dead_letter_tables(url)
+    seeding = DeadLetterQueue(url, base_delay=BASE)
+    item = seeding.add(_failure())
+    if taken:  # a sweep is retrying it
+        assert seeding.retry_now(item.id)
+        assert _ids(seeding.take_due()) == {item.id}
+    seeding.dispose()
+    # Given a queue whose pool has one connection, and whose clock has not read the server yet
+    monkeypatch.setattr(
+        "idempotent_tasks.dlq.queue.create_dlq_engine",
+        lambda url: sa.create_engine(url, pool_size=1, max_overflow=0, pool_timeout=1),
+    )
+    queue = DeadLetterQueue(url, base_delay=BASE)
+    try:
+        # When its first use writes a time, then it does so (not waiting on itself for a
+        # connection until the pool gives up)
+        assert getattr(queue, operation)(item.id) is True
+    finally:
+        queue.dispose()
+
+
 def test_the_same_failure_twice_is_one_row(dlq: DeadLetterQueue, clock: Clock) -> None:
     # Given a write repeated after a lost reply (same failed delivery, later)
     failure = _failure(failure_id="task-7:2")
