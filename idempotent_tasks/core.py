@@ -199,10 +199,10 @@ class Attempt:
         return self.cached_value(record)
 
     def release_quietly(self, pickup: Pickup | None = None) -> None:
-        """Release, logging (not raising) an unreachable store: the lease frees the key anyway."""
+        """Release, logging (not raising) a store error: the lease frees the key anyway."""
         try:
             self.release(pickup)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, CorruptRecord) as exc:
             logger.warning(
                 "could not release key %r (%s); it frees itself when its lease ends",
                 self.request.key,

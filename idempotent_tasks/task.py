@@ -30,6 +30,7 @@ from .dead_letters import (
 )
 from .dlq import Failure
 from .errors import (
+    CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
@@ -197,6 +198,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except StoreUnavailable as exc:
             logger.warning("store unreachable, will try again: %s", exc)
             self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
+        except CorruptRecord as exc:
+            # Nothing can tell whether the key ran: the task waits in the dead-letter table
+            # (its key to be looked at, or forgotten) rather than run or vanish.
+            self.on_final_failure(exc, key, args, kwargs)
+            raise
 
         if claim.outcome is Outcome.ACQUIRED:
             return self._run_claimed(attempt, args, kwargs)

@@ -22,7 +22,7 @@ from zlib import crc32
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, ReadOnlyError
 from redis.retry import Retry
 
 from .. import defaults
@@ -188,11 +188,13 @@ class RedisStore:
     ) -> CompleteOutcome:
         try:
             return self._complete(request, token, result, side_write)
-        except redis.ResponseError as exc:
-            if side_write is None:
+        except (StoreUnavailable, CorruptRecord) as exc:
+            refusal = exc.__cause__
+            if side_write is None or not _refused_for_good(refusal):
                 raise
-            # Only the side write can be refused where the rest of the script is not.
-            raise SideWriteRefused(f"Redis refused the side write: {exc}") from exc
+            # Perhaps only the side write is refused (a cluster proxy's CROSSSLOT, an ACL's
+            # NOPERM on Celery's keys): the completion is made again without it.
+            raise SideWriteRefused(f"Redis refused the side write: {refusal}") from exc
 
     def _complete(
         self,
@@ -377,16 +379,39 @@ def _own_kept_connection(pool: Any) -> _KeptConnection | None:
     return kept if kept is not None and kept.pid == os.getpid() else None
 
 
+#: Error replies of a Redis that cannot run the store's scripts now but may later: a replica (a
+#: failover under way), a full memory, a failed snapshot, a script that will not end, a
+#: cluster changing. redis-py names some by their class and strips their code.
+_TRANSIENT_CODES = frozenset(
+    {"READONLY", "OOM", "MISCONF", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN"}
+)
+_TRANSIENT_ERRORS = (ReadOnlyError, OutOfMemoryError)
+
+
+def _transient(reply: redis.ResponseError) -> bool:
+    return isinstance(reply, _TRANSIENT_ERRORS) or str(reply).split(" ", 1)[0] in _TRANSIENT_CODES
+
+
+def _refused_for_good(cause: BaseException | None) -> bool:
+    """Whether ``cause`` is an error reply that asking again later would not change."""
+    return isinstance(cause, redis.ResponseError) and not _transient(cause)
+
+
 @contextmanager
 def _translated_errors() -> Iterator[None]:
+    """Every Redis error as the store's: unreachable or refusing for now (the claim then fails
+    closed: the task is tried again later), or a record the scripts cannot work with."""
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailable(f"Redis store unreachable: {exc}") from exc
     except redis.ResponseError as exc:
+        if _transient(exc) or isinstance(exc, NoPermissionError):
+            raise StoreUnavailable(f"Redis store refuses the store's commands: {exc}") from exc
         if "WRONGTYPE" in str(exc):
             raise CorruptRecord(f"Redis key holds something else than a record: {exc}") from exc
-        raise
+        # A script that failed on what it found: a record edited into something unreadable.
+        raise CorruptRecord(f"Redis could not run the store's script on the record: {exc}") from exc
 
 
 def _address(client: redis.Redis) -> tuple[Any, ...]:

@@ -6,6 +6,8 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -14,9 +16,17 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
-from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Pickup, Status
+from idempotent_tasks.records import (
+    ClaimRequest,
+    CompleteOutcome,
+    Outcome,
+    Pickup,
+    SideWrite,
+    Status,
+)
 from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
 from tests.contract.conftest import CONTRACT_REDIS_DB
+from tests.integration.redis_server import RedisServer
 from tests.services import answers
 
 
@@ -131,6 +141,48 @@ def test_a_pickup_whose_numbers_cannot_be_read_is_taken_not_lost(
         assert fields[name].isdigit(), (name, fields[name])
     record = store.get("k")
     assert record is not None and record.status is Status.QUEUED
+
+
+@pytest.fixture()
+def replica(tmp_path: Path) -> Iterator[str]:
+    """The URL of a read-only Redis replica (as during a failover), on servers of its own."""
+    servers = [RedisServer(tmp_path, persistent=False) for _ in range(2)]
+    redis.Redis.from_url(servers[1].url).replicaof("127.0.0.1", servers[0].port)
+    yield servers[1].url
+    for server in servers:
+        server.stop()
+
+
+def test_a_read_only_replica_is_an_unavailable_store(replica: str) -> None:
+    # Given a store on a Redis that refuses writes for now (a failover under way)
+    store = RedisStore.from_url(replica, prefix="replica")
+    request = _request("k")
+    side = SideWrite(key=b"celery-task-meta-x", value=b"{}", ttl_seconds=None)
+    # Then every writing operation says the store is unavailable (callers fail closed and try
+    # again later), none raises Redis's own error, and a completion is not taken for a refused
+    # side write (that would turn the single write off for good)
+    for operation in (
+        lambda: store.claim(request),
+        lambda: store.reserve(request, Pickup(envelope=b"m", due_in=1, timeout=1)),
+        lambda: store.complete(request, 1, None),
+        lambda: store.complete(request, 1, None, side),
+    ):
+        with pytest.raises(StoreUnavailable, match="refuses"):
+            operation()
+    store.close()
+
+
+def test_a_user_the_acl_forbids_scripts_is_an_unavailable_store(url: str) -> None:
+    admin = redis.Redis.from_url(url)
+    user = f"no-scripts-{uuid.uuid4().hex[:8]}"
+    admin.acl_setuser(user, enabled=True, nopass=True, categories=["+@read"], keys=["*"])
+    store = RedisStore(redis.Redis.from_url(url, username=user), prefix="acl")
+    try:
+        with pytest.raises(StoreUnavailable, match="refuses"):
+            store.claim(_request("k"))
+    finally:
+        store.close()
+        admin.acl_deluser(user)
 
 
 def test_scripts_are_reloaded_after_a_script_flush(url: str) -> None:

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
-from idempotent_tasks.app_store import store_for
+from idempotent_tasks import CorruptRecord
+from idempotent_tasks.app_store import dlq_for, store_for
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Record, Status
 from tests.integration import worker_app
@@ -134,6 +136,51 @@ def test_store_down_at_claim_time_fails_closed_then_runs_once(
     own_store.start()
     assert result.get(timeout=60)["run"] == 1
     assert ledger_events(name, "start") == 1
+
+
+@pytest.mark.parametrize("own_store", [False], ids=["volatile"], indirect=True)
+def test_store_turned_read_only_at_claim_time_fails_closed_then_runs_once(
+    start_worker: Any, own_store: RedisServer, tmp_path: Path
+) -> None:
+    # Given a store that has become a read-only replica (a failover under way) when the task
+    # arrives
+    (tmp_path / "master").mkdir()
+    master = RedisServer(tmp_path / "master", persistent=False)
+    store_server = redis.Redis.from_url(own_store.url)
+    try:
+        store_server.replicaof("127.0.0.1", master.port)
+        start_worker(IT_STORE_URL=own_store.url)
+        name, key = fresh("read-only"), fresh("key")
+        result = slow_first.apply_async((name, 0.0), idempotency_key=key)
+        # Then the body does not run unclaimed, and the task has not failed
+        time.sleep(3)
+        assert ledger_events(name, "start") == 0
+        assert result.state in ("PENDING", "RETRY")
+        # And once the store takes writes again (promoted), it runs exactly once
+        store_server.replicaof("NO", "ONE")
+        assert result.get(timeout=60)["run"] == 1
+        assert ledger_events(name, "start") == 1
+    finally:
+        master.stop()
+
+
+@pytest.mark.parametrize("own_store", [False], ids=["volatile"], indirect=True)
+def test_a_key_whose_record_is_corrupt_is_dead_lettered_not_run(
+    start_worker: Any, own_store: RedisServer
+) -> None:
+    # Given a key whose record was overwritten with something else than a record
+    start_worker(IT_STORE_URL=own_store.url)
+    name, key = fresh("corrupt"), fresh("key")
+    record_name = store_for(worker_app.app).names(storage_key(slow_first.name, key))[0]
+    redis.Redis.from_url(own_store.url).set(record_name, "not a record")
+    # When the task is published and delivered
+    result = slow_first.apply_async((name, 0.0), idempotency_key=key)
+    # Then it fails with a clear error, its body not run, and it waits in the dead-letter table
+    with pytest.raises(CorruptRecord):
+        result.get(timeout=30)
+    assert ledger_events(name, "start") == 0
+    rows = [row for row in dlq_for(worker_app.app).items(limit=1000) if row.task_id == result.id]
+    assert [(row.idempotency_key, row.error_type) for row in rows] == [(key, "CorruptRecord")]
 
 
 def test_stale_owner_after_takeover_cannot_overwrite(start_worker: Any) -> None:
