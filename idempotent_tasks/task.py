@@ -26,6 +26,7 @@ from .dead_letters import (
     UNWRITTEN_FAILURE_HEADER,
     mark_succeeded,
     routing_options,
+    stored_arguments,
     write_failure,
 )
 from .dlq import Failure
@@ -349,23 +350,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
         logger.error("failed for good: %s: %s", type(exc).__name__, exc)
         if not self.dlq:
             return
+        stored_args, stored_kwargs, faithful = stored_arguments(args, kwargs)
+        max_retries = int(
+            resolve(
+                self.dlq_max_retries,
+                default=app_setting(self.app.conf, "idempotency_dlq_max_retries"),
+            )
+        )
+        if not faithful:
+            logger.error(
+                "its arguments are not JSON: the dead letter keeps them as text, not retried"
+            )
         failure = Failure(
             failure_id=f"{request.id}:{request.retries}",
             task_name=self.name,
             task_id=request.id,
             idempotency_key=key,
-            args=list(args),
-            kwargs=dict(kwargs),
+            args=stored_args,
+            kwargs=stored_kwargs,
             options=routing_options(request.delivery_info),
             error_type=type(exc).__name__,
             error_message=str(exc)[:MAX_ERROR_MESSAGE_CHARS],
             traceback=format_exc()[-MAX_TRACEBACK_CHARS:],
-            max_retries=int(
-                resolve(
-                    self.dlq_max_retries,
-                    default=app_setting(self.app.conf, "idempotency_dlq_max_retries"),
-                )
-            ),
+            # Arguments kept as text would run the task with the wrong values: kept, not retried.
+            max_retries=max_retries if faithful else 0,
         )
         self._write_failure(failure)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -91,6 +93,24 @@ class TestWithBeat:
         assert again.get(timeout=10) == value
         assert again.id == result.id
         assert ledger_events(name, "start") == 3
+
+    def test_a_dead_letter_keeps_datetimes_and_decimals_and_is_retried_with_them(self) -> None:
+        # Given a task called with values JSON has no type for, that fails on its first run
+        name, key = fresh("dated"), fresh("key")
+        when = datetime(2026, 11, 25, 1, 2, 3, tzinfo=timezone.utc)
+        result = worker_app.dated.apply_async((name, when, Decimal("9.90")), idempotency_key=key)
+        with pytest.raises(RuntimeError, match="fails once"):
+            result.get(timeout=30)
+        # When beat's sweep re-publishes its dead letter
+        row = wait_until(
+            lambda: (r := _row_of(result.id)) and r.status is DeadLetterStatus.SUCCEEDED and r,
+            30,
+            "the dead letter to succeed",
+        )
+        # Then the retry got the very values of the first call
+        assert row.task_id == result.id
+        value = "datetime 2026-11-25T01:02:03+00:00 Decimal 9.90"
+        assert app.AsyncResult(result.id).get(timeout=30) == value
 
     def test_dead_letter_retries_end_in_permanent_failure(self) -> None:
         name, key = fresh("forever"), fresh("key")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import redis
@@ -186,6 +188,14 @@ def recovers_after(name: str, failures: int) -> str:
     if runs <= failures:
         raise TimeoutError(f"run {runs} of {name} timed out")
     return f"{name} recovered on run {runs}"
+
+
+@app.task(base=IdempotentTask, dlq_max_retries=1)
+def dated(name: str, when: datetime, amount: Decimal) -> str:
+    """Fails on its first run; then tells the types of the values it was given."""
+    if note("start", name) == 1:
+        raise RuntimeError(f"{name} fails once")
+    return f"{type(when).__name__} {when.isoformat()} {type(amount).__name__} {amount}"
 
 
 @app.task(base=IdempotentTask, dlq=False)
