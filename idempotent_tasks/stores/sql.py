@@ -143,8 +143,9 @@ class SqlStore:
     def cancel_reservation(self, request: ClaimRequest) -> bool:
         claim_id = self.claim_id(request.storage_key)
         # Released rather than deleted, like a released claim: tokens keep growing.
+        now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
-            if _count(connection, release_queued(claim_id, request.task_id, self._clock())) == 0:
+            if _count(connection, release_queued(claim_id, request.task_id, now)) == 0:
                 return False
             connection.execute(delete_pickup(claim_id))
             return True

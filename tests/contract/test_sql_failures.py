@@ -9,8 +9,10 @@ import sqlalchemy as sa
 
 from idempotent_tasks.dlq.schema import CLAIMS_COMPONENT, schema_versions
 from idempotent_tasks.errors import SchemaVersionError, StoreUnavailable
-from idempotent_tasks.records import ClaimRequest
+from idempotent_tasks.records import ClaimRequest, Pickup
 from idempotent_tasks.stores.sql import SqlStore
+
+from .conftest import store_url
 
 
 def _request() -> ClaimRequest:
@@ -53,3 +55,25 @@ def test_claims_schema_newer_than_the_code_is_refused(tmp_path: object) -> None:
     engine.dispose()
     with pytest.raises(SchemaVersionError, match="schema version 99, newer"):
         SqlStore(url, prefix="p").claim(_request())
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_a_cancel_needs_no_second_pooled_connection_to_read_the_clock(
+    kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a reservation, and a store whose pool has one connection and whose clock has not
+    # read the server's time yet
+    url = store_url(kind, request)
+    publisher = SqlStore(url, prefix="one-connection")
+    assert publisher.reserve(_request(), Pickup(envelope=b"m", due_in=60, timeout=60)) is None
+    publisher.close()
+    monkeypatch.setattr(
+        "idempotent_tasks.stores.sql.create_dlq_engine",
+        lambda url: sa.create_engine(url, pool_size=1, max_overflow=0, pool_timeout=1),
+    )
+    store = SqlStore(url, prefix="one-connection")
+    try:
+        # Then its first operation, a cancel, reads the clock before it holds the connection
+        assert store.cancel_reservation(_request()) is True
+    finally:
+        store.close()
