@@ -145,3 +145,12 @@ def select_schema_version(component: str) -> Select[Any]:
 def insert_schema_version(component: str, version: int) -> Insert:
     """Record a component's schema version."""
     return insert(schema_versions).values(component=component, version=version)
+
+
+def advance_schema_version(component: str, from_version: int) -> Update:
+    """Record that a component moved on from ``from_version`` (no row: another process did)."""
+    return (
+        update(schema_versions)
+        .where(schema_versions.c.component == component, schema_versions.c.version == from_version)
+        .values(version=from_version + 1)
+    )

@@ -3,6 +3,9 @@ versions."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -17,8 +20,14 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    TypeDecorator,
+    text,
 )
 from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Connection, Dialect
+
+#: A step that brings a component's tables from the version it is keyed by to the next one.
+Migration = Callable[[Connection], None]
 
 #: Version of the tables below; a database at a higher version is refused.
 SCHEMA_VERSION = 1
@@ -32,6 +41,36 @@ Timestamp = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql",
 LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 # MySQL/MariaDB BLOB holds only 64 KiB.
 LongBlob = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+
+
+class ExactText(TypeDecorator[str]):
+    """Text that only equals itself, on every database.
+
+    MySQL's and MariaDB's default collations compare ignoring case, accents and trailing
+    spaces (and in ``utf8mb4_general_ci`` every emoji equals every other), which would make
+    keys ``order-42`` and ``ORDER-42`` one row. There the text is kept as its UTF-8 bytes.
+    """
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.VARBINARY(self.length * 4))
+        return dialect.type_descriptor(String(self.length))
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if isinstance(value, str) and dialect.name in ("mysql", "mariadb"):
+            return value.encode()
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        return value.decode() if isinstance(value, bytes) else value
+
 
 dead_letters = Table(
     "idempotent_tasks_dead_letters",
@@ -72,8 +111,8 @@ schema_versions = Table(
     Column("version", Integer, nullable=False),
 )
 
-#: Version of the claims table of the SQL store.
-CLAIMS_SCHEMA_VERSION = 1
+#: Version of the claims table of the SQL store (2: ids compared exactly on MySQL/MariaDB).
+CLAIMS_SCHEMA_VERSION = 2
 CLAIMS_COMPONENT = "claims"
 
 # POSIX seconds as doubles: MySQL's FLOAT is single precision, too coarse for timestamps.
@@ -81,7 +120,7 @@ claims = Table(
     "idempotent_tasks_claims",
     metadata,
     # "<prefix>:<storage key>": storage keys are at most ~270 characters.
-    Column("id", String(320), primary_key=True),
+    Column("id", ExactText(320), primary_key=True),
     Column("key", String(1024), nullable=False),
     Column("task_name", String(255), nullable=False),
     # queued | processing | completed | released (a released claim is kept so tokens keep
@@ -103,8 +142,8 @@ claims = Table(
     Index("ix_idempotent_tasks_claims_expires", "expires_at"),
 )
 
-#: Version of the pickups table of the SQL store (the pickup guard's outbox).
-PICKUPS_SCHEMA_VERSION = 1
+#: Version of the pickups table of the SQL store (the pickup guard's outbox; 2 as for claims).
+PICKUPS_SCHEMA_VERSION = 2
 PICKUPS_COMPONENT = "pickups"
 
 # The message of a queued claim, kept until a worker claims the key so a sweep can publish it
@@ -114,7 +153,7 @@ pickups = Table(
     "idempotent_tasks_pickups",
     metadata,
     # The id of the claim row.
-    Column("id", String(320), primary_key=True),
+    Column("id", ExactText(320), primary_key=True),
     Column("task_id", String(255), nullable=False),
     Column("task_name", String(255), nullable=False),
     Column("envelope", LongBlob, nullable=False),
@@ -125,3 +164,20 @@ pickups = Table(
     Column("due_at", Double, nullable=False),
     Index("ix_idempotent_tasks_pickups_due", "due_at"),
 )
+
+
+def _ids_compared_exactly(table: Table) -> Migration:
+    """Version 1 -> 2 of a table keyed by an :class:`ExactText` id: on MySQL/MariaDB the id
+    column, compared by a case- and accent-insensitive collation before, becomes bytes."""
+
+    def migrate(connection: Connection) -> None:
+        dialect = connection.dialect
+        if dialect.name in ("mysql", "mariadb"):
+            id_type = table.c.id.type.compile(dialect=dialect)
+            connection.execute(text(f"ALTER TABLE {table.name} MODIFY id {id_type} NOT NULL"))
+
+    return migrate
+
+
+CLAIMS_MIGRATIONS: Mapping[int, Migration] = {1: _ids_compared_exactly(claims)}
+PICKUPS_MIGRATIONS: Mapping[int, Migration] = {1: _ids_compared_exactly(pickups)}

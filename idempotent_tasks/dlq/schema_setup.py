@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 
 from sqlalchemy import Engine, Table, inspect
 from sqlalchemy.engine import make_url
@@ -11,7 +12,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, S
 
 from ..errors import SchemaVersionError, StoreUnavailable
 from . import queries
-from .schema import metadata, schema_versions
+from .schema import Migration, metadata, schema_versions
 
 #: Rounds of "look, create what is missing, record the version" before giving up: processes
 #: starting together on an empty database race to create the same tables.
@@ -19,12 +20,19 @@ SETUP_ROUNDS = 8
 
 
 def ensure_component(
-    engine: Engine, *, component: str, version: int, tables: list[Table], what: str
+    engine: Engine,
+    *,
+    component: str,
+    version: int,
+    tables: list[Table],
+    what: str,
+    migrations: Mapping[int, Migration] | None = None,
 ) -> None:
     """Create ``tables`` (and the version table) if missing, record or check ``version``.
 
-    Safe when several processes do it at once on an empty database: whoever loses a race to
-    create a table or record the version looks again.
+    Tables at an older version are brought to ``version`` by ``migrations`` (keyed by the
+    version each step starts from). Safe when several processes do it at once: whoever loses
+    a race to create a table, record the version or take a step looks again.
 
     Raises:
         SchemaVersionError: the database records a newer version of ``component``.
@@ -33,7 +41,7 @@ def ensure_component(
     _probe(engine, what)
     for round_number in range(1, SETUP_ROUNDS + 1):
         try:
-            _create_or_check(engine, component, version, tables, what)
+            _create_or_check(engine, component, version, tables, what, migrations or {})
             return
         except (OperationalError, ProgrammingError, IntegrityError) as exc:
             if round_number == SETUP_ROUNDS:
@@ -60,7 +68,12 @@ def _probe(engine: Engine, what: str) -> None:
 
 
 def _create_or_check(
-    engine: Engine, component: str, version: int, tables: list[Table], what: str
+    engine: Engine,
+    component: str,
+    version: int,
+    tables: list[Table],
+    what: str,
+    migrations: Mapping[int, Migration],
 ) -> None:
     with engine.begin() as connection:
         inspector = inspect(connection)
@@ -71,13 +84,20 @@ def _create_or_check(
         if found is None:
             connection.execute(queries.insert_schema_version(component, version))
             return
+    while int(found) < version and int(found) in migrations:
+        step = migrations[int(found)]
+        with engine.begin() as connection:
+            # MySQL commits its DDL at once: the steps are written to be taken twice unharmed.
+            step(connection)
+            connection.execute(queries.advance_schema_version(component, int(found)))
+            found = connection.execute(queries.select_schema_version(component)).scalar_one()
     if int(found) > version:
         raise SchemaVersionError(
             f"the {what} tables at {_safe(engine)} are at schema version {found}, newer than "
             f"this idempotent_tasks understands ({version}); upgrade idempotent_tasks "
             "(or point it at another database)"
         )
-    if int(found) < version:  # pragma: no cover - version 1 is the first there is
+    if int(found) < version:
         raise SchemaVersionError(
             f"the {what} tables at {_safe(engine)} are at schema version {found}, older than "
             f"{version}, and no migration from it exists"

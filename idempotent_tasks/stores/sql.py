@@ -38,8 +38,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..dlq.engine import create_dlq_engine
 from ..dlq.schema import (
     CLAIMS_COMPONENT,
+    CLAIMS_MIGRATIONS,
     CLAIMS_SCHEMA_VERSION,
     PICKUPS_COMPONENT,
+    PICKUPS_MIGRATIONS,
     PICKUPS_SCHEMA_VERSION,
     claims,
     pickups,
@@ -444,6 +446,7 @@ class SqlStore:
                     version=CLAIMS_SCHEMA_VERSION,
                     tables=[claims],
                     what="claim store",
+                    migrations=CLAIMS_MIGRATIONS,
                 )
                 ensure_component(
                     self.engine,
@@ -451,6 +454,7 @@ class SqlStore:
                     version=PICKUPS_SCHEMA_VERSION,
                     tables=[pickups],
                     what="claim store pickups",
+                    migrations=PICKUPS_MIGRATIONS,
                 )
                 self._schema_ready = True
 

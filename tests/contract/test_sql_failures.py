@@ -1,15 +1,23 @@
-"""The SQL store under bad conditions: unreachable database, a schema newer than the code."""
+"""The SQL store under bad conditions: unreachable database, a schema newer or older than the
+code, a pool with no connection to spare."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
 import sqlalchemy as sa
 
-from idempotent_tasks.dlq.schema import CLAIMS_COMPONENT, schema_versions
+from idempotent_tasks.dlq.schema import (
+    CLAIMS_COMPONENT,
+    PICKUPS_COMPONENT,
+    claims,
+    pickups,
+    schema_versions,
+)
 from idempotent_tasks.errors import SchemaVersionError, StoreUnavailable
-from idempotent_tasks.records import ClaimRequest, Pickup
+from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
 
 from .conftest import store_url
@@ -77,3 +85,84 @@ def test_a_cancel_needs_no_second_pooled_connection_to_read_the_clock(
         assert store.cancel_reservation(_request()) is True
     finally:
         store.close()
+
+
+def _version_one_tables(engine: sa.Engine) -> sa.Table:
+    """The claim store's tables as version 1 made them: ids compared by the database's default
+    collation (on MariaDB, blind to case, accents and trailing spaces)."""
+    old = sa.MetaData()
+    for table in (claims, pickups):
+        columns = [
+            sa.Column("id", sa.String(320), primary_key=True)
+            if column.name == "id"
+            else column._copy()
+            for column in table.columns
+        ]
+        sa.Table(table.name, old, *columns)
+    with engine.begin() as connection:
+        for table in (claims, pickups, schema_versions):
+            connection.execute(sa.text(f"DROP TABLE IF EXISTS {table.name}"))
+        old.create_all(connection)
+        schema_versions.create(connection)
+        for component in (CLAIMS_COMPONENT, PICKUPS_COMPONENT):
+            connection.execute(schema_versions.insert().values(component=component, version=1))
+    return old.tables[claims.name]
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb", "sqlite"])
+def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    # Given a database with the version 1 tables and a completed key in them
+    url = store_url(kind, request)
+    engine = sa.create_engine(url)
+    old_claims = _version_one_tables(engine)
+    result = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"1")
+    old_key = ClaimRequest(
+        storage_key="t:order-42",
+        key="order-42",
+        task_name="t",
+        task_id="x",
+        owner="o",
+        fingerprint="fp",
+        lease_seconds=30,
+        ttl_seconds=600,
+    )
+    with engine.begin() as connection:
+        connection.execute(
+            old_claims.insert().values(
+                id="migrated:t:order-42",
+                key="order-42",
+                task_name="t",
+                status="completed",
+                owner="o",
+                token=1,
+                takeover=False,
+                task_id="x",
+                fingerprint="fp",
+                lease_expires_at=0.0,
+                created_at=0.0,
+                updated_at=0.0,
+                expires_at=4e9,
+                result_cached=True,
+                content_type=result.content_type,
+                content_encoding=result.content_encoding,
+                result=result.body,
+            )
+        )
+    # When a store of this version opens it
+    store = SqlStore(url, prefix="migrated")
+    try:
+        # Then the row is still there, and a key that differs only in case is its own
+        found = store.claim(dataclasses.replace(old_key, owner="o2"))
+        assert (found.outcome, found.record and found.record.result) == (Outcome.COMPLETED, result)
+        other = dataclasses.replace(old_key, storage_key="t:ORDER-42", key="ORDER-42", owner="o3")
+        claimed = store.claim(other)
+        assert claimed.outcome is Outcome.ACQUIRED
+        assert store.complete(other, claimed.token, None) is CompleteOutcome.STORED
+        with engine.connect() as connection:
+            versions = dict(connection.execute(sa.select(schema_versions)).all())
+        assert versions[CLAIMS_COMPONENT] == versions[PICKUPS_COMPONENT] == 2
+    finally:
+        store.close()
+        engine.dispose()

@@ -254,3 +254,29 @@ def test_large_result_round_trips(store: Store, make_request: Make) -> None:
     record = store.get(owner.storage_key)
     assert record is not None
     assert record.result == big
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("order-42", "ORDER-42"), ("order-42", "order-42 "), ("café", "cafe"), ("gift-😀", "gift-😎")],
+    ids=["case", "trailing-space", "accent", "emoji"],
+)
+def test_keys_differing_only_in_case_spaces_accents_or_emoji_are_different_keys(
+    store: Store, make_request: Make, first: str, second: str
+) -> None:
+    # Given one key completed with its result
+    done = make_request(storage_key=f"tasks.charge:{first}", key=first)
+    store.complete(done, store.claim(done).token, RESULT)
+    # When a key that a case- or accent-blind comparison would take for it is claimed
+    other = make_request(storage_key=f"tasks.charge:{second}", key=second, fingerprint="fp-2")
+    claim = store.claim(other)
+    # Then it is a key of its own: acquired, and each keeps its own record
+    assert claim.outcome is Outcome.ACQUIRED
+    other_result = EncodedResult(
+        content_type="application/json", content_encoding="utf-8", body=b"2"
+    )
+    assert store.complete(other, claim.token, other_result) is CompleteOutcome.STORED
+    first_record, second_record = store.get(done.storage_key), store.get(other.storage_key)
+    assert first_record is not None and second_record is not None
+    assert (first_record.key, first_record.result) == (first, RESULT)
+    assert (second_record.key, second_record.result) == (second, other_result)
