@@ -46,7 +46,8 @@ def wait_for_owner(record: Record, waits: int) -> float:
     The lease is judged by the store's clock, which wrote it: on a worker whose clock runs
     ahead, the local clock would see every lease as over and look again every 50 ms.
     """
-    delay = min(defaults.WAIT_INITIAL_DELAY * 2.0**waits, defaults.WAIT_MAX_DELAY)
+    # The exponent is capped: 2.0 ** 1024 overflows, and an owner may run for hours.
+    delay = min(defaults.WAIT_INITIAL_DELAY * 2.0 ** min(waits, 32), defaults.WAIT_MAX_DELAY)
     return max(min(delay, record.lease_expires_at - record.store_time()), 0.05)
 
 

@@ -50,6 +50,8 @@ module_logger = logging.getLogger(__name__)
 KEY_HEADER = "idempotency_key"
 PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
 WAITS_HEADER = "idempotency_waits"
+#: Header of an owner whose claim was taken over while its body ran, waiting for the new owner.
+SUPERSEDED_HEADER = "idempotency_superseded"
 #: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
 _REPUBLISH = "_idempotency_republish"
 
@@ -182,8 +184,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Claim the key, then run the body once, or answer as a duplicate."""
         request = self.request
-        if request.called_directly:
+        if request.called_directly or getattr(request, "idempotency_entered", False):
+            # Called as a function (from the task's own body, say): a plain call, as Celery's.
             return super().__call__(*args, **kwargs)
+        request.idempotency_entered = True
         unwritten = _request_header(request, UNWRITTEN_FAILURE_HEADER)
         if unwritten is not None:
             self._write_failure(Failure(**unwritten))
@@ -266,7 +270,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if attempt.superseded:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
-            self._republish_self(defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0})
+            self._republish_self(
+                defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
+            )
         self._dead_letter_succeeded()
         return value
 
@@ -403,16 +409,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             mark_succeeded(self.app, dead_letter_id)
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
-        # A broker redelivery of the owner's own message is no duplicate caller: dropping or
-        # failing it could lose the task (or fail the owner's task id), so it always waits.
-        mode = "wait" if record.task_id == self.request.id else self.on_duplicate
+        # A broker redelivery of the owner's own message is no duplicate caller, nor is an owner
+        # taken over while its body ran: dropping or failing either could lose the task (or
+        # fail a task id whose body succeeded), so they always wait.
+        superseded = bool(_request_header(self.request, SUPERSEDED_HEADER))
+        own = superseded or record.task_id == self.request.id
+        mode = "wait" if own else self.on_duplicate
         if mode == "skip":
             logger.info("key %r is in progress elsewhere, skipped", key)
             raise Ignore()
         if mode == "raise" or self.request.is_eager:
             raise IdempotencyConflict(key, self.name, record.task_id)
         waits = int(_request_header(self.request, WAITS_HEADER) or 0)
-        self._republish_self(wait_for_owner(record, waits), None, {WAITS_HEADER: waits + 1})
+        headers: dict[str, Any] = {WAITS_HEADER: waits + 1}
+        if superseded:
+            headers[SUPERSEDED_HEADER] = True
+        self._republish_self(wait_for_owner(record, waits), None, headers)
 
     def _republish_self(
         self, countdown: float, exc: Exception | None, headers: dict[str, Any] | None = None

@@ -43,3 +43,11 @@ def test_result_over_the_size_limit_completes_the_key_without_caching() -> None:
     )
     assert duplicate.get(timeout=30) is None
     assert ledger_events(name, "start") == 1
+
+
+def test_a_task_calling_itself_as_a_function_runs_it_as_a_plain_call() -> None:
+    # A direct call inside the body is no delivery: it must not claim the message's key
+    key = fresh("key")
+    assert worker_app.summed.apply_async((3,), idempotency_key=key).get(timeout=30) == 6
+    record = store_for(worker_app.app).get(storage_key(worker_app.summed.name, key))
+    assert record is not None and record.status.value == "completed"

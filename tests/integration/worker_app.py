@@ -198,6 +198,12 @@ def dated(name: str, when: datetime, amount: Decimal) -> str:
     return f"{type(when).__name__} {when.isoformat()} {type(amount).__name__} {amount}"
 
 
+@app.task(base=IdempotentTask)
+def summed(n: int) -> int:
+    """1 + 2 + ... + n, calling itself as a plain function (not as a message)."""
+    return 0 if n == 0 else n + summed(n - 1)
+
+
 @app.task(base=IdempotentTask, dlq=False)
 def fails_without_dlq(name: str) -> None:
     note("start", name)

@@ -57,3 +57,8 @@ def test_the_lease_is_judged_by_the_stores_clock_not_the_workers(store_skew: flo
     # every lease look over here) nor past the owner's lease (a store ahead makes it look long)
     assert wait_for_owner(record, 0) == defaults.WAIT_INITIAL_DELAY
     assert wait_for_owner(record, 10) == defaults.WAIT_MAX_DELAY
+
+
+def test_a_duplicate_that_waited_for_hours_still_waits() -> None:
+    # 2.0 ** 1024 overflows a float: a duplicate behind an owner running for hours got there
+    assert wait_for_owner(in_progress(lease_left=600), 5000) == defaults.WAIT_MAX_DELAY
