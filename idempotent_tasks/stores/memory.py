@@ -118,23 +118,37 @@ class MemoryStore:
             found = self._live(request.storage_key, now)
             if found is not None:
                 found = dataclasses.replace(found, read_at=now)
-            if found is not None and found.status is Status.QUEUED:
-                if request.validate and found.fingerprint != request.fingerprint:
-                    return ClaimResult(outcome=Outcome.MISMATCH, record=found)
-                # The pickup stays (its count too): should this owner die with its message, it
-                # is sent again.
-                return self._acquire(request, now, created_at=found.created_at, takeover=False)
             if found is None:
                 return self._acquire(request, now, created_at=now, takeover=False)
+            # The record's own message (a redelivery, or a retry with other arguments perhaps)
+            # is the same call: the key keeps the caller's fingerprint.
+            same_call = found.task_id == request.task_id
+            kept = found.fingerprint if same_call else request.fingerprint
+            mismatch = (
+                request.validate and found.fingerprint != request.fingerprint and not same_call
+            )
+            if found.status is Status.QUEUED:
+                if mismatch:
+                    return ClaimResult(outcome=Outcome.MISMATCH, record=found)
+                if not same_call and found.lease_expires_at > now:
+                    # Its own message runs it (see claim.lua): this one waits.
+                    return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
+                # The pickup stays (its count too): should this owner die with its message, it
+                # is sent again.
+                return self._acquire(
+                    request, now, created_at=found.created_at, takeover=False, fingerprint=kept
+                )
             if found.status is Status.PROCESSING and found.owner == request.owner:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
-            if request.validate and found.fingerprint != request.fingerprint:
+            if mismatch:
                 return ClaimResult(outcome=Outcome.MISMATCH, record=found)
             if found.status is Status.COMPLETED:
                 return ClaimResult(outcome=Outcome.COMPLETED, record=found)
             previous = request.previous_owner
             if (previous and found.owner == previous) or found.lease_expires_at <= now:
-                return self._acquire(request, now, created_at=found.created_at, takeover=True)
+                return self._acquire(
+                    request, now, created_at=found.created_at, takeover=True, fingerprint=kept
+                )
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
 
     def complete(
@@ -251,11 +265,20 @@ class MemoryStore:
         self._pending[request.storage_key] = _Pending(pickup, due_at=now + pickup.due_in)
 
     def _acquire(
-        self, request: ClaimRequest, now: float, *, created_at: float, takeover: bool
+        self,
+        request: ClaimRequest,
+        now: float,
+        *,
+        created_at: float,
+        takeover: bool,
+        fingerprint: str | None = None,
     ) -> ClaimResult:
         token = self._fences.get(request.storage_key, 0) + 1
         self._fences[request.storage_key] = token
-        self._records[request.storage_key] = self._new_record(request, token, now, created_at)
+        record = self._new_record(request, token, now, created_at)
+        if fingerprint is not None:
+            record = dataclasses.replace(record, fingerprint=fingerprint)
+        self._records[request.storage_key] = record
         return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
 
     @staticmethod

@@ -236,6 +236,8 @@ class SqlStore:
             values = self._processing_row(request, now, token=token, takeover=takeover)
             if takeover or (found["status"] == QUEUED and _is_live(found, now)):
                 values["created_at"] = found["created_at"]
+                if found["task_id"] == request.task_id:
+                    values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
             swap = replace_if_unchanged(claim_id, found, values)
             if self._rowcount(swap) == 1:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
@@ -245,17 +247,26 @@ class SqlStore:
         """The outcome for an existing row, or ``None`` when this claim may replace it."""
         if not _is_live(row, now):
             return None
+        # The row's own message (a redelivery, or a retry with other arguments perhaps) is the
+        # same call: no mismatch, and the key keeps the caller's fingerprint.
+        same_call = row["task_id"] == request.task_id
+        mismatch = request.validate and row["fingerprint"] != request.fingerprint and not same_call
         if row["status"] == QUEUED:
-            # Published and not claimed yet: acquirable, still only with the same arguments.
-            if request.validate and row["fingerprint"] != request.fingerprint:
+            # Published and not claimed yet: its own message runs it; another one waits for it
+            # until it counts as lost (see claim.lua).
+            if mismatch:
                 return ClaimResult(
                     outcome=Outcome.MISMATCH, record=_record(request.storage_key, row, now)
+                )
+            if not same_call and row["lease_expires_at"] > now:
+                return ClaimResult(
+                    outcome=Outcome.IN_PROGRESS, record=_record(request.storage_key, row, now)
                 )
             return None
         if row["status"] == PROCESSING and row["owner"] == request.owner:
             return ClaimResult(outcome=Outcome.ACQUIRED, token=int(row["token"]))
         record = _record(request.storage_key, row, now)
-        if request.validate and row["fingerprint"] != request.fingerprint:
+        if mismatch:
             return ClaimResult(outcome=Outcome.MISMATCH, record=record)
         if row["status"] == COMPLETED:
             return ClaimResult(outcome=Outcome.COMPLETED, record=record)

@@ -12,6 +12,7 @@ from idempotent_tasks.records import (
     CompleteOutcome,
     EncodedResult,
     Outcome,
+    Pickup,
     Status,
 )
 from idempotent_tasks.stores import Store
@@ -96,10 +97,37 @@ def test_other_fingerprint_is_a_mismatch(store: Store, make_request: Make, finis
     token = store.claim(owner).token
     if finished:
         store.complete(owner, token, RESULT)
-    other = store.claim(make_request(storage_key=owner.storage_key, fingerprint="fp-b"))
+    other = store.claim(
+        make_request(storage_key=owner.storage_key, fingerprint="fp-b", task_id="task-2")
+    )
     assert other.outcome is Outcome.MISMATCH
     assert other.record is not None
     assert other.record.fingerprint == "fp-a"
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["released", "release-lost"])
+def test_a_retry_with_other_arguments_is_the_same_call(
+    store: Store, make_request: Make, released: bool
+) -> None:
+    # Given a call whose attempt retries itself with other arguments (same task id), its claim
+    # released for the retry's message (or the release lost: the retry names it as previous
+    # owner)
+    first = make_request(task_id="t-1", fingerprint="fp-a")
+    token = store.claim(first).token
+    if released:
+        assert store.release(first, token, Pickup(envelope=b"retry", due_in=60, timeout=60))
+    retry = make_request(
+        task_id="t-1", fingerprint="fp-b", previous_owner=None if released else first.owner
+    )
+    # When the retry claims the key, then it runs: it is no other caller
+    claim = store.claim(retry)
+    assert claim.outcome is Outcome.ACQUIRED
+    # And the key still stands for the caller's arguments: a duplicate of the call waits, a
+    # call with the retry's arguments is another call
+    duplicate = store.claim(make_request(task_id="t-2", fingerprint="fp-a"))
+    assert duplicate.outcome is Outcome.IN_PROGRESS
+    stranger = store.claim(make_request(task_id="t-3", fingerprint="fp-b"))
+    assert stranger.outcome is Outcome.MISMATCH
 
 
 def test_validation_off_ignores_the_fingerprint(store: Store, make_request: Make) -> None:

@@ -158,17 +158,38 @@ def test_claim_of_a_queued_key_acquires_with_a_growing_token(
     assert tokens[0] >= 1
 
 
+def test_a_queued_key_waits_for_its_own_message_until_that_counts_as_lost(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key queued for message "t-own" (a reservation, or a retry sitting out its
+    # countdown)
+    own = make_request(task_id="t-own")
+    assert store.reserve(own, make_pickup()) is None
+    # When another message of the key is delivered first, then it waits for that one
+    other = make_request(task_id="t-other")
+    early = store.claim(other)
+    assert early.outcome is Outcome.IN_PROGRESS
+    assert early.record is not None and early.record.task_id == "t-own"
+    # And once the key's message counts as lost, the other one runs it
+    time.sleep(PAST_DUE)
+    assert store.claim(other).outcome is Outcome.ACQUIRED
+
+
 def test_claim_of_a_queued_key_with_another_fingerprint_is_a_mismatch(
     store: Store, make_request: Make
 ) -> None:
     first = make_request(fingerprint="fp-a")
     store.reserve(first, make_pickup())
-    other = store.claim(make_request(storage_key=first.storage_key, fingerprint="fp-b"))
+    other = store.claim(
+        make_request(storage_key=first.storage_key, fingerprint="fp-b", task_id="task-2")
+    )
     assert other.outcome is Outcome.MISMATCH
     assert other.record is not None
     assert (other.record.fingerprint, other.record.status) == ("fp-a", Status.QUEUED)
-    unchecked = make_request(storage_key=first.storage_key, fingerprint="fp-b", validate=False)
-    assert store.claim(unchecked).outcome is Outcome.ACQUIRED
+    unchecked = make_request(
+        storage_key=first.storage_key, fingerprint="fp-b", task_id="task-2", validate=False
+    )
+    assert store.claim(unchecked).outcome is Outcome.IN_PROGRESS  # the key's message runs it
 
 
 @pytest.mark.parametrize("how", ["reserved", "overdue", "taken by a sweep", "released to retry"])
@@ -386,15 +407,16 @@ def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
     # Given a reserved key claimed by another delivery (task id "t-owner") with a 0.2 s lease
     reserved = make_request(task_id="t-reserved")
     assert store.reserve(reserved, make_pickup(due_in=0.0)) is None
+    time.sleep(0.01)  # its message counts as lost at once (Redis: 1 ms on)
     owner = make_request(task_id="t-owner", lease_seconds=0.2)
     assert store.claim(owner).outcome is Outcome.ACQUIRED
     # While its lease lives, and for one re-publication timeout after, it is not lost
     time.sleep(0.1)
     assert store.take_due(10) == []
-    time.sleep(0.2)  # lease over, timeout not yet
+    time.sleep(0.15)  # lease over, timeout not yet (0.2 s to go: room for a busy machine)
     assert store.take_due(10) == []
     # When the owner died and nothing took the key over for the timeout
-    time.sleep(TIMEOUT)
+    time.sleep(TIMEOUT + 0.05)
     taken = store.take_due(10)
     # Then the sweep takes it once, to publish the owner's task again, and backs off
     assert [(due.task_id, due.envelope, due.republished) for due in taken] == [

@@ -47,12 +47,42 @@ def test_claim_is_free_between_a_failure_and_its_retry() -> None:
     wait_until(lambda: ledger_events(name, "start") == 1, 10, "the first attempt")
     time.sleep(0.5)
     # Then, while the retry waits for its countdown, no claim holds the key: it is queued for
-    # the retry (so a lost retry message is published again), and any delivery may claim it
+    # the retry (so a lost retry message is published again), and the retry claims it
     record = _record(worker_app.slow_retry, key)
     assert record is not None and record.status is Status.QUEUED, record
     assert record.owner == "" and record.task_id == result.id
     assert result.get(timeout=30) == f"{name} ok"
     assert ledger_events(name, "start") == 2
+
+
+def test_a_duplicate_does_not_run_the_body_while_a_retry_sits_out_its_countdown() -> None:
+    # Given a task that fails once and is retried 2 s later, and a duplicate of the call
+    # delivered meanwhile (bypassing the publish-side look)
+    name, key = fresh("countdown"), fresh("key")
+    result = worker_app.slow_retry.apply_async((name,), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 10, "the first attempt")
+    duplicate = worker_app.app.send_task(
+        worker_app.slow_retry.name, (name,), headers={"idempotency_key": key}
+    )
+    # Then the duplicate waits for the retry: the body runs a second time only once the
+    # countdown is over, and both calls get its value
+    assert result.get(timeout=30) == duplicate.get(timeout=30) == f"{name} ok"
+    starts = [
+        float(entry.decode().rsplit(":", 1)[1])
+        for entry in worker_app.ledger.lrange(f"ledger:{name}", 0, -1)
+        if entry.startswith(b"start:")
+    ]
+    assert len(starts) == 2
+    assert starts[1] - starts[0] >= 1.5  # default_retry_delay=2.0
+
+
+def test_a_retry_with_other_arguments_continues_the_same_call() -> None:
+    name, key = fresh("paged"), fresh("key")
+    result = worker_app.paged.apply_async((name, 1), idempotency_key=key)
+    assert result.get(timeout=30) == 3
+    assert ledger_events(name, "start") == 3
+    # The key still stands for the caller's arguments: a duplicate of the call gets the value
+    assert worker_app.paged.apply_async((name, 1), idempotency_key=key).get(timeout=10) == 3
 
 
 def test_exhausted_retries_fail_the_task_and_free_the_key() -> None:

@@ -198,6 +198,15 @@ def dated(name: str, when: datetime, amount: Decimal) -> str:
     return f"{type(when).__name__} {when.isoformat()} {type(amount).__name__} {amount}"
 
 
+@app.task(base=IdempotentTask, bind=True, max_retries=5, default_retry_delay=0.1)
+def paged(self: Any, name: str, page: int) -> int:
+    """Retries itself with the next page (other arguments, same call) until page 3."""
+    note("start", name)
+    if page < 3:
+        raise self.retry(args=(name, page + 1))
+    return page
+
+
 @app.task(base=IdempotentTask)
 def summed(n: int) -> int:
     """1 + 2 + ... + n, calling itself as a plain function (not as a message)."""

@@ -22,10 +22,11 @@ local ttl = tonumber(ARGV[5])
 -- created_at: the record's creation time, which its reservation or first claim wrote with the
 -- key's names (the usual case: they stay as they are); nil or false for a new record, or a
 -- corrupt one that lost it: the names are written, with now as that time.
-local function acquire(takeover, created_at)
+-- fingerprint: the arguments the key stands for from now on.
+local function acquire(takeover, created_at, fingerprint)
   local token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
-    'task_id', ARGV[3], 'fingerprint', ARGV[2], 'lease_expires_at', int(now + lease),
+    'task_id', ARGV[3], 'fingerprint', fingerprint, 'lease_expires_at', int(now + lease),
     'updated_at', int(now), 'expires_at', int(now + lease + ttl))
   if not created_at then
     redis.call('HSET', KEYS[1], 'created_at', int(now), 'key', ARGV[8], 'task_name', ARGV[9])
@@ -36,12 +37,17 @@ local function acquire(takeover, created_at)
 end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
-  'created_at', 'token')
+  'created_at', 'token', 'task_id')
 if not found[1] then
   -- No record, or a corrupt one without a status (it protects nothing): start afresh.
   redis.call('DEL', KEYS[1])
-  return acquire(0, nil)
+  return acquire(0, nil, ARGV[2])
 end
+-- The record's own message (a redelivery, or a retry, perhaps with other arguments): the same
+-- call, whose fingerprint, the caller's, the key keeps.
+local same_call = found[7] == ARGV[3]
+local fingerprint = same_call and found[3] or ARGV[2]
+local mismatch = ARGV[6] == '1' and found[3] ~= ARGV[2] and not same_call
 
 local function answer(outcome)
   local reply = {outcome, now, 0}
@@ -52,18 +58,22 @@ local function answer(outcome)
 end
 
 if found[1] == 'queued' then
-  -- Published and not yet claimed: this delivery runs it (the caller may be a duplicate, so
-  -- the fingerprint is still compared). The pickup stays, and stays in the due index: should
-  -- this owner die and its message be lost too, the sweep publishes it again.
-  if ARGV[6] == '1' and found[3] ~= ARGV[2] then
+  -- Published and not yet claimed. Its own message runs it; another one (a duplicate
+  -- published without a look, or a waiting one while a retry sits out its countdown) waits for
+  -- it, until it counts as lost. The pickup stays, and stays in the due index: should this
+  -- owner die and its message be lost too, the sweep publishes it again.
+  if mismatch then
     return answer('mismatch')
   end
-  return acquire(0, found[5])
+  if not same_call and (tonumber(found[4]) or 0) > now then
+    return answer('in_progress')
+  end
+  return acquire(0, found[5], fingerprint)
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   return {'acquired', tonumber(found[6]), 0}
 end
-if ARGV[6] == '1' and found[3] ~= ARGV[2] then
+if mismatch then
   return answer('mismatch')
 end
 if found[1] == 'completed' then
@@ -71,6 +81,6 @@ if found[1] == 'completed' then
 end
 -- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.
 if (ARGV[7] ~= '' and found[2] == ARGV[7]) or (tonumber(found[4]) or 0) <= now then
-  return acquire(1, found[5])
+  return acquire(1, found[5], fingerprint)
 end
 return answer('in_progress')
