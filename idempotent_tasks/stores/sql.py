@@ -294,8 +294,12 @@ class SqlStore:
             "content_encoding": result.content_encoding if result else None,
             "result": result.body if result else None,
         }
-        if self._rowcount(update_held(claim_id, request.owner, token, now, done)) == 1:
-            return CompleteOutcome.STORED
+        with self._begin() as connection:
+            if _count(connection, update_held(claim_id, request.owner, token, now, done)) == 1:
+                # Nothing is left to publish: a pickup left behind could be sent again under a
+                # later owner's task id (as the Redis and memory stores, drop it).
+                connection.execute(delete_pickup(claim_id))
+                return CompleteOutcome.STORED
         found = self._one(select_claim(claim_id))
         if found is not None and found["owner"] == request.owner and _is_live(found, now):
             if found["status"] == COMPLETED:
@@ -308,12 +312,15 @@ class SqlStore:
         if found is not None:
             token = max(token, int(found["token"]))
         row = {**self._processing_row(request, now, token=token, takeover=False), **done}
-        if found is None:
-            inserted = self._rowcount(insert_if_absent(self.dialect, row))
-        else:
-            swap = replace_if_unchanged(claim_id, found, row)
-            inserted = self._rowcount(swap)
-        return CompleteOutcome.RECOVERED if inserted == 1 else CompleteOutcome.STALE
+        with self._begin() as connection:
+            if found is None:
+                inserted = _count(connection, insert_if_absent(self.dialect, row))
+            else:
+                inserted = _count(connection, replace_if_unchanged(claim_id, found, row))
+            if inserted != 1:
+                return CompleteOutcome.STALE
+            connection.execute(delete_pickup(claim_id))
+            return CompleteOutcome.RECOVERED
 
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         now = self._clock()
@@ -389,7 +396,7 @@ class SqlStore:
     def _queued_values(request: ClaimRequest, pickup: Pickup, now: float) -> dict[str, Any]:
         """A ``queued`` claim row but for its id, token and creation time."""
         return {
-            "key": request.key,
+            "key": _shown_key(request.key),
             "task_name": request.task_name,
             "status": QUEUED,
             "owner": "",
@@ -410,7 +417,7 @@ class SqlStore:
     ) -> dict[str, Any]:
         return {
             "id": self.claim_id(request.storage_key),
-            "key": request.key,
+            "key": _shown_key(request.key),
             "task_name": request.task_name,
             "status": PROCESSING,
             "owner": request.owner,
@@ -480,6 +487,15 @@ def _count(connection: Connection, statement: Executable) -> int:
     if result.returns_rows:
         return len(result.all())
     return int(result.rowcount)
+
+
+def _shown_key(key: str) -> str:
+    """The caller's key as the ``key`` column keeps it, for people to read (rows are found by
+    their id, which holds a long key's hash): a key longer than the column is cut."""
+    return key[:_KEY_CHARS]
+
+
+_KEY_CHARS: int = claims.c.key.type.length  # type: ignore[attr-defined]
 
 
 def _is_live(row: Any, now: float) -> bool:

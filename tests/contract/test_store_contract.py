@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import (
     ClaimRequest,
     CompleteOutcome,
@@ -308,3 +309,16 @@ def test_keys_differing_only_in_case_spaces_accents_or_emoji_are_different_keys(
     assert first_record is not None and second_record is not None
     assert (first_record.key, first_record.result) == (first, RESULT)
     assert (second_record.key, second_record.result) == (second, other_result)
+
+
+def test_a_key_of_thousands_of_characters_works_like_any_other(
+    store: Store, make_request: Make
+) -> None:
+    long_key = "report:" + "x" * 3000
+    request = make_request(storage_key=storage_key("tasks.charge", long_key), key=long_key)
+    claim = store.claim(request)
+    assert claim.outcome is Outcome.ACQUIRED
+    assert store.complete(request, claim.token, RESULT) is CompleteOutcome.STORED
+    record = store.get(request.storage_key)
+    assert record is not None and record.result == RESULT
+    assert long_key.startswith(record.key)  # SQL keeps the first 1024 characters to show

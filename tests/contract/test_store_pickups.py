@@ -345,6 +345,22 @@ def test_read_at_is_the_stores_clock_not_this_hosts(
     store.close()
 
 
+def test_a_completed_keys_message_is_never_sent_again_under_a_later_owner(
+    store: Store, make_request: Make
+) -> None:
+    # Given a reserved key that ran and completed, and whose record then expired
+    first = make_request(task_id="t-first", ttl_seconds=0.2)
+    assert store.reserve(first, make_pickup()) is None
+    store.complete(first, store.claim(first).token, RESULT)
+    time.sleep(0.3)
+    # When a later call, published without a reservation, claims the key and its owner dies
+    later = make_request(task_id="t-later", fingerprint="fp-later", lease_seconds=0.1)
+    assert store.claim(later).outcome is Outcome.ACQUIRED
+    time.sleep(0.1 + PAST_FIRST_BACKOFF)
+    # Then no sweep sends the first call's message again under the later owner's task id
+    assert store.take_due(10) == []
+
+
 def test_a_large_envelope_round_trips(store: Store, make_request: Make) -> None:
     envelope = bytes(range(256)) * 2048  # 512 KiB: more than a MySQL BLOB holds
     store.reserve(make_request(), make_pickup(envelope=envelope, due_in=0.0))
