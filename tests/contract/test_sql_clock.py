@@ -115,27 +115,24 @@ def _count_queries(engine: sa.Engine) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", SERVERS)
-def test_offset_is_measured_once_while_the_local_clock_runs_steadily(
-    kind: str, engine_of: Callable[[str], sa.Engine]
+@pytest.mark.parametrize(
+    ("resync_seconds", "reads", "queries_made"),
+    [(3600, 50, 1), (0, 3, 3)],
+    ids=["once-while-fresh", "again-after-resync-seconds"],
+)
+def test_the_server_is_asked_once_per_resync_period(
+    kind: str,
+    resync_seconds: float,
+    reads: int,
+    queries_made: int,
+    engine_of: Callable[[str], sa.Engine],
 ) -> None:
     engine = engine_of(kind)
     queries = _count_queries(engine)
-    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=3600)
-    for _ in range(50):
+    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=resync_seconds)
+    for _ in range(reads):
         assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
-    assert len(queries) == 1
-
-
-@pytest.mark.parametrize("kind", SERVERS)
-def test_offset_is_measured_again_after_resync_seconds(
-    kind: str, engine_of: Callable[[str], sa.Engine]
-) -> None:
-    engine = engine_of(kind)
-    queries = _count_queries(engine)
-    clock = ServerClock(engine, local=_skewed(SKEW), resync_seconds=0)
-    for _ in range(3):
-        assert clock() == pytest.approx(time.time(), abs=TOLERANCE)
-    assert len(queries) == 3
+    assert len(queries) == queries_made
 
 
 @pytest.mark.parametrize("kind", SERVERS)
