@@ -116,10 +116,11 @@ class MemoryStore:
         with self._lock:
             now = self._clock()
             found = self._live(request.storage_key, now)
-            if found is not None:
-                found = dataclasses.replace(found, read_at=now)
             if found is None:
-                return self._acquire(request, now, created_at=now, takeover=False)
+                return self._acquire(
+                    request, now, created_at=now, takeover=False, fingerprint=request.fingerprint
+                )
+            found = dataclasses.replace(found, read_at=now)
             # The record's own message (a redelivery, or a retry with other arguments perhaps)
             # is the same call: the key keeps the caller's fingerprint.
             same_call = found.task_id == request.task_id
@@ -271,14 +272,12 @@ class MemoryStore:
         *,
         created_at: float,
         takeover: bool,
-        fingerprint: str | None = None,
+        fingerprint: str,
     ) -> ClaimResult:
         token = self._fences.get(request.storage_key, 0) + 1
         self._fences[request.storage_key] = token
         record = self._new_record(request, token, now, created_at)
-        if fingerprint is not None:
-            record = dataclasses.replace(record, fingerprint=fingerprint)
-        self._records[request.storage_key] = record
+        self._records[request.storage_key] = dataclasses.replace(record, fingerprint=fingerprint)
         return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
 
     @staticmethod
