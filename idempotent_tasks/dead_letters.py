@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import timedelta
 from typing import Any
@@ -10,11 +9,11 @@ from typing import Any
 from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
-from kombu.utils import json as kombu_json
 
 from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
+from .dlq.arguments import restored_arguments
 from .dlq.queue import SWEEP_BATCH
 from .errors import StoreUnavailable
 from .pickups import republish_lost
@@ -28,25 +27,6 @@ SWEEP_TASK = "idempotent_tasks.retry_dead_letters"
 DEAD_LETTER_HEADER = "idempotency_dead_letter_id"
 #: Header of a message whose final failure still has to be written (the database was down).
 UNWRITTEN_FAILURE_HEADER = "idempotency_unwritten_failure"
-
-
-def stored_arguments(
-    args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]
-) -> tuple[list[Any], dict[str, Any], bool]:
-    """A task's arguments as the dead-letter table's JSON columns keep them, and whether they
-    are kept faithfully.
-
-    Values Celery's JSON carries (datetimes, dates, times, decimals, UUIDs, bytes) are kept in
-    kombu's typed form and come back as themselves on re-publication (:func:`republish`).
-    Anything else (a pickle-serialized task's objects) is kept as its ``repr``: such a row
-    cannot be retried as it was, only read.
-    """
-    try:
-        kept = json.loads(kombu_json.dumps([list(args), dict(kwargs)]))  # type: ignore[no-untyped-call]
-        return list(kept[0]), dict(kept[1]), True
-    except (TypeError, ValueError):
-        kept = json.loads(json.dumps([list(args), dict(kwargs)], default=repr))
-        return list(kept[0]), dict(kept[1]), False
 
 
 def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
@@ -108,8 +88,7 @@ def republish(app: Any, item: DeadLetter) -> None:
     headers: dict[str, Any] = {DEAD_LETTER_HEADER: item.id}
     if item.idempotency_key is not None:
         headers["idempotency_key"] = item.idempotency_key
-    # kombu's typed values (datetimes, decimals ...) back as themselves
-    args, kwargs = kombu_json.loads(json.dumps([item.args, item.kwargs]))  # type: ignore[no-untyped-call]
+    args, kwargs = restored_arguments(item.args, item.kwargs)
     app.send_task(
         item.task_name,
         args=args,

@@ -26,10 +26,10 @@ from .dead_letters import (
     UNWRITTEN_FAILURE_HEADER,
     mark_succeeded,
     routing_options,
-    stored_arguments,
     write_failure,
 )
 from .dlq import Failure
+from .dlq.arguments import stored_arguments
 from .errors import (
     CorruptRecord,
     DeadLettered,

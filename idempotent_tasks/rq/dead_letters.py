@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -28,19 +27,6 @@ def row_options(queue_name: str, args_lossy: bool = False) -> dict[str, Any]:
     if args_lossy:
         options["args_lossy"] = True
     return options
-
-
-def json_safe(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any], bool]:
-    """Arguments as the JSON columns can keep them; the flag says some became their ``repr``.
-
-    RQ pickles arguments, so they may hold anything; the original job keeps the real ones.
-    """
-    try:
-        json.dumps([args, kwargs])
-    except (TypeError, ValueError):
-        safe = json.loads(json.dumps([args, kwargs], default=repr))
-        return list(safe[0]), dict(safe[1]), True
-    return list(args), dict(kwargs), False
 
 
 def write_failure(queue: DeadLetterQueue, failure: Failure, dead_letter_id: str | None) -> str:

@@ -28,6 +28,7 @@ from .. import defaults, signals
 from ..codec import ResultCodec
 from ..core import Attempt, new_owner, wait_for_owner
 from ..dlq import Failure
+from ..dlq.arguments import stored_arguments
 from ..errors import (
     DeadLettered,
     IdempotencyConflict,
@@ -40,7 +41,6 @@ from ..records import ClaimRequest, Outcome, Record
 from .dead_letters import (
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TRACEBACK_CHARS,
-    json_safe,
     mark_succeeded,
     row_options,
     write_failure,
@@ -414,7 +414,7 @@ class IdempotentJob(Job):
         key: str | None,
         options: IdempotencyOptions,
     ) -> Failure:
-        args, kwargs, lossy = json_safe(list(self.args), dict(self.kwargs))
+        args, kwargs, faithful = stored_arguments(list(self.args), dict(self.kwargs))
         return Failure(
             failure_id=f"{self.id}:{attempt_id}",
             task_name=self.func_name or "",
@@ -422,7 +422,7 @@ class IdempotentJob(Job):
             idempotency_key=key,
             args=args,
             kwargs=kwargs,
-            options=row_options(self.origin, lossy),
+            options=row_options(self.origin, not faithful),
             error_type=error_type,
             error_message=message[:MAX_ERROR_MESSAGE_CHARS],
             traceback=traceback[-MAX_TRACEBACK_CHARS:] if traceback else None,

@@ -31,6 +31,7 @@ from rq.queue import Queue
 
 from .. import defaults
 from ..dlq import DeadLetter, DeadLetterQueue
+from ..dlq.arguments import restored_arguments
 from ..dlq.queue import SWEEP_BATCH
 from .job import IdempotentJob
 from .options import FRAMEWORK, META_KEY
@@ -143,10 +144,11 @@ def _enqueue(
         connection=connection,
         job_class=IdempotentJob,
     )
+    args, kwargs = restored_arguments(item.args, item.kwargs)
     rq_queue.enqueue_call(
         item.task_name,
-        args=item.args,
-        kwargs=item.kwargs,
+        args=args,
+        kwargs=kwargs,
         job_id=item.task_id,
         meta={META_KEY: state},
     )

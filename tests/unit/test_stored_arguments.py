@@ -7,7 +7,7 @@ import uuid
 from datetime import date, datetime, timezone
 from decimal import Decimal
 
-from idempotent_tasks.dead_letters import stored_arguments
+from idempotent_tasks.dlq.arguments import restored_arguments, stored_arguments
 
 
 def test_values_celerys_json_carries_are_kept_faithfully_as_plain_json() -> None:
@@ -18,6 +18,7 @@ def test_values_celerys_json_carries_are_kept_faithfully_as_plain_json() -> None
     json.dumps([kept_args, kept_kwargs])  # what the JSON columns take, as they are
     assert kept_kwargs["items"] == [1, 2]
     assert kept_args[0] == {"__type__": "datetime", "__value__": "2026-01-02T03:04:05+00:00"}
+    assert restored_arguments(kept_args, kept_kwargs) == (list(args), {**kwargs, "items": [1, 2]})
 
 
 class Opaque:
