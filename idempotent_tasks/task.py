@@ -40,7 +40,7 @@ from .errors import (
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key
 from .pickups import make_pickup, pickup_timeout, seconds_until
-from .records import ClaimRequest, Outcome, Record, SideWrite
+from .records import ClaimRequest, Outcome, Record, SideWrite, Status
 from .settings import app_setting, resolve
 
 logger = get_task_logger(__name__)
@@ -93,6 +93,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
+    #: Ends a call killed at its hard time limit as a failure (see ``end_killed_call``).
+    Request = "idempotent_tasks.worker_request:IdempotentRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -382,6 +384,57 @@ class IdempotentTask(Task):  # type: ignore[misc]
             max_retries=max_retries if faithful else 0,
         )
         self._write_failure(failure)
+
+    def end_killed_call(self, request_dict: dict[str, Any], exc: Exception) -> None:
+        """End a call whose pool process was killed at its hard time limit, as a failure of
+        its body ends: dead-lettered (``on_final_failure``), then its key released.
+
+        Runs in the worker's main process, before Celery marks the call failed and
+        acknowledges its message. Should the dead letter be neither written nor re-published
+        to be written later, the key stays claimed: its pickup guard runs the call again once
+        the lease ends, rather than let it be lost.
+        """
+        self.push_request(request_dict, called_directly=False, idempotency_entered=True)
+        try:
+            request = self.request
+            args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+            key = _request_key(request)
+            if key is None and self.idempotency_key is not None:
+                key = derive_key(self.idempotency_key, self._signature, args, kwargs)
+            try:
+                try:
+                    raise exc  # so that the dead letter's traceback names it
+                except type(exc):
+                    self.on_final_failure(exc, key, args, kwargs)
+            except Retry:
+                pass  # the dead letter could not be written: the re-published message will
+            except Exception:
+                logger.exception("could not dead-letter the call killed at its time limit")
+                return
+            if key is not None:
+                self._release_killed_owner(key, args, kwargs)
+        finally:
+            self.pop_request()
+
+    def _release_killed_owner(
+        self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Release the claim of this task id's killed attempt, whose owner id only that process
+        knew: read from the record, the fencing token making sure no later owner is released."""
+        store = store_for(self.app)
+        try:
+            record = store.get(storage_key(self.name, key))
+        except (StoreUnavailable, CorruptRecord) as exc:
+            logger.warning("could not release key %r (%s): its lease frees it", key, exc)
+            return
+        if (
+            record is None
+            or record.status is not Status.PROCESSING
+            or record.task_id != self.request.id
+        ):
+            return
+        claim = self._claim_request(key, args, kwargs, self.request.id, owner=record.owner)
+        Attempt(store=store, request=claim, codec=self._codec, token=record.token).release_quietly()
 
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""

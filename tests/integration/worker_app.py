@@ -246,3 +246,12 @@ def retries_into_the_void(self: Any, name: str) -> str:
     if note("start", name) == 1:
         raise self.retry(queue="nowhere", countdown=0)
     return f"{name} done"
+
+
+@app.task(base=IdempotentTask, time_limit=1, dlq_max_retries=0)
+def overruns(name: str, sleep: float) -> str:
+    """Killed by its hard time limit when ``sleep`` is over a second (it has no soft one)."""
+    note("start", name)
+    time.sleep(sleep)
+    note("finish", name)
+    return name

@@ -1,0 +1,29 @@
+"""The worker's request class for ``IdempotentTask`` (Celery's ``Task.Request`` hook).
+
+A call killed at its hard time limit never returns to the task's own code: Celery terminates
+its pool process, then, in the worker's main process, marks it failed and acknowledges its
+message. The claim that process held would stay until its lease ended, and the pickup guard
+would then run the call again, to its limit, again and again. This request ends the call
+there instead, as a failure in its body would end: dead-lettered, and its key released.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.exceptions import TimeLimitExceeded
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+
+
+class IdempotentRequest(Request):  # type: ignore[misc]
+    """Celery's request, ending an ``IdempotentTask`` call killed at its hard time limit."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        # A cold shutdown kills running tasks through this path too: their messages are
+        # redelivered, so they have not failed.
+        if not soft and not worker_state.should_terminate:
+            end_killed_call: Any = getattr(self.task, "end_killed_call", None)
+            if end_killed_call is not None:
+                end_killed_call(self.request_dict, TimeLimitExceeded(timeout))
+        super().on_timeout(soft, timeout)
