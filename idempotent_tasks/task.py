@@ -128,11 +128,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         progress returns the owner's ``AsyncResult``. Nothing is published in either case.
 
         Raises:
-            ValueError: the key is not a non-empty ``str``, or the task requires one.
+            ValueError: the key is not a non-empty ``str``, or the task requires one; the
+                ``task_id`` given is not a non-empty ``str`` of at most 255 characters.
             IdempotencyKeyMismatch: the key was used with other arguments.
         """
         republish_headers = options.pop(_REPUBLISH, None)
         call_key = options.pop(KEY_HEADER, None)
+        publishing.check_task_id(task_id)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         key = publishing.publish_key(self, call_key, args, kwargs)

@@ -915,3 +915,14 @@ def test_a_refused_login_raises_store_unavailable(url: str) -> None:
             dlq.stats()
     finally:
         dlq.dispose()
+
+
+def test_add_keeps_a_task_id_of_the_longest_length_apply_async_takes(
+    dlq: DeadLetterQueue,
+) -> None:
+    from idempotent_tasks.publishing import MAX_TASK_ID_CHARS
+
+    task_id = ("t" * MAX_TASK_ID_CHARS)[:-1] + "z"
+    item = dlq.add(_failure(task_id=task_id, failure_id=f"{task_id}:99"))
+    assert (item.task_id, item.failure_id) == (task_id, f"{task_id}:99")
+    assert dlq.get(item.id) == item

@@ -696,3 +696,18 @@ def test_concurrent_reservations_in_many_processes_get_one_winner(
         assert record is not None
         assert record.status is Status.QUEUED
     store.close()
+
+
+def test_a_task_id_of_the_longest_length_apply_async_takes_is_kept_whole(
+    store: Store, make_request: Make
+) -> None:
+    from idempotent_tasks.publishing import MAX_TASK_ID_CHARS
+
+    task_id = ("t" * MAX_TASK_ID_CHARS)[:-1] + "z"
+    request = make_request(task_id=task_id)
+    assert store.reserve(request, make_pickup()) is None
+    claim = store.claim(request)
+    assert (claim.outcome, claim.takeover) == (Outcome.ACQUIRED, False)
+    assert store.complete(request, claim.token, RESULT) is CompleteOutcome.STORED
+    record = store.get(request.storage_key)
+    assert record is not None and record.task_id == task_id

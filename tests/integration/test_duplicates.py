@@ -183,6 +183,27 @@ def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
     assert queue_length(IDLE_QUEUE) == 0
 
 
+@pytest.mark.parametrize("bad", ["t" * 256, "", 42, b"task-id"])
+def test_task_ids_the_stores_cannot_hold_are_refused_before_anything_is_published(
+    bad: object,
+) -> None:
+    with pytest.raises(ValueError, match="task_id"):
+        charge.apply_async((fresh("order"), 1), task_id=bad, queue=IDLE_QUEUE)
+    with pytest.raises(ValueError, match="task_id"):
+        charge.apply_async(
+            (fresh("order"), 1), task_id=bad, idempotency_key=fresh("key"), queue=IDLE_QUEUE
+        )
+    assert queue_length(IDLE_QUEUE) == 0
+
+
+def test_a_task_id_of_255_characters_runs() -> None:
+    task_id = fresh("t").ljust(255, "t")
+    assert (
+        charge.apply_async((fresh("order"), 1), task_id=task_id).get(timeout=30)["task_id"]
+        == task_id
+    )
+
+
 def test_a_good_key_on_the_idle_queue_does_publish() -> None:
     # The control for the test above: the queue check does see a published message.
     from tests.integration.helpers import worker_app as app_module
