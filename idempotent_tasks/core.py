@@ -159,6 +159,7 @@ class Attempt:
         That is ``value`` itself, or, when this attempt lost its claim to an execution that
         completed first, that execution's cached value. If the store stays unreachable, the
         result is not stored (logged): a duplicate may run the body again once the lease ends.
+        A record the store cannot read is not stored to either (logged).
         """
         deadline = time.monotonic() + patience_seconds
         pause = 0.1
@@ -166,6 +167,16 @@ class Attempt:
             try:
                 if self.complete(value, side_write) is CompleteOutcome.STALE:
                     return self._winning_value(value)
+                return value
+            except CorruptRecord as exc:
+                # The body ran: its value still goes to this caller. Duplicates find the key as
+                # a CorruptRecord does, until an operator forgets it.
+                logger.error(
+                    "%s succeeded but its result for key %r could not be stored: %s",
+                    self.request.task_name,
+                    self.request.key,
+                    exc,
+                )
                 return value
             except StoreUnavailable as exc:
                 if time.monotonic() + pause > deadline:

@@ -68,6 +68,7 @@ from .sql_statements import (
     QUEUED,
     RELEASED,
     bump_pickup,
+    delete_claim,
     delete_expired,
     delete_pickup,
     delete_pickup_if_unchanged,
@@ -130,7 +131,7 @@ class SqlStore:
             }
             if self._write_queued(insert_if_absent(self.dialect, fresh), request, pickup, now):
                 return None
-            found = self._one(select_claim(claim_id))
+            found = self._claim_row(request.storage_key)
             if found is None:
                 continue  # deleted between the two statements: insert again
             if _is_live(found, now):
@@ -191,7 +192,9 @@ class SqlStore:
         due_at = now + timeout * 2 ** min(republished, MAX_BACKOFF_EXPONENT)
         with self._begin() as connection:
             if _count(connection, retime_queued(claim_id, task_id, now, due_at)) == 0:
-                found = connection.execute(select_claim(claim_id)).mappings().one_or_none()
+                found = _readable(
+                    row["id"], connection.execute(select_claim(claim_id)).mappings().one_or_none()
+                )
                 unchanged = (row["republished"], row["due_at"])
                 if found is None or not _is_live(found, now) or found["status"] != PROCESSING:
                     # Completed, cancelled, released, expired or queued for another task id.
@@ -225,7 +228,7 @@ class SqlStore:
             fresh = self._processing_row(request, now, token=1, takeover=False)
             if self._rowcount(insert_if_absent(self.dialect, fresh)) == 1:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=1)
-            found = self._one(select_claim(claim_id))
+            found = self._claim_row(request.storage_key)
             if found is None:
                 continue  # deleted between the two statements: insert again
             decision = self._decide(request, found, now)
@@ -300,7 +303,7 @@ class SqlStore:
                 # later owner's task id (as the Redis and memory stores, drop it).
                 connection.execute(delete_pickup(claim_id))
                 return CompleteOutcome.STORED
-        found = self._one(select_claim(claim_id))
+        found = self._claim_row(request.storage_key)
         if found is not None and found["owner"] == request.owner and _is_live(found, now):
             if found["status"] == COMPLETED:
                 return CompleteOutcome.STORED  # a repeated completion
@@ -349,7 +352,7 @@ class SqlStore:
         return self._rowcount(update_held(claim_id, request.owner, token, now, values)) == 1
 
     def get(self, storage_key: str) -> Record | None:
-        row = self._one(select_claim(self.claim_id(storage_key)))
+        row = self._claim_row(storage_key)
         now = self._clock()
         if row is None or row["status"] == RELEASED or row["expires_at"] <= now:
             return None
@@ -359,8 +362,14 @@ class SqlStore:
         claim_id = self.claim_id(storage_key)
         now = self._clock()
         # Released, not deleted: the row is the key's fencing counter, and tokens keep growing.
+        # An unreadable row is deleted (its token cannot be counted on): the way out of a
+        # CorruptRecord for an operator.
         with self._begin() as connection:
             found = connection.execute(select_claim(claim_id)).mappings().one_or_none()
+            if found is not None and not _is_readable(found):
+                connection.execute(delete_claim(claim_id))
+                connection.execute(delete_pickup(claim_id))
+                return True
             connection.execute(forget_claim(claim_id, now))
             connection.execute(delete_pickup(claim_id))
         return found is not None and _is_live(found, now)
@@ -440,6 +449,10 @@ class SqlStore:
         with self._begin() as connection:
             return _count(connection, statement)
 
+    def _claim_row(self, storage_key: str) -> Any:
+        """The claim row of a key (``None`` if it has none); ``CorruptRecord`` if unreadable."""
+        return _readable(storage_key, self._one(select_claim(self.claim_id(storage_key))))
+
     def _one(self, statement: Select[Any]) -> Any:
         with self._begin() as connection:
             return connection.execute(statement).mappings().one_or_none()
@@ -496,6 +509,29 @@ def _shown_key(key: str) -> str:
 
 
 _KEY_CHARS: int = claims.c.key.type.length  # type: ignore[attr-defined]
+
+
+_STATUSES = frozenset({QUEUED, PROCESSING, COMPLETED, RELEASED})
+_NUMBERS = ("token", "lease_expires_at", "created_at", "updated_at", "expires_at")
+
+
+def _is_readable(row: Any) -> bool:
+    """Whether the protocol can decide on a claim row: a known status, numbers where numbers
+    go (SQLite keeps whatever is written into a column)."""
+    return row["status"] in _STATUSES and all(
+        isinstance(row[name], (int, float)) for name in _NUMBERS
+    )
+
+
+def _readable(where: str, row: Any) -> Any:
+    """``row`` (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
+    if row is not None and not _is_readable(row):
+        raise CorruptRecord(
+            f"claim row of {where!r} is unreadable (status {row['status']!r}, "
+            + ", ".join(f"{name} {row[name]!r}" for name in _NUMBERS)
+            + "); `key forget` deletes it"
+        )
+    return row
 
 
 def _is_live(row: Any, now: float) -> bool:

@@ -83,6 +83,11 @@ def forget_claim(claim_id: str, now: float) -> Update:
     return claims.update().where(claims.c.id == claim_id).values(status=RELEASED, updated_at=now)
 
 
+def delete_claim(claim_id: str) -> Delete:
+    """Delete a row whatever its state (one that cannot be read)."""
+    return delete(claims).where(claims.c.id == claim_id)
+
+
 def delete_expired(before: float) -> Delete:
     """Delete rows whose expiry passed before ``before``."""
     return delete(claims).where(claims.c.expires_at < before)

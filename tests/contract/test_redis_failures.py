@@ -353,3 +353,17 @@ def test_a_thread_does_not_wait_for_another_threads_script(
     leave.set()
     stuck.join(10)
     assert store.get("slow") is not None
+
+
+def test_a_finished_body_whose_record_turned_unreadable_keeps_its_value(url: str) -> None:
+    from idempotent_tasks.codec import ResultCodec
+    from idempotent_tasks.core import Attempt
+
+    store = RedisStore.from_url(url, prefix="corrupt")
+    attempt = Attempt(
+        store=store, request=_request("k"), codec=ResultCodec(serializer="json", max_bytes=1024)
+    )
+    assert attempt.claim().outcome is Outcome.ACQUIRED
+    redis.Redis.from_url(url).set(store.names("k")[0], "not a hash")
+    # The body ran: its caller gets its value, not an error that would fail the task
+    assert attempt.finish({"charged": 5}, patience_seconds=1) == {"charged": 5}

@@ -16,7 +16,7 @@ from idempotent_tasks.dlq.schema import (
     pickups,
     schema_versions,
 )
-from idempotent_tasks.errors import SchemaVersionError, StoreUnavailable
+from idempotent_tasks.errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
 
@@ -166,3 +166,45 @@ def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
     finally:
         store.close()
         engine.dispose()
+
+
+NUMBER_COLUMNS = ["token", "lease_expires_at", "expires_at", "created_at"]
+
+
+def _corrupt_claim_row(store: SqlStore, column: str, value: str) -> None:
+    """Write ``value`` as text into one column of every claim row, as SQLite lets anyone."""
+    with store.engine.begin() as connection:
+        connection.execute(sa.text(f"UPDATE {claims.name} SET {column} = :value"), {"value": value})
+
+
+@pytest.mark.parametrize(
+    ("kind", "column"),
+    [("sqlite", column) for column in NUMBER_COLUMNS]
+    + [(kind, "status") for kind in ("sqlite", "postgresql", "mariadb")],
+)
+def test_a_claim_row_that_cannot_be_read_is_a_corrupt_record_until_forgotten(
+    kind: str, column: str, request: pytest.FixtureRequest
+) -> None:
+    store = SqlStore(store_url(kind, request), prefix=f"corrupt-{uuid.uuid4().hex[:8]}")
+    try:
+        first = _request()
+        assert store.claim(first).outcome is Outcome.ACQUIRED
+        _corrupt_claim_row(store, column, "garbled")
+        # Every read names the row unreadable, never a raw TypeError or ValueError
+        with pytest.raises(CorruptRecord, match="unreadable"):
+            store.claim(dataclasses.replace(first, owner="other", task_id="y"))
+        pickup = Pickup(envelope=b"{}", due_in=60, timeout=60)
+        with pytest.raises(CorruptRecord, match="unreadable"):
+            store.reserve(dataclasses.replace(first, task_id="y"), pickup)
+        with pytest.raises(CorruptRecord, match="unreadable"):
+            store.get(first.storage_key)
+        # Forgetting the key (the operator's way out) deletes the row: the key works again
+        assert store.forget(first.storage_key) is True
+        second = dataclasses.replace(first, owner="other", task_id="y")
+        claim = store.claim(second)
+        assert claim.outcome is Outcome.ACQUIRED
+        assert store.complete(second, claim.token, None) is CompleteOutcome.STORED
+    finally:
+        with store.engine.begin() as connection:
+            connection.execute(claims.delete().where(claims.c.id.like(f"{store.prefix}:%")))
+        store.close()
