@@ -82,6 +82,8 @@ class LeaseKeeper:
         while True:
             with self._lock:
                 now = self._clock()
+                # A finished lease still here had its remove() interrupted half-way.
+                self._leases = {lease for lease in self._leases if not lease.finished}
                 due = [lease for lease in self._leases if lease.next_due <= now]
                 for lease in due:
                     lease.next_due = now + lease.interval
@@ -99,9 +101,11 @@ class LeaseKeeper:
         except Exception:
             logger.warning("could not renew a lease; will try again", exc_info=True)
             return
-        if not held and not lease.finished:
+        if not held:
+            finished = lease.finished
             self.remove(lease)
-            lease.on_lost()
+            if not finished:
+                lease.on_lost()
 
 
 #: The keeper of this process.

@@ -45,9 +45,7 @@ def test_a_task_killed_at_its_hard_time_limit_is_dead_lettered_and_its_key_relea
         assert row.status is DeadLetterStatus.PERMANENT_FAILURE
         # And the key is free, so the pickup guard will not run the killed call again
         store = store_for(app)
-        wait_until(
-            lambda: store.get(storage_key(task.name, key)) is None, 10, "the key's release"
-        )
+        wait_until(lambda: store.get(storage_key(task.name, key)) is None, 10, "the key's release")
         # And a new call with the key runs afresh (it fails for good only when it overruns)
         again = task.apply_async((name, 0), idempotency_key=key)
         assert again.id != result.id

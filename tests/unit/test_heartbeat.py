@@ -80,3 +80,24 @@ def test_a_renewal_that_raises_is_retried() -> None:
     time.sleep(0.3)
     keeper.remove(lease)
     assert len(attempts) >= 2
+
+
+def test_a_lease_whose_removal_was_interrupted_is_dropped_once_no_longer_held() -> None:
+    # remove() marks the lease finished, then takes it out of the set: an exception raised
+    # between the two (a soft time limit, say) must not leave it renewed for ever.
+    keeper = LeaseKeeper()
+    lost = threading.Event()
+    calls = []
+
+    def renew() -> bool:
+        calls.append(1)
+        return False  # the attempt released its claim
+
+    lease = keeper.add(renew, lost.set, lease_seconds=0.15)
+    lease.finished = True  # remove() got this far only
+    time.sleep(0.4)
+    assert len(calls) <= 1  # at most a renewal under way when it was marked
+    assert lease not in keeper._leases
+    time.sleep(0.3)
+    assert len(calls) <= 1  # never renewed again
+    assert not lost.is_set()  # and not reported lost: its attempt had finished
