@@ -1,8 +1,8 @@
 """One background thread per process that renews the leases of every running attempt.
 
 A thread per task would cost a thread start and join on every execution; this one sleeps until
-the earliest renewal is due. It is restarted lazily in a forked child, where threads do not
-survive the fork.
+the earliest renewal is due. A forked child starts with no leases (they are its parent's) and
+restarts the thread lazily: threads do not survive a fork.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +45,17 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         self._pid = 0
         #: When the thread will next look at its leases (monotonic seconds).
+        self._wakes_at = 0.0
+        reset = weakref.WeakMethod(self._forget_parent)
+        os.register_at_fork(after_in_child=lambda: (method := reset()) and method())
+
+    def _forget_parent(self) -> None:
+        """In a forked child: the parent's leases, thread and lock (perhaps held by a thread
+        that did not survive the fork) are the parent's."""
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._leases = set()
+        self._thread = None
         self._wakes_at = 0.0
 
     def add(

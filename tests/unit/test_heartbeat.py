@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -101,3 +103,28 @@ def test_a_lease_whose_removal_was_interrupted_is_dropped_once_no_longer_held() 
     time.sleep(0.3)
     assert len(calls) <= 1  # never renewed again
     assert not lost.is_set()  # and not reported lost: its attempt had finished
+
+
+def test_a_forked_child_renews_its_own_leases_only_even_if_the_lock_was_held() -> None:
+    keeper = LeaseKeeper()
+    parent_renewals = []
+    keeper.add(lambda: parent_renewals.append(1) or True, lambda: None, lease_seconds=0.15)
+    read, write = os.pipe()
+    with keeper._lock:  # another thread of the parent holds it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: report how its keeper behaves, then exit at once
+            signal.alarm(5)  # a child stuck on the parent's lock dies instead of hanging
+            try:
+                renewed = threading.Event()
+                lease = keeper.add(lambda: renewed.set() or True, lambda: None, 0.15)
+                ok = renewed.wait(2) and len(keeper._leases) == 1
+                keeper.remove(lease)
+                os.write(write, b"ok" if ok else b"no")
+            finally:
+                os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 2)
+    os.close(read)
+    assert answer == b"ok"
+    assert os.waitstatus_to_exitcode(status) == 0
