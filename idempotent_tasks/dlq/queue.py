@@ -19,7 +19,7 @@ from . import queries
 from .backoff import next_retry_at
 from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
 from .items import DeadLetter, DeadLetterStatus, Failure
-from .schema import COMPONENT, SCHEMA_VERSION, dead_letters
+from .schema import COMPONENT, DEAD_LETTER_MIGRATIONS, SCHEMA_VERSION, dead_letters
 from .schema_setup import ensure_component
 
 #: Items a sweep takes at most per batch.
@@ -283,6 +283,7 @@ class DeadLetterQueue:
                 version=SCHEMA_VERSION,
                 tables=[dead_letters],
                 what="dead-letter",
+                migrations=DEAD_LETTER_MIGRATIONS,
             )
             self._schema_ready = True
 

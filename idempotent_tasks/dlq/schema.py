@@ -29,8 +29,9 @@ from sqlalchemy.engine import Connection, Dialect
 #: A step that brings a component's tables from the version it is keyed by to the next one.
 Migration = Callable[[Connection], None]
 
-#: Version of the tables below; a database at a higher version is refused.
-SCHEMA_VERSION = 1
+#: Version of the dead-letter table; a database at a higher version is refused. Version 2:
+#: ``failure_id`` compared exactly on MySQL/MariaDB (see :class:`ExactText`).
+SCHEMA_VERSION = 2
 #: Name under which the dead-letter schema records its version.
 COMPONENT = "dead_letters"
 
@@ -82,7 +83,8 @@ dead_letters = Table(
     Column("framework", String(16), nullable=False, server_default="celery"),
     # One row per failed delivery (task id and attempt): a write repeated after a lost reply
     # or a database outage finds its row already there.
-    Column("failure_id", String(300), nullable=False, unique=True),
+    # "<task id>:<retries>": task ids that differ only in case are different tasks.
+    Column("failure_id", ExactText(300), nullable=False, unique=True),
     Column("idempotency_key", String(1024)),
     Column("args", JSON, nullable=False),
     Column("kwargs", JSON, nullable=False),
@@ -166,18 +168,21 @@ pickups = Table(
 )
 
 
-def _ids_compared_exactly(table: Table) -> Migration:
-    """Version 1 -> 2 of a table keyed by an :class:`ExactText` id: on MySQL/MariaDB the id
+def _compared_exactly(table: Table, column: str) -> Migration:
+    """Version 1 -> 2 of a table with an :class:`ExactText` column: on MySQL/MariaDB the
     column, compared by a case- and accent-insensitive collation before, becomes bytes."""
 
     def migrate(connection: Connection) -> None:
         dialect = connection.dialect
         if dialect.name in ("mysql", "mariadb"):
-            id_type = table.c.id.type.compile(dialect=dialect)
-            connection.execute(text(f"ALTER TABLE {table.name} MODIFY id {id_type} NOT NULL"))
+            column_type = table.c[column].type.compile(dialect=dialect)
+            connection.execute(
+                text(f"ALTER TABLE {table.name} MODIFY {column} {column_type} NOT NULL")
+            )
 
     return migrate
 
 
-CLAIMS_MIGRATIONS: Mapping[int, Migration] = {1: _ids_compared_exactly(claims)}
-PICKUPS_MIGRATIONS: Mapping[int, Migration] = {1: _ids_compared_exactly(pickups)}
+DEAD_LETTER_MIGRATIONS: Mapping[int, Migration] = {1: _compared_exactly(dead_letters, "failure_id")}
+CLAIMS_MIGRATIONS: Mapping[int, Migration] = {1: _compared_exactly(claims, "id")}
+PICKUPS_MIGRATIONS: Mapping[int, Migration] = {1: _compared_exactly(pickups, "id")}

@@ -926,3 +926,70 @@ def test_add_keeps_a_task_id_of_the_longest_length_apply_async_takes(
     item = dlq.add(_failure(task_id=task_id, failure_id=f"{task_id}:99"))
     assert (item.task_id, item.failure_id) == (task_id, f"{task_id}:99")
     assert dlq.get(item.id) == item
+
+
+def test_failures_of_task_ids_that_differ_only_in_case_are_two_rows(dlq: DeadLetterQueue) -> None:
+    first = dlq.add(_failure(task_id="Order-42", failure_id="Order-42:0"))
+    second = dlq.add(_failure(task_id="order-42", failure_id="order-42:0"))
+    assert first.id != second.id
+    assert (first.failure_id, second.failure_id) == ("Order-42:0", "order-42:0")
+    assert dlq.stats()["pending"] == 2
+
+
+def test_a_version_one_table_is_brought_to_exact_failure_ids_keeping_its_rows(
+    dlq_url: str,
+) -> None:
+    # Given a dead-letter table as version 1 made it (failure ids compared by the database's
+    # default collation: on MariaDB, blind to case) holding one failure
+    old = sa.MetaData()
+    columns = [
+        sa.Column("failure_id", sa.String(300), nullable=False, unique=True)
+        if column.name == "failure_id"
+        else column._copy()
+        for column in dead_letters.columns
+    ]
+    old_table = sa.Table(dead_letters.name, old, *columns)
+    engine = sa.create_engine(dlq_url)
+    try:
+        with engine.begin() as connection:
+            old.create_all(connection)
+            schema_versions.create(connection, checkfirst=True)
+            connection.execute(schema_versions.insert().values(component=COMPONENT, version=1))
+            now = datetime.now(timezone.utc)
+            connection.execute(
+                old_table.insert().values(
+                    id=str(uuid.uuid4()),
+                    task_name="tasks.charge",
+                    task_id="Order-42",
+                    framework="celery",
+                    failure_id="Order-42:0",
+                    idempotency_key=None,
+                    args=[],
+                    kwargs={},
+                    options={},
+                    error_type="RuntimeError",
+                    error_message="boom",
+                    traceback=None,
+                    retry_count=0,
+                    max_retries=0,
+                    next_retry_at=None,
+                    status=DeadLetterStatus.PERMANENT_FAILURE.value,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        # When a queue of this version opens it
+        dlq = DeadLetterQueue(dlq_url)
+        try:
+            # Then the row is kept, and a task id that differs only in case gets its own
+            added = dlq.add(_failure(task_id="order-42", failure_id="order-42:0"))
+            assert added.failure_id == "order-42:0"
+            assert sorted(item.failure_id for item in dlq.items(limit=10)) == [
+                "Order-42:0",
+                "order-42:0",
+            ]
+            assert _version_rows(engine) == [(COMPONENT, SCHEMA_VERSION)] == [(COMPONENT, 2)]
+        finally:
+            dlq.dispose()
+    finally:
+        engine.dispose()
