@@ -134,7 +134,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         republish_headers = options.pop(_REPUBLISH, None)
         call_key = options.pop(KEY_HEADER, None)
-        publishing.check_task_id(task_id)
+        if republish_headers is None:
+            # Not our own re-publish (a retry, a wait) of a message that already runs here:
+            # one sent by other means is not refused half-way through its life.
+            publishing.check_task_id(task_id)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         key = publishing.publish_key(self, call_key, args, kwargs)

@@ -18,6 +18,7 @@ pickup, and the sweep's :meth:`SqlStore.take_due` drops those of keys completed 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,6 +84,8 @@ from .sql_statements import (
     update_held,
     upsert_pickup,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Compare-and-set rounds a claim (or reservation) tries before calling the key contended.
 MAX_CLAIM_ROUNDS = 10
@@ -163,7 +166,12 @@ class SqlStore:
             with self._begin() as connection:
                 rows = connection.execute(select_due(self.prefix, now, wanted)).mappings().all()
             for row in rows:
-                due = self._take(row, now)
+                try:
+                    due = self._take(row, now)
+                except (CorruptRecord, ValueError, TypeError) as exc:
+                    # One unreadable row must not stop the sweep for every other key.
+                    logger.error("skipping the unreadable pickup of %r: %s", row["id"], exc)
+                    continue
                 if due is not None:
                     taken.append(due)
             if len(rows) < wanted:

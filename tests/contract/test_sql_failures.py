@@ -208,3 +208,25 @@ def test_a_claim_row_that_cannot_be_read_is_a_corrupt_record_until_forgotten(
         with store.engine.begin() as connection:
             connection.execute(claims.delete().where(claims.c.id.like(f"{store.prefix}:%")))
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_sweep_skips_a_key_whose_claim_row_is_unreadable_and_takes_the_others(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    store = SqlStore(store_url(kind, request), prefix=f"sweep-{uuid.uuid4().hex[:8]}")
+    try:
+        pickup = Pickup(envelope=b"{}", due_in=0.05, timeout=60)
+        broken, fine = _request(), dataclasses.replace(_request(), storage_key="k2", key="k2")
+        assert store.reserve(broken, pickup) is None
+        assert store.reserve(fine, pickup) is None
+        with store.engine.begin() as connection:
+            connection.execute(
+                claims.update().where(claims.c.id == store.claim_id("k")).values(status="garbled")
+            )
+        import time
+
+        time.sleep(0.2)
+        assert [due.storage_key for due in store.take_due(10)] == ["k2"]
+    finally:
+        store.close()

@@ -296,7 +296,9 @@ def test_records_read_carry_the_store_time(store: Store, make_request: Make) -> 
     # This host's clock is the stores' here (Redis, the databases and this process share it).
     assert found.read_at == pytest.approx(time.time(), abs=1)
     assert read.read_at == pytest.approx(time.time(), abs=1)
-    assert read.lease_expires_at == pytest.approx(read.store_time() + DUE_IN, abs=0.1)
+    # Written at the reserve, read a moment later (up to a quarter second on a loaded machine).
+    assert read.store_time() + DUE_IN - 0.25 <= read.lease_expires_at
+    assert read.lease_expires_at <= read.store_time() + DUE_IN + 0.01
 
 
 @pytest.mark.parametrize("answer", ["in_progress", "completed", "mismatch"])
