@@ -399,9 +399,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         to be written later, the key stays claimed: its pickup guard runs the call again once
         the lease ends, rather than let it be lost.
         """
-        self.push_request(request_dict, called_directly=False, idempotency_entered=True)
+        self.push_request(request_dict, called_directly=False)
         try:
             request = self.request
+            # An attribute, not a push_request keyword: those become headers that a
+            # re-publish (of the unwritten dead letter) would carry into the next run.
+            request.idempotency_entered = True
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
             key = _request_key(request)
             if key is None and self.idempotency_key is not None:

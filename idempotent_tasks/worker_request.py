@@ -9,11 +9,17 @@ there instead, as a failure in its body would end: dead-lettered, and its key re
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 from typing import Any
 
 from celery.exceptions import TimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class IdempotentRequest(Request):  # type: ignore[misc]
@@ -25,5 +31,15 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         if not soft and not worker_state.should_terminate:
             end_killed_call: Any = getattr(self.task, "end_killed_call", None)
             if end_killed_call is not None:
-                end_killed_call(self.request_dict, TimeLimitExceeded(timeout))
+                # Billiard terminates the process only after this handler: make sure the body
+                # is gone before its key is released, or a duplicate could run beside it.
+                if self.worker_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.worker_pid, signal.SIGKILL)
+                try:
+                    end_killed_call(self.request_dict, TimeLimitExceeded(timeout))
+                except Exception:
+                    logger.exception(
+                        "could not end %s[%s] after its time limit", self.name, self.id
+                    )
         super().on_timeout(soft, timeout)
