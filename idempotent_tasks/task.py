@@ -198,9 +198,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         unwritten = _request_header(request, UNWRITTEN_FAILURE_HEADER)
         if unwritten is not None:
             self._write_failure(Failure(**unwritten))
-        key = _request_key(request)
-        if key is None and self.idempotency_key is not None:
-            key = derive_key(self.idempotency_key, self._signature, args, kwargs)
+        key = self._call_key(request, args, kwargs)
         if key is None:
             return self._run_unclaimed(args, kwargs)
 
@@ -406,9 +404,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # re-publish (of the unwritten dead letter) would carry into the next run.
             request.idempotency_entered = True
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-            key = _request_key(request)
-            if key is None and self.idempotency_key is not None:
-                key = derive_key(self.idempotency_key, self._signature, args, kwargs)
+            key = self._call_key(request, args, kwargs)
             try:
                 try:
                     raise exc  # so that the dead letter's traceback names it
@@ -424,11 +420,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         finally:
             self.pop_request()
 
+    def _call_key(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The key a delivered call runs under: its message's, else the task's own."""
+        key = _request_key(request)
+        if key is None and self.idempotency_key is not None:
+            key = derive_key(self.idempotency_key, self._signature, args, kwargs)
+        return key
+
     def _release_killed_owner(
         self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Release the claim of this task id's killed attempt, whose owner id only that process
-        knew: read from the record, the fencing token making sure no later owner is released."""
+        knew: read from the record (the token only guards against a change between the read
+        and the release; a takeover by another attempt of this task id before the read is not
+        told apart)."""
         store = store_for(self.app)
         try:
             record = store.get(storage_key(self.name, key))
