@@ -27,6 +27,9 @@ SWEEP_TASK = "idempotent_tasks.retry_dead_letters"
 DEAD_LETTER_HEADER = "idempotency_dead_letter_id"
 #: Header of a message whose final failure still has to be written (the database was down).
 UNWRITTEN_FAILURE_HEADER = "idempotency_unwritten_failure"
+#: Header of such a message whose failure Celery has reported already (a call killed at its
+#: hard time limit): writing the dead letter ends it quietly, not as a second failure.
+FAILURE_REPORTED_HEADER = "idempotency_failure_reported"
 
 
 def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import warnings
 from functools import cached_property
 from traceback import format_exc
 from typing import Any, ClassVar, NoReturn
@@ -15,6 +16,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.log import get_task_logger
+from kombu.utils.imports import symbol_by_name
 
 from . import defaults, publishing, signals
 from .app_store import store_for
@@ -23,6 +25,7 @@ from .codec import UNSAFE_SERIALIZERS, ResultCodec
 from .core import Attempt, new_owner, wait_for_owner
 from .dead_letters import (
     DEAD_LETTER_HEADER,
+    FAILURE_REPORTED_HEADER,
     UNWRITTEN_FAILURE_HEADER,
     mark_succeeded,
     routing_options,
@@ -40,8 +43,9 @@ from .errors import (
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key
 from .pickups import make_pickup, pickup_timeout, seconds_until
-from .records import ClaimRequest, Outcome, Record, SideWrite, Status
+from .records import ClaimRequest, Outcome, Pickup, Record, SideWrite, Status
 from .settings import app_setting, resolve
+from .worker_request import ISSUED_BY, ISSUED_OWNER, IdempotentRequest, issued_owner
 
 logger = get_task_logger(__name__)
 module_logger = logging.getLogger(__name__)
@@ -102,6 +106,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise ValueError(
                 f"on_duplicate must be one of {', '.join(ON_DUPLICATE_CHOICES)}, "
                 f"not {cls.on_duplicate!r}"
+            )
+        request_class = cls.__dict__.get("Request")
+        if request_class is not None and not _ends_killed_calls(request_class):
+            warnings.warn(
+                f"{cls.__name__}.Request does not subclass "
+                "idempotent_tasks.worker_request.IdempotentRequest: a call killed at its hard "
+                "time limit will not be dead-lettered, and its key stays claimed until its "
+                "lease ends",
+                stacklevel=2,
             )
         source = cls.__dict__.get("idempotency_key")
         if callable(source) and not isinstance(source, staticmethod):
@@ -184,7 +197,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             carried.setdefault(DEAD_LETTER_HEADER, dead_letter_id)
-        return super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        # The owner this delivery was issued is its own: the next one is issued another.
+        headers = signature.options.get("headers") or {}
+        headers.pop(ISSUED_OWNER, None)
+        headers.pop(ISSUED_BY, None)
+        return signature
 
     # -- running ----------------------------------------------------------------------------
 
@@ -310,7 +328,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     self.default_retry_delay if countdown is None and eta is None else countdown,
                     eta,
                 )
-                pickup = self._retry_pickup(attempt, args, kwargs, wait)
+                pickup = self._message_pickup(
+                    attempt.request.key,
+                    args,
+                    kwargs,
+                    wait,
+                    retries=self.request.retries + 1,
+                    previous_owner=attempt.request.owner,
+                )
             attempt.release_quietly(pickup)
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
         try:
@@ -322,17 +347,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise
             raise Reject(rejected.reason, requeue=True) from rejected
 
-    def _retry_pickup(self, attempt: Attempt, args: Any, kwargs: Any, wait: float) -> Any:
-        """The retry's message as the pickup guard keeps it, so a lost retry runs anyway."""
+    def _message_pickup(
+        self,
+        key: str,
+        args: Any,
+        kwargs: Any,
+        wait: float,
+        *,
+        retries: int,
+        previous_owner: str | None = None,
+    ) -> Any:
+        """This call's next message (a retry, a requeue) as the pickup guard keeps it, so it
+        runs even if that message is lost."""
         request = self.request
-        headers = {KEY_HEADER: attempt.request.key, PREVIOUS_OWNER_HEADER: attempt.request.owner}
+        headers = {KEY_HEADER: key}
+        if previous_owner is not None:
+            headers[PREVIOUS_OWNER_HEADER] = previous_owner
         dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             headers[DEAD_LETTER_HEADER] = dead_letter_id
         options = {
             **routing_options(request.delivery_info),
             "headers": headers,
-            "retries": request.retries + 1,
+            "retries": retries,
             "link": request.callbacks,
             "link_error": request.errbacks,
             "chain": request.chain,
@@ -395,7 +432,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Runs in the worker's main process, before Celery marks the call failed and
         acknowledges its message. Should the dead letter be neither written nor re-published
         to be written later, the key stays claimed: its pickup guard runs the call again once
-        the lease ends, rather than let it be lost.
+        the lease ends, rather than let it be lost. When Celery hands the message back to the
+        broker instead (``acks_on_timeout`` off), the call has not failed for good: it is not
+        dead-lettered, and its key is released for the requeued message.
         """
         self.push_request(request_dict, called_directly=False)
         try:
@@ -403,20 +442,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # An attribute, not a push_request keyword: those become headers that a
             # re-publish (of the unwritten dead letter) would carry into the next run.
             request.idempotency_entered = True
+            # Celery fails the call itself (errbacks, chord) once this returns.
+            setattr(request, FAILURE_REPORTED_HEADER, True)
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
             key = self._call_key(request, args, kwargs)
-            try:
+            requeued = _timeout_requeues(self)
+            if not requeued:
                 try:
-                    raise exc  # so that the dead letter's traceback names it
-                except type(exc):
-                    self.on_final_failure(exc, key, args, kwargs)
-            except Retry:
-                pass  # the dead letter could not be written: the re-published message will
-            except Exception:
-                logger.exception("could not dead-letter the call killed at its time limit")
-                return
+                    try:
+                        raise exc  # so that the dead letter's traceback names it
+                    except type(exc):
+                        self.on_final_failure(exc, key, args, kwargs)
+                except Retry:
+                    pass  # the dead letter could not be written: the re-published message will
+                except Exception:
+                    logger.exception("could not dead-letter the call killed at its time limit")
+                    return
             if key is not None:
-                self._release_killed_owner(key, args, kwargs)
+                pickup = (
+                    self._message_pickup(key, args, kwargs, 0.0, retries=request.retries)
+                    if requeued
+                    else None
+                )
+                self._release_killed_owner(key, args, kwargs, pickup)
         finally:
             self.pop_request()
 
@@ -428,26 +476,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return key
 
     def _release_killed_owner(
-        self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], pickup: Pickup | None
     ) -> None:
-        """Release the claim of this task id's killed attempt, whose owner id only that process
-        knew: read from the record (the token only guards against a change between the read
-        and the release; a takeover by another attempt of this task id before the read is not
-        told apart)."""
+        """Release the claim of the killed attempt, if it still holds the key: under the owner
+        id this worker issued to its delivery, with the token the record holds (read first,
+        as only the killed process knew it)."""
+        owner = issued_owner(self.request)
+        if owner is None:  # not delivered by IdempotentRequest: the lease frees the key
+            return
         store = store_for(self.app)
         try:
             record = store.get(storage_key(self.name, key))
         except (StoreUnavailable, CorruptRecord) as exc:
             logger.warning("could not release key %r (%s): its lease frees it", key, exc)
             return
-        if (
-            record is None
-            or record.status is not Status.PROCESSING
-            or record.task_id != self.request.id
-        ):
-            return
-        claim = self._claim_request(key, args, kwargs, self.request.id, owner=record.owner)
-        Attempt(store=store, request=claim, codec=self._codec, token=record.token).release_quietly()
+        if record is None or record.status is not Status.PROCESSING or record.owner != owner:
+            return  # never claimed, or taken over since: not the killed attempt's to release
+        claim = self._claim_request(key, args, kwargs, self.request.id, owner=owner)
+        Attempt(store=store, request=claim, codec=self._codec, token=record.token).release_quietly(
+            pickup
+        )
 
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""
@@ -461,12 +509,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 exc,
                 delay,
             )
-            self._republish_self(
-                delay,
-                exc,
-                {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)},
-            )
+            headers: dict[str, Any] = {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)}
+            if _request_header(self.request, FAILURE_REPORTED_HEADER):
+                headers[FAILURE_REPORTED_HEADER] = True
+            self._republish_self(delay, exc, headers)
         if _request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
+            if _request_header(self.request, FAILURE_REPORTED_HEADER):
+                raise Ignore()  # its failure ran its errbacks already: not twice
             raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
 
     def _dead_letter_succeeded(self) -> None:
@@ -517,7 +566,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             args,
             kwargs,
             request.id,
-            owner=new_owner(),
+            owner=issued_owner(request) or new_owner(),
             previous_owner=_request_header(request, PREVIOUS_OWNER_HEADER),
         )
         return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
@@ -606,6 +655,28 @@ class IdempotentTask(Task):  # type: ignore[misc]
             max_bytes=int(app_setting(conf, "idempotency_result_max_bytes")),
             allow_unsafe=allow_pickle,
         )
+
+
+def _ends_killed_calls(request_class: Any) -> bool:
+    """Whether a task's ``Request`` (a class or its ``"module:Class"`` name) is ours; ``True``
+    when it cannot be told yet (its module still being imported, say)."""
+    try:
+        resolved = symbol_by_name(request_class)  # type: ignore[no-untyped-call]
+    except Exception:
+        return True
+    return isinstance(resolved, type) and issubclass(resolved, IdempotentRequest)
+
+
+def _timeout_requeues(task: Task) -> bool:
+    """Whether Celery hands a message killed at its hard time limit back to the broker: an
+    ``acks_late`` task with ``acks_on_timeout`` (before Celery 5.7,
+    ``acks_on_failure_or_timeout``) off."""
+    if not task.acks_late:
+        return False
+    acks = getattr(task, "acks_on_timeout", None)
+    if acks is None:
+        acks = task.acks_on_failure_or_timeout
+    return acks is not None and not acks
 
 
 def _request_header(request: Any, name: str) -> Any:

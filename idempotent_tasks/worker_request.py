@@ -5,6 +5,9 @@ its pool process, then, in the worker's main process, marks it failed and acknow
 message. The claim that process held would stay until its lease ended, and the pickup guard
 would then run the call again, to its limit, again and again. This request ends the call
 there instead, as a failure in its body would end: dead-lettered, and its key released.
+
+Only this process can tell which claim to release: the owner id of each delivery is issued
+here, in the request, and the pool process claims under that id (see :func:`issued_owner`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,23 @@ from celery.exceptions import TimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
+from .core import new_owner
+
 logger = logging.getLogger(__name__)
+
+#: Request entries: the owner id the worker's main process issued to a delivery, and its pid.
+ISSUED_OWNER = "idempotency_issued_owner"
+ISSUED_BY = "idempotency_issued_by"
 
 
 class IdempotentRequest(Request):  # type: ignore[misc]
     """Celery's request, ending an ``IdempotentTask`` call killed at its hard time limit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each delivery is a new request, so a redelivered message is a new owner too.
+        self.request_dict[ISSUED_OWNER] = new_owner()
+        self.request_dict[ISSUED_BY] = os.getpid()
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # A cold shutdown kills running tasks through this path too: their messages are
@@ -43,3 +58,15 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                         "could not end %s[%s] after its time limit", self.name, self.id
                     )
         super().on_timeout(soft, timeout)
+
+
+def issued_owner(request: Any) -> str | None:
+    """The owner id this worker issued to the delivery ``request`` runs, if any.
+
+    Trusted only from this process or its parent (the prefork pool's main process): the
+    entries are request fields, and a message could carry stale ones in its headers.
+    """
+    if getattr(request, ISSUED_BY, None) not in (os.getpid(), os.getppid()):
+        return None
+    owner = getattr(request, ISSUED_OWNER, None)
+    return owner if isinstance(owner, str) and owner else None

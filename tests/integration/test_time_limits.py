@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery.exceptions import TimeLimitExceeded
+from celery.result import AsyncResult
 
 from idempotent_tasks.app_store import dlq_for, store_for
-from idempotent_tasks.dlq import DeadLetter, DeadLetterStatus
+from idempotent_tasks.core import new_owner
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
 from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Outcome, Status
+from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER
 from tests.integration import worker_app
+from tests.integration.databases import fresh_pg_database, set_pg_database_online
 from tests.integration.helpers import fresh, ledger_events, wait_until
 from tests.integration.workers import WorkerProcess
 
@@ -59,4 +66,121 @@ def test_a_task_killed_at_its_hard_time_limit_is_dead_lettered_and_its_key_relea
         row = wait_until(lambda: _row_of(unkeyed.id), 10, "the unkeyed call's dead letter")
         assert (row.idempotency_key, row.error_type) == (None, "TimeLimitExceeded")
     finally:
+        worker.stop()
+
+
+@pytest.mark.slow
+def test_a_killed_call_celery_hands_back_to_the_broker_is_not_dead_lettered_and_runs_again(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    # Given a task whose message Celery requeues when its hard time limit kills it
+    worker = WorkerProcess("requeues", it_env, tmp_path)
+    try:
+        name, key = fresh("requeued"), fresh("key")
+        task = worker_app.overruns_once
+        result = task.apply_async((name,), idempotency_key=key)
+        # When its first run is killed, then the requeued message runs it again at once
+        # (its key released for it, not held until the killed run's lease ends)
+        wait_until(lambda: ledger_events(name, "finish") == 1, 30, "the requeued run")
+        assert ledger_events(name, "start") == 2
+        assert AsyncResult(result.id, app=app).get(timeout=10) == name
+        # And the call, which did not fail for good, is not in the dead-letter table
+        assert _row_of(result.id) is None
+        record = store_for(app).get(storage_key(task.name, key))
+        assert record is not None and record.status is Status.COMPLETED
+    finally:
+        worker.stop()
+
+
+def test_a_killed_call_releases_only_the_claim_its_own_delivery_made(worker_app: Any) -> None:
+    # Given a call whose key, after its lease ended, was taken over by another delivery of
+    # the same task id, and the first delivery then killed at its hard time limit
+    task = worker_app.overruns
+    name, key, task_id = fresh("taken-over"), fresh("key"), fresh("task")
+    store = store_for(app)
+    killed_owner, new_owner_id = new_owner(), new_owner()
+    claim = task._claim_request(key, (name, 30), {}, task_id, owner=new_owner_id)
+    assert store.claim(claim).outcome is Outcome.ACQUIRED
+
+    def end_delivery(owner: str) -> None:
+        request_dict = {
+            "id": task_id,
+            "task": task.name,
+            "args": [name, 30],
+            "kwargs": {},
+            "retries": 0,
+            "delivery_info": {"exchange": "", "routing_key": "celery"},
+            "idempotency_key": key,
+            ISSUED_OWNER: owner,
+            ISSUED_BY: os.getpid(),
+        }
+        task.end_killed_call(request_dict, TimeLimitExceeded(1))
+
+    # When the main process ends the killed delivery, then the new owner keeps the key
+    end_delivery(killed_owner)
+    record = store.get(storage_key(task.name, key))
+    assert record is not None
+    assert (record.status, record.owner) == (Status.PROCESSING, new_owner_id)
+    # And when that new delivery is killed in turn, its own claim is released
+    end_delivery(new_owner_id)
+    assert store.get(storage_key(task.name, key)) is None
+
+
+def _errbacks_once_settled(name: str) -> int:
+    """How many times the errbacks of ``name`` ran, once they have (Celery 5.7 runs those of a
+    call killed at its time limit twice, from two handlers, in quick succession)."""
+    wait_until(lambda: ledger_events(name, "errback") > 0, 30, "the errbacks")
+    time.sleep(1)
+    return ledger_events(name, "errback")
+
+
+@pytest.mark.slow
+def test_a_killed_call_whose_dead_letter_waits_for_its_database_fails_only_once(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    database = "it_killed_dlq_down"
+    url = fresh_pg_database(database)
+    queue = DeadLetterQueue(url)
+    queue.ensure_schema()
+    worker = WorkerProcess("killed-down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
+
+    def killed_call() -> tuple[str, AsyncResult]:
+        name = fresh("killed")
+        result = worker_app.overruns.apply_async(
+            (name, 30), idempotency_key=fresh("key"), link_error=worker_app.noted_errback.s(name)
+        )
+        return name, result
+
+    def rows_of(result: AsyncResult) -> list[DeadLetter]:
+        return [row for row in queue.items() if row.task_id == result.id]
+
+    try:
+        # Given how often Celery runs the errbacks of a killed call whose dead letter is
+        # written at once
+        name, result = killed_call()
+        wait_until(lambda: rows_of(result), 30, "the first dead letter")
+        failures_reported = _errbacks_once_settled(name)
+        # When the dead-letter database is offline as the next call is killed
+        set_pg_database_online(database, False)
+        name, result = killed_call()
+        wait_until(
+            lambda: "could not write its dead letter" in worker.log(), 30, "the failed write"
+        )
+        # And comes back, so the re-published message writes the dead letter
+        set_pg_database_online(database, True)
+        rows = wait_until(lambda: rows_of(result), 30, "the second dead letter")
+        assert [row.error_type for row in rows] == ["TimeLimitExceeded"]
+        wait_until(
+            lambda: f"[{result.id}] ignored" in worker.log() or "DeadLettered" in worker.log(),
+            30,
+            "the end of the re-published message",
+        )
+        # Then the call failed once, as the first did: no more errbacks, one run of its body
+        assert _errbacks_once_settled(name) == failures_reported
+        assert ledger_events(name, "start") == 1
+        with pytest.raises(TimeLimitExceeded):
+            result.get(timeout=10)
+    finally:
+        set_pg_database_online(database, True)
+        queue.dispose()
         worker.stop()

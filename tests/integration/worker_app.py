@@ -255,3 +255,24 @@ def overruns(name: str, sleep: float) -> str:
     time.sleep(sleep)
     note("finish", name)
     return name
+
+
+@app.task
+def noted_errback(request: Any, exc: Any, traceback: Any, name: str) -> None:
+    """An errback (Celery's new style): records in the ledger of ``name`` that it ran."""
+    note("errback", name)
+
+
+@app.task(
+    base=IdempotentTask,
+    time_limit=1,
+    acks_on_timeout=False,  # Celery 5.7
+    acks_on_failure_or_timeout=False,  # before 5.7
+)
+def overruns_once(name: str) -> str:
+    """Its first run is killed at its hard time limit; Celery hands the message back to the
+    broker (acks on timeout off), and the run after that finishes."""
+    if note("start", name) == 1:
+        time.sleep(30)
+    note("finish", name)
+    return name

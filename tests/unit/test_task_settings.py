@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,34 @@ def test_pickle_is_used_when_the_app_opts_in() -> None:
 
     assert pickled._codec.serializer == "pickle"
     assert pickled._codec.allow_unsafe
+
+
+def test_a_subclass_with_a_request_class_not_ours_is_warned_of_what_it_loses() -> None:
+    from celery.worker.request import Request
+
+    from idempotent_tasks.worker_request import IdempotentRequest
+
+    class OwnRequest(Request):  # type: ignore[misc]
+        pass
+
+    class KeepsHandling(IdempotentRequest):
+        pass
+
+    with pytest.warns(UserWarning, match="IdempotentRequest"):
+
+        class Loses(IdempotentTask):
+            Request = OwnRequest
+
+    with pytest.warns(UserWarning, match="IdempotentRequest"):
+
+        class LosesByName(IdempotentTask):
+            Request = "celery.worker.request:Request"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class Keeps(IdempotentTask):
+            Request = KeepsHandling
+
+        class Inherits(Keeps):
+            pass
