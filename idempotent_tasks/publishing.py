@@ -7,6 +7,7 @@ cannot be reached lets the message go out unguarded.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,15 @@ def check_task_id(task_id: object) -> None:
         raise ValueError(
             f"task_id is {len(task_id)} characters long; at most {MAX_TASK_ID_CHARS} are kept"
         )
+
+
+def fitted_task_id(task_id: str) -> str:
+    """``task_id``, or, when longer than the stores keep, a shorter id naming it: its start
+    and a digest of the whole (a message sent by other means than ``apply_async``)."""
+    if len(task_id) <= MAX_TASK_ID_CHARS:
+        return task_id
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:32]
+    return f"{task_id[: MAX_TASK_ID_CHARS - len(digest) - 1]}~{digest}"
 
 
 def publish_key(

@@ -219,6 +219,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         key = self._call_key(request, args, kwargs)
         if key is None:
             return self._run_unclaimed(args, kwargs)
+        if len(request.id) > publishing.MAX_TASK_ID_CHARS:
+            # Sent by other means than apply_async, which refuses it: no store can claim it.
+            refused = ValueError(
+                f"task id is {len(request.id)} characters long; a keyed call's may have at "
+                f"most {publishing.MAX_TASK_ID_CHARS}"
+            )
+            self.on_final_failure(refused, key, args, kwargs)
+            raise refused
 
         attempt = self._attempt(key, args, kwargs, request)
         try:
@@ -409,10 +417,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.error(
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"
             )
+        task_id = publishing.fitted_task_id(request.id)
         failure = Failure(
-            failure_id=f"{request.id}:{request.retries}",
+            failure_id=f"{task_id}:{request.retries}",
             task_name=self.name,
-            task_id=request.id,
+            task_id=task_id,
             idempotency_key=key,
             args=stored_args,
             kwargs=stored_kwargs,

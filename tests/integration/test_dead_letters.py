@@ -143,3 +143,32 @@ class TestWithBeat:
         with pytest.raises(IdempotencyKeyMismatch):
             other.get(timeout=30)
         assert _row_of(other.id) is None
+
+
+@pytest.mark.usefixtures("workers_and_beat")
+def test_a_keyed_message_with_a_task_id_no_store_keeps_fails_and_its_dead_letter_runs_it() -> None:
+    # Given a keyed message sent by name with a task id of 300 characters (apply_async refuses
+    # one; send_task does not look)
+    name, key = fresh("long-id"), fresh("key")
+    task_id = fresh("t").ljust(300, "x")
+    result = app.send_task(
+        worker_app.ledgered.name, (name,), task_id=task_id, headers={"idempotency_key": key}
+    )
+    # Then the worker fails it for good, with a clear error, running no body
+    with pytest.raises(ValueError, match="300 characters long"):
+        result.get(timeout=30)
+    # And it waits in the dead-letter table under a task id that fits, whose retry runs it once
+    fitted = wait_until(
+        lambda: [row for row in dlq_for(app).items(limit=1000) if row.idempotency_key == key],
+        10,
+        "the dead letter",
+    )[0].task_id
+    assert len(fitted) == 255 and fitted.startswith(task_id[:200])
+    row = wait_until(
+        lambda: (r := _row_of(fitted)) and r.status is DeadLetterStatus.SUCCEEDED and r,
+        30,
+        "the dead letter to succeed",
+    )
+    assert (row.args, row.error_type) == ([name], "ValueError")
+    assert ledger_events(name, "start") == 1
+    assert app.AsyncResult(fitted).get(timeout=10) == name
