@@ -168,7 +168,7 @@ class SqlStore:
             for row in rows:
                 try:
                     due = self._take(row, now)
-                except (CorruptRecord, ValueError, TypeError) as exc:
+                except CorruptRecord as exc:
                     # One unreadable row must not stop the sweep for every other key.
                     logger.error("skipping the unreadable pickup of %r: %s", row["id"], exc)
                     continue
@@ -180,7 +180,7 @@ class SqlStore:
 
     def take(self, storage_key: str) -> DuePickup | None:
         claim_id = self.claim_id(storage_key)
-        row = self._one(select_pickup(claim_id))
+        row = _readable_pickup(self._one(select_pickup(claim_id)))
         now = self._clock()
         if row is None or row["due_at"] > now:
             return None
@@ -194,7 +194,7 @@ class SqlStore:
         since is due only once its owner's lease ended a timeout ago without a takeover (the
         owner died and its message was lost too); it is then published under the owner's id.
         """
-        claim_id, task_id = row["id"], row["task_id"]
+        claim_id, task_id = _readable_pickup(row)["id"], row["task_id"]
         timeout = float(row["timeout"])
         republished = int(row["republished"]) + 1
         due_at = now + timeout * 2 ** min(republished, MAX_BACKOFF_EXPONENT)
@@ -537,6 +537,20 @@ def _readable(where: str, row: Any) -> Any:
         raise CorruptRecord(
             f"claim row of {where!r} is unreadable (status {row['status']!r}, "
             + ", ".join(f"{name} {row[name]!r}" for name in _NUMBERS)
+            + "); `key forget` deletes it"
+        )
+    return row
+
+
+_PICKUP_NUMBERS = ("timeout", "republished", "due_at")
+
+
+def _readable_pickup(row: Any) -> Any:
+    """A pickup row (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
+    if row is not None and not all(isinstance(row[name], (int, float)) for name in _PICKUP_NUMBERS):
+        raise CorruptRecord(
+            f"pickup row of {row['id']!r} is unreadable ("
+            + ", ".join(f"{name} {row[name]!r}" for name in _PICKUP_NUMBERS)
             + "); `key forget` deletes it"
         )
     return row

@@ -230,3 +230,31 @@ def test_a_sweep_skips_a_key_whose_claim_row_is_unreadable_and_takes_the_others(
         assert [due.storage_key for due in store.take_due(10)] == ["k2"]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("column", ["timeout", "republished", "due_at"])
+def test_a_pickup_row_that_cannot_be_read_is_a_corrupt_record_and_the_sweep_takes_the_others(
+    column: str, request: pytest.FixtureRequest
+) -> None:
+    store = SqlStore(store_url("sqlite", request), prefix=f"pickup-{uuid.uuid4().hex[:8]}")
+    try:
+        # Given two keys whose messages count as lost, one with text in a number column
+        pickup = Pickup(envelope=b"{}", due_in=0.0, timeout=60)
+        broken, fine = _request(), dataclasses.replace(_request(), storage_key="k2", key="k2")
+        assert store.reserve(broken, pickup) is None
+        assert store.reserve(fine, pickup) is None
+        with store.engine.begin() as connection:
+            connection.execute(
+                sa.text(f"UPDATE {pickups.name} SET {column} = 'x' WHERE id = :id"),
+                {"id": store.claim_id("k")},
+            )
+        # Then taking that key names its row unreadable, never a raw TypeError or ValueError
+        with pytest.raises(CorruptRecord, match=r"pickup row .* is unreadable"):
+            store.take("k")
+        # And the sweep takes the other key all the same
+        assert [due.storage_key for due in store.take_due(10)] == ["k2"]
+        # And forgetting the key (the operator's way out) deletes the row
+        assert store.forget("k") is True
+        assert store.take("k") is None
+    finally:
+        store.close()
