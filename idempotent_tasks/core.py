@@ -33,6 +33,11 @@ from .stores.base import Store
 
 logger = logging.getLogger(__name__)
 
+#: Longest pause between tries to store a completion while the store is unreachable: the
+#: lease is no longer renewed, so once the store is back, every moment waited is one in which
+#: a redelivered duplicate may take the key over and run the body again.
+MAX_COMPLETE_PAUSE = 0.5
+
 
 def new_owner() -> str:
     """A unique id for one execution attempt (task ids repeat on redelivery; owners never do)."""
@@ -194,7 +199,7 @@ class Attempt:
                     exc,
                 )
                 time.sleep(pause)
-                pause = min(pause * 2, 5.0)
+                pause = min(pause * 2, MAX_COMPLETE_PAUSE)
 
     def _winning_value(self, own_value: Any) -> Any:
         try:

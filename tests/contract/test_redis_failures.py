@@ -367,3 +367,33 @@ def test_a_finished_body_whose_record_turned_unreadable_keeps_its_value(url: str
     redis.Redis.from_url(url).set(store.names("k")[0], "not a hash")
     # The body ran: its caller gets its value, not an error that would fail the task
     assert attempt.finish({"charged": 5}, patience_seconds=1) == {"charged": 5}
+
+
+def test_a_completion_tries_an_unreachable_store_again_every_half_second_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from idempotent_tasks import core
+    from idempotent_tasks.codec import ResultCodec
+
+    # Given a body that finished while its store is unreachable (on a clock of our own)
+    now, pauses = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(core, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
+    store = RedisStore.from_url("redis://127.0.0.1:1/0", prefix="down")
+    attempt = core.Attempt(
+        store=store,
+        request=_request("k"),
+        codec=ResultCodec(serializer="json", max_bytes=1024),
+        token=1,
+    )
+    # Then it tries again and again for as long as its patience lasts, and its caller gets
+    # its value; never pausing long, so a store back in time gets the completion at once
+    assert attempt.finish("value", patience_seconds=3) == "value"
+    assert max(pauses) <= core.MAX_COMPLETE_PAUSE == 0.5
+    assert sum(pauses) > 2.4
