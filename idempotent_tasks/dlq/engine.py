@@ -11,6 +11,10 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 
+#: Seconds a new PostgreSQL connection may take (libpq waits for ever by default), unless the
+#: URL sets ``connect_timeout``. A worker's main process writes a dead letter too (a call
+#: killed at its time limit) and must not hang on an unanswering server.
+CONNECT_TIMEOUT_SECONDS = 10
 #: Seconds an SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
@@ -34,13 +38,17 @@ def default_sqlite_url(filename: str = "dead_letters.sqlite3") -> str:
 
 
 def create_dlq_engine(url: str) -> Engine:
-    """An engine for ``url``: pre-ping on every dialect; WAL and a busy timeout on SQLite.
+    """An engine for ``url``: pre-ping on every dialect; a connect timeout on PostgreSQL; WAL
+    and a busy timeout on SQLite.
 
     Raises:
         ImportError: the URL's driver is not installed (naming the extra that brings it).
     """
-    dialect = make_url(url).get_backend_name()
+    parsed = make_url(url)
+    dialect = parsed.get_backend_name()
     options: dict[str, Any] = {"pool_pre_ping": True}
+    if dialect == "postgresql" and "connect_timeout" not in parsed.query:
+        options["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
     try:
         engine = create_engine(url, **options)
     except (ImportError, NoSuchModuleError) as exc:

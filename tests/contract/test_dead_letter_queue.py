@@ -884,6 +884,26 @@ def test_an_unreachable_database_raises_store_unavailable(
         dlq.dispose()
 
 
+def test_a_postgresql_server_that_never_answers_is_unavailable_after_the_connect_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from idempotent_tasks.dlq import engine
+
+    # Given a port that takes connections and never says a word (a hung server)
+    monkeypatch.setattr(engine, "CONNECT_TIMEOUT_SECONDS", 1)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        dlq = DeadLetterQueue(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test")
+        try:
+            # Then the queue gives up (libpq alone would wait for ever)
+            with pytest.raises(StoreUnavailable):
+                dlq.stats()
+        finally:
+            dlq.dispose()
+
+
 def test_a_queue_works_once_its_database_appears(tmp_path: Path) -> None:
     # Given a queue whose first use failed (its SQLite folder did not exist yet)
     url = _unreachable_sqlite(tmp_path)
