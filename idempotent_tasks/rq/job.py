@@ -30,6 +30,7 @@ from ..core import Attempt, new_owner, wait_for_owner
 from ..dlq import Failure
 from ..dlq.arguments import stored_arguments
 from ..errors import (
+    CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
@@ -37,7 +38,7 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..keys import derive_key, fingerprint, storage_key
-from ..records import ClaimRequest, Outcome, Record
+from ..records import ClaimRequest, Outcome, Record, Status
 from .dead_letters import (
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TRACEBACK_CHARS,
@@ -108,6 +109,10 @@ class IdempotentJob(Job):
         self._idempotency_settled = False
         #: This run failed in a way no retry can fix (a caller's error, or already dead-lettered).
         self._idempotency_no_retry = False
+        #: The owner id this job's run claims under. Made here, before RQ forks the work horse,
+        #: so the worker knows it too and can release that claim should the horse die.
+        self._idempotency_owner = new_owner()
+        self._idempotency_performed = False
 
     # -- what RQ calls ------------------------------------------------------------------------
 
@@ -115,6 +120,9 @@ class IdempotentJob(Job):
         """Claim the key, then run the function once, or answer as a duplicate."""
         self._idempotency_settled = False
         self._idempotency_no_retry = False
+        if self._idempotency_performed:
+            self._idempotency_owner = new_owner()  # one owner per run
+        self._idempotency_performed = True
         try:
             value = self._perform_idempotently()
         except BaseException:
@@ -149,7 +157,9 @@ class IdempotentJob(Job):
         """RQ recording a final failure; dead-letters those no code of ours saw happen.
 
         That is a work horse that died (killed, out of memory) and a job RQ's registry cleanup
-        found abandoned by a dead worker, once RQ has no retries left for it.
+        found abandoned by a dead worker, once RQ has no retries left for it. A dead horse's
+        claim is then released (this worker made its owner id), so a new call with the key runs
+        at once rather than wait for the lease to end.
         """
         super()._handle_failure(exc_string, pipeline, *args, **kwargs)
         if self._idempotency_settled or self.get_status(refresh=False) == JobStatus.STOPPED:
@@ -211,7 +221,7 @@ class IdempotentJob(Job):
             key=key,
             task_name=task_name,
             task_id=self.id,
-            owner=new_owner(),
+            owner=self._idempotency_owner,
             fingerprint=state.get("fingerprint")
             or fingerprint(task_name, signature_of(func), self.args, self.kwargs),
             lease_seconds=float(lease),
@@ -454,6 +464,26 @@ class IdempotentJob(Job):
             options,
         )
         write_failure(dead_letter_queue(state.get("dlq_url")), failure, state.get("dead_letter_id"))
+        if failure.idempotency_key is not None and not abandoned:
+            self._release_dead_horse(func, failure.idempotency_key, options, state)
+
+    def _release_dead_horse(
+        self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
+    ) -> None:
+        """Release the claim of this worker's dead work horse, if it still holds the key (its
+        token read from the record: only the horse knew it)."""
+        attempt = self._attempt(func, key, options, state)
+        try:
+            record = attempt.store.get(attempt.request.storage_key)
+        except (StoreUnavailable, CorruptRecord) as exc:
+            logger.warning("could not release key %r (%s): its lease frees it", key, exc)
+            return
+        if record is None or record.status is not Status.PROCESSING:
+            return
+        if record.owner != attempt.request.owner:
+            return  # taken over since, or claimed by another run: not the dead horse's
+        attempt.token = record.token
+        attempt.release_quietly()
 
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
         dead_letter_id = state.get("dead_letter_id")

@@ -14,6 +14,9 @@ itself, with a cut-off in the future, instead of waiting minutes for a worker to
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -149,3 +152,34 @@ def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
     finally:
         for worker in workers:
             worker.stop()
+
+
+def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"horse-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-horse-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
+    )
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-horse"))
+    try:
+        # Given a keyed job that runs for a long time
+        first = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
+        # When its work horse alone is killed (out of memory, say): the worker lives on
+        (horse,) = subprocess.run(
+            ["pgrep", "-P", str(worker.process.pid)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        os.kill(int(horse), signal.SIGKILL)
+        # Then RQ fails the job, and IdempotentJob dead-letters it
+        wait_failed(first)
+        (row,) = wait_until(lambda: rq_env.rows_of(first.id), 10, "the dead letter")
+        assert (row.error_type, row.idempotency_key) == ("WorkHorseKilled", key)
+        # And releases its key: a new call runs at once, not once the dead claim's lease ends
+        assert queue.store.get(storage_key(SLOW_FIRST, key)) is None
+        again = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        assert again.id != first.id
+        assert wait_value(again) == {"name": name, "run": 2}
+        assert worker.process.poll() is None
+    finally:
+        worker.stop()
