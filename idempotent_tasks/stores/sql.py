@@ -59,10 +59,10 @@ from ..records import (
     Pickup,
     Record,
     SideWrite,
-    Status,
 )
 from .base import refuse_side_write
 from .sql_clock import ServerClock
+from .sql_rows import is_live, is_readable, readable_claim, readable_pickup, record_of
 from .sql_statements import (
     COMPLETED,
     PROCESSING,
@@ -137,8 +137,8 @@ class SqlStore:
             found = self._claim_row(request.storage_key)
             if found is None:
                 continue  # deleted between the two statements: insert again
-            if _is_live(found, now):
-                return _record(request.storage_key, found, read_at=now)
+            if is_live(found, now):
+                return record_of(request.storage_key, found, read_at=now)
             # An expired or released row: replace it, keeping its token so tokens keep growing.
             token = int(found["token"])
             swap = replace_if_unchanged(claim_id, found, {**fresh, "token": token})
@@ -180,7 +180,7 @@ class SqlStore:
 
     def take(self, storage_key: str) -> DuePickup | None:
         claim_id = self.claim_id(storage_key)
-        row = _readable_pickup(self._one(select_pickup(claim_id)))
+        row = readable_pickup(self._one(select_pickup(claim_id)))
         now = self._clock()
         if row is None or row["due_at"] > now:
             return None
@@ -194,17 +194,17 @@ class SqlStore:
         since is due only once its owner's lease ended a timeout ago without a takeover (the
         owner died and its message was lost too); it is then published under the owner's id.
         """
-        claim_id, task_id = _readable_pickup(row)["id"], row["task_id"]
+        claim_id, task_id = readable_pickup(row)["id"], row["task_id"]
         timeout = float(row["timeout"])
         republished = int(row["republished"]) + 1
         due_at = now + timeout * 2 ** min(republished, MAX_BACKOFF_EXPONENT)
         with self._begin() as connection:
             if _count(connection, retime_queued(claim_id, task_id, now, due_at)) == 0:
-                found = _readable(
+                found = readable_claim(
                     row["id"], connection.execute(select_claim(claim_id)).mappings().one_or_none()
                 )
                 unchanged = (row["republished"], row["due_at"])
-                if found is None or not _is_live(found, now) or found["status"] != PROCESSING:
+                if found is None or not is_live(found, now) or found["status"] != PROCESSING:
                     # Completed, cancelled, released, expired or queued for another task id.
                     connection.execute(delete_pickup_if_unchanged(claim_id, *unchanged))
                     return None
@@ -245,7 +245,7 @@ class SqlStore:
             token = int(found["token"]) + 1
             takeover = found["status"] == PROCESSING and found["expires_at"] > now
             values = self._processing_row(request, now, token=token, takeover=takeover)
-            if takeover or (found["status"] == QUEUED and _is_live(found, now)):
+            if takeover or (found["status"] == QUEUED and is_live(found, now)):
                 values["created_at"] = found["created_at"]
                 if found["task_id"] == request.task_id:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
@@ -256,7 +256,7 @@ class SqlStore:
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:
         """The outcome for an existing row, or ``None`` when this claim may replace it."""
-        if not _is_live(row, now):
+        if not is_live(row, now):
             return None
         # The row's own message (a redelivery, or a retry with other arguments perhaps) is the
         # same call: no mismatch, and the key keeps the caller's fingerprint.
@@ -267,16 +267,16 @@ class SqlStore:
             # until it counts as lost (see claim.lua).
             if mismatch:
                 return ClaimResult(
-                    outcome=Outcome.MISMATCH, record=_record(request.storage_key, row, now)
+                    outcome=Outcome.MISMATCH, record=record_of(request.storage_key, row, now)
                 )
             if not same_call and row["lease_expires_at"] > now:
                 return ClaimResult(
-                    outcome=Outcome.IN_PROGRESS, record=_record(request.storage_key, row, now)
+                    outcome=Outcome.IN_PROGRESS, record=record_of(request.storage_key, row, now)
                 )
             return None
         if row["status"] == PROCESSING and row["owner"] == request.owner:
             return ClaimResult(outcome=Outcome.ACQUIRED, token=int(row["token"]))
-        record = _record(request.storage_key, row, now)
+        record = record_of(request.storage_key, row, now)
         if mismatch:
             return ClaimResult(outcome=Outcome.MISMATCH, record=record)
         if row["status"] == COMPLETED:
@@ -312,10 +312,10 @@ class SqlStore:
                 connection.execute(delete_pickup(claim_id))
                 return CompleteOutcome.STORED
         found = self._claim_row(request.storage_key)
-        if found is not None and found["owner"] == request.owner and _is_live(found, now):
+        if found is not None and found["owner"] == request.owner and is_live(found, now):
             if found["status"] == COMPLETED:
                 return CompleteOutcome.STORED  # a repeated completion
-        if found is not None and found["status"] != QUEUED and _is_live(found, now):
+        if found is not None and found["status"] != QUEUED and is_live(found, now):
             return CompleteOutcome.STALE
         # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
         # since): write the result anew, unless another claimer took the key meanwhile. The
@@ -364,7 +364,7 @@ class SqlStore:
         now = self._clock()
         if row is None or row["status"] == RELEASED or row["expires_at"] <= now:
             return None
-        return _record(storage_key, row, read_at=now)
+        return record_of(storage_key, row, read_at=now)
 
     def forget(self, storage_key: str) -> bool:
         claim_id = self.claim_id(storage_key)
@@ -374,13 +374,13 @@ class SqlStore:
         # CorruptRecord for an operator.
         with self._begin() as connection:
             found = connection.execute(select_claim(claim_id)).mappings().one_or_none()
-            if found is not None and not _is_readable(found):
+            if found is not None and not is_readable(found):
                 connection.execute(delete_claim(claim_id))
                 connection.execute(delete_pickup(claim_id))
                 return True
             connection.execute(forget_claim(claim_id, now))
             connection.execute(delete_pickup(claim_id))
-        return found is not None and _is_live(found, now)
+        return found is not None and is_live(found, now)
 
     def cleanup(self, older_than: float = 0.0) -> int:
         """Delete rows that expired more than ``older_than`` seconds ago; how many."""
@@ -459,7 +459,7 @@ class SqlStore:
 
     def _claim_row(self, storage_key: str) -> Any:
         """The claim row of a key (``None`` if it has none); ``CorruptRecord`` if unreadable."""
-        return _readable(storage_key, self._one(select_claim(self.claim_id(storage_key))))
+        return readable_claim(storage_key, self._one(select_claim(self.claim_id(storage_key))))
 
     def _one(self, statement: Select[Any]) -> Any:
         with self._begin() as connection:
@@ -517,75 +517,3 @@ def _shown_key(key: str) -> str:
 
 
 _KEY_CHARS: int = claims.c.key.type.length  # type: ignore[attr-defined]
-
-
-_STATUSES = frozenset({QUEUED, PROCESSING, COMPLETED, RELEASED})
-_NUMBERS = ("token", "lease_expires_at", "created_at", "updated_at", "expires_at")
-
-
-def _is_readable(row: Any) -> bool:
-    """Whether the protocol can decide on a claim row: a known status, numbers where numbers
-    go (SQLite keeps whatever is written into a column)."""
-    return row["status"] in _STATUSES and all(
-        isinstance(row[name], (int, float)) for name in _NUMBERS
-    )
-
-
-def _readable(where: str, row: Any) -> Any:
-    """``row`` (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
-    if row is not None and not _is_readable(row):
-        raise CorruptRecord(
-            f"claim row of {where!r} is unreadable (status {row['status']!r}, "
-            + ", ".join(f"{name} {row[name]!r}" for name in _NUMBERS)
-            + "); `key forget` deletes it"
-        )
-    return row
-
-
-_PICKUP_NUMBERS = ("timeout", "republished", "due_at")
-
-
-def _readable_pickup(row: Any) -> Any:
-    """A pickup row (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
-    if row is not None and not all(isinstance(row[name], (int, float)) for name in _PICKUP_NUMBERS):
-        raise CorruptRecord(
-            f"pickup row of {row['id']!r} is unreadable ("
-            + ", ".join(f"{name} {row[name]!r}" for name in _PICKUP_NUMBERS)
-            + "); `key forget` deletes it"
-        )
-    return row
-
-
-def _is_live(row: Any, now: float) -> bool:
-    """Whether a claim row protects its key (released and expired rows do not)."""
-    return bool(row["status"] != RELEASED and row["expires_at"] > now)
-
-
-def _record(storage_key: str, row: Any, read_at: float | None = None) -> Record:
-    try:
-        result = None
-        if row["result_cached"] and row["result"] is not None:
-            result = EncodedResult(
-                content_type=row["content_type"],
-                content_encoding=row["content_encoding"],
-                body=bytes(row["result"]),
-            )
-        return Record(
-            storage_key=storage_key,
-            key=row["key"],
-            task_name=row["task_name"],
-            status=Status(row["status"]),
-            owner=row["owner"],
-            token=int(row["token"]),
-            task_id=row["task_id"],
-            fingerprint=row["fingerprint"],
-            lease_expires_at=float(row["lease_expires_at"]),
-            created_at=float(row["created_at"]),
-            updated_at=float(row["updated_at"]),
-            expires_at=float(row["expires_at"]),
-            result=result,
-            result_cached=result is not None,
-            read_at=read_at,
-        )
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CorruptRecord(f"claim row of {storage_key!r} is unreadable: {exc}") from exc
