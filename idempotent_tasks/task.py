@@ -10,6 +10,7 @@ from functools import cached_property
 from traceback import format_exc
 from typing import Any, ClassVar, NoReturn
 
+import celery
 from celery import Task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
@@ -221,12 +222,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._run_unclaimed(args, kwargs)
         if len(request.id) > publishing.MAX_TASK_ID_CHARS:
             # Sent by other means than apply_async, which refuses it: no store can claim it.
-            refused = ValueError(
-                f"task id is {len(request.id)} characters long; a keyed call's may have at "
-                f"most {publishing.MAX_TASK_ID_CHARS}"
-            )
-            self.on_final_failure(refused, key, args, kwargs)
-            raise refused
+            try:
+                raise ValueError(
+                    f"task id is {len(request.id)} characters long; a keyed call's may have "
+                    f"at most {publishing.MAX_TASK_ID_CHARS}"
+                )
+            except ValueError as refused:  # raised first so that the dead letter's traceback
+                self.on_final_failure(refused, key, args, kwargs)
+                raise
 
         attempt = self._attempt(key, args, kwargs, request)
         try:
@@ -438,12 +441,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """End a call whose pool process was killed at its hard time limit, as a failure of
         its body ends: dead-lettered (``on_final_failure``), then its key released.
 
-        Runs in the worker's main process, before Celery marks the call failed and
-        acknowledges its message. Should the dead letter be neither written nor re-published
-        to be written later, the key stays claimed: its pickup guard runs the call again once
-        the lease ends, rather than let it be lost. When Celery hands the message back to the
-        broker instead (``acks_on_timeout`` off), the call has not failed for good: it is not
-        dead-lettered, and its key is released for the requeued message.
+        Runs in the worker's main process, once Celery has failed the call (its errbacks run)
+        and acknowledged its message. Should the dead letter be neither written nor
+        re-published to be written later, the key stays claimed: its pickup guard runs the call
+        again once the lease ends, rather than let it be lost. When Celery hands the message
+        back to the broker instead (``acks_on_timeout`` off), the call has not failed for good:
+        it is not dead-lettered, and its key is released for the requeued message.
         """
         self.push_request(request_dict, called_directly=False)
         try:
@@ -520,7 +523,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
             headers: dict[str, Any] = {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)}
             if _request_header(self.request, FAILURE_REPORTED_HEADER):
+                # Celery stored the call's failure already: the message that writes its dead
+                # letter must store no state over it (STARTED, RETRY).
                 headers[FAILURE_REPORTED_HEADER] = True
+                self._republish_self(delay, exc, headers, ignore_result=True)
             self._republish_self(delay, exc, headers)
         if _request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
             if _request_header(self.request, FAILURE_REPORTED_HEADER):
@@ -551,7 +557,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self._republish_self(wait_for_owner(record, waits), None, headers)
 
     def _republish_self(
-        self, countdown: float, exc: Exception | None, headers: dict[str, Any] | None = None
+        self,
+        countdown: float,
+        exc: Exception | None,
+        headers: dict[str, Any] | None = None,
+        **options: Any,
     ) -> NoReturn:
         """Publish this very message again after ``countdown`` s, not counting it as a retry."""
         signature = self.signature_from_request(
@@ -559,6 +569,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             countdown=countdown,
             retries=self.request.retries,
             **{_REPUBLISH: headers or {}},
+            **options,
         )
         try:
             signature.apply_async()
@@ -678,11 +689,12 @@ def _ends_killed_calls(request_class: Any) -> bool:
 
 def _timeout_requeues(task: Task) -> bool:
     """Whether Celery hands a message killed at its hard time limit back to the broker: an
-    ``acks_late`` task with ``acks_on_timeout`` (before Celery 5.7,
-    ``acks_on_failure_or_timeout``) off."""
-    if not task.acks_late:
+    ``acks_late`` task with ``acks_on_timeout`` off (Celery 5.7 on), or
+    ``acks_on_failure_or_timeout`` off (Celery 5.5 and 5.6). Earlier Celery rejects such a
+    message without requeueing it: the call has failed for good there."""
+    if not task.acks_late or celery.VERSION < (5, 5):
         return False
-    acks = getattr(task, "acks_on_timeout", None)
+    acks = getattr(task, "acks_on_timeout", None) if celery.VERSION >= (5, 7) else None
     if acks is None:
         acks = task.acks_on_failure_or_timeout
     return acks is not None and not acks

@@ -13,16 +13,16 @@ here, in the request, and the pool process claims under that id (see :func:`issu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
 from typing import Any
 
+from billiard.process import active_children
 from celery.exceptions import TimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
-
-from .core import new_owner
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +31,33 @@ ISSUED_OWNER = "idempotency_issued_owner"
 ISSUED_BY = "idempotency_issued_by"
 
 
+class _OwnerIds:
+    """Owner ids for every delivery this process receives: a random prefix of its own and a
+    counter (a uuid4 per message costs the consumer ten times as much). A forked child starts
+    with a prefix of its own, so no two processes ever issue the same id."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.prefix = os.urandom(12).hex()
+        self.counter = itertools.count()
+
+    def issue(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+_owner_ids = _OwnerIds()
+os.register_at_fork(after_in_child=_owner_ids.reset)
+
+
 class IdempotentRequest(Request):  # type: ignore[misc]
     """Celery's request, ending an ``IdempotentTask`` call killed at its hard time limit."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Each delivery is a new request, so a redelivered message is a new owner too.
-        self.request_dict[ISSUED_OWNER] = new_owner()
+        self.request_dict[ISSUED_OWNER] = _owner_ids.issue()
         self.request_dict[ISSUED_BY] = os.getpid()
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
@@ -48,10 +68,14 @@ class IdempotentRequest(Request):  # type: ignore[misc]
             if end_killed_call is not None:
                 # Billiard terminates the process only after this handler: make sure the body
                 # is gone before its key is released, or a duplicate could run beside it.
-                if self.worker_pid:
+                # (Only a pool process of ours: a green pool's worker_pid is a greenlet's id.)
+                if self.worker_pid in {child.pid for child in active_children()}:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(self.worker_pid, signal.SIGKILL)
                 try:
+                    # The message body's callbacks, errbacks and chain join the request dict
+                    # only once Celery builds its context: a re-published message needs them.
+                    _ = self._context
                     end_killed_call(self.request_dict, TimeLimitExceeded(timeout))
                 except Exception:
                     logger.exception(

@@ -12,12 +12,19 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 
 #: Seconds a new PostgreSQL connection may take (libpq waits for ever by default), unless the
-#: URL sets ``connect_timeout``. A worker's main process writes a dead letter too (a call
+#: URL sets the driver's own option for it. A worker's main process writes a dead letter too (a call
 #: killed at its time limit) and must not hang on an unanswering server.
 CONNECT_TIMEOUT_SECONDS = 10
 #: Seconds an SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
+#: The connect-timeout argument of each PostgreSQL driver that has one.
+_PG_CONNECT_TIMEOUT_ARGS = {
+    "psycopg": "connect_timeout",
+    "psycopg2": "connect_timeout",
+    "psycopg2cffi": "connect_timeout",
+    "pg8000": "timeout",
+}
 _DRIVER_EXTRAS = {"postgresql": "sql", "mysql": "sql", "mariadb": "sql"}
 
 
@@ -47,8 +54,9 @@ def create_dlq_engine(url: str) -> Engine:
     parsed = make_url(url)
     dialect = parsed.get_backend_name()
     options: dict[str, Any] = {"pool_pre_ping": True}
-    if dialect == "postgresql" and "connect_timeout" not in parsed.query:
-        options["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+    timeout_arg = _PG_CONNECT_TIMEOUT_ARGS.get(parsed.get_driver_name())
+    if dialect == "postgresql" and timeout_arg and timeout_arg not in parsed.query:
+        options["connect_args"] = {timeout_arg: CONNECT_TIMEOUT_SECONDS}
     try:
         engine = create_engine(url, **options)
     except (ImportError, NoSuchModuleError) as exc:

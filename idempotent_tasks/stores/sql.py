@@ -168,7 +168,7 @@ class SqlStore:
             for row in rows:
                 try:
                     due = self._take(row, now)
-                except CorruptRecord as exc:
+                except (CorruptRecord, ValueError, TypeError) as exc:
                     # One unreadable row must not stop the sweep for every other key.
                     logger.error("skipping the unreadable pickup of %r: %s", row["id"], exc)
                     continue

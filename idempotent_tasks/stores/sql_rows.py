@@ -41,11 +41,15 @@ _PICKUP_NUMBERS = ("timeout", "republished", "due_at")
 
 def readable_pickup(row: Any) -> Any:
     """A pickup row (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
-    if row is not None and not all(isinstance(row[name], (int, float)) for name in _PICKUP_NUMBERS):
+    if row is None:
+        return None
+    if not isinstance(row["envelope"], (bytes, bytearray, memoryview)) or not all(
+        isinstance(row[name], (int, float)) for name in _PICKUP_NUMBERS
+    ):
         raise CorruptRecord(
             f"pickup row of {row['id']!r} is unreadable ("
             + ", ".join(f"{name} {row[name]!r}" for name in _PICKUP_NUMBERS)
-            + "); `key forget` deletes it"
+            + f", envelope of type {type(row['envelope']).__name__}); `key forget` deletes it"
         )
     return row
 

@@ -232,7 +232,7 @@ def test_a_sweep_skips_a_key_whose_claim_row_is_unreadable_and_takes_the_others(
         store.close()
 
 
-@pytest.mark.parametrize("column", ["timeout", "republished", "due_at"])
+@pytest.mark.parametrize("column", ["timeout", "republished", "due_at", "envelope"])
 def test_a_pickup_row_that_cannot_be_read_is_a_corrupt_record_and_the_sweep_takes_the_others(
     column: str, request: pytest.FixtureRequest
 ) -> None:
