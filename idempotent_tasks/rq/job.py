@@ -165,7 +165,7 @@ class IdempotentJob(Job):
         if self._idempotency_settled or self.get_status(refresh=False) == JobStatus.STOPPED:
             return
         try:
-            self._dead_letter_lost(exc_string, kwargs.get("execution_id"))
+            self._settle_lost_run(exc_string, kwargs.get("execution_id"))
         except Exception:
             logger.exception("could not dead-letter job %s, which failed for good", self.id)
 
@@ -440,7 +440,10 @@ class IdempotentJob(Job):
             framework=FRAMEWORK,
         )
 
-    def _dead_letter_lost(self, exc_string: str, execution_id: str | None) -> None:
+    def _settle_lost_run(self, exc_string: str, execution_id: str | None) -> None:
+        """Dead-letter a run that failed for good out of our code's sight, then, if it was this
+        worker's dead work horse, release its key (not when the dead letter could not be
+        written: the claim then keeps the key until its lease ends)."""
         try:
             func = self.func
         except Exception:
@@ -451,21 +454,22 @@ class IdempotentJob(Job):
             return
         state: dict[str, Any] = found if isinstance(found, dict) else {}
         options = options or DEFAULT_OPTIONS
-        if not options.dlq:
-            return
         abandoned = "AbandonedJobError" in exc_string
-        started = self.started_at.isoformat() if self.started_at else "unknown"
-        failure = self._build_failure(
-            f"lost:{execution_id or started}",
-            "AbandonedJobError" if abandoned else "WorkHorseKilled",
-            exc_string.strip().splitlines()[0] if exc_string.strip() else "work horse lost",
-            None,
-            self._job_key(func, options, state),
-            options,
-        )
-        write_failure(dead_letter_queue(state.get("dlq_url")), failure, state.get("dead_letter_id"))
-        if failure.idempotency_key is not None and not abandoned:
-            self._release_dead_horse(func, failure.idempotency_key, options, state)
+        key = self._job_key(func, options, state)
+        if options.dlq:
+            started = self.started_at.isoformat() if self.started_at else "unknown"
+            failure = self._build_failure(
+                f"lost:{execution_id or started}",
+                "AbandonedJobError" if abandoned else "WorkHorseKilled",
+                exc_string.strip().splitlines()[0] if exc_string.strip() else "work horse lost",
+                None,
+                key,
+                options,
+            )
+            dlq = dead_letter_queue(state.get("dlq_url"))
+            write_failure(dlq, failure, state.get("dead_letter_id"))
+        if key is not None and not abandoned:
+            self._release_dead_horse(func, key, options, state)
 
     def _release_dead_horse(
         self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
