@@ -87,3 +87,9 @@ def slow_first(name: str, seconds: float) -> dict[str, Any]:
     if run == 1:
         time.sleep(seconds)
     return {"name": name, "run": run}
+
+
+@idempotent(lease=2, dlq=False)
+def slow_first_without_dlq(name: str, seconds: float) -> dict[str, Any]:
+    """:func:`slow_first`, whose final failures are not dead-lettered."""
+    return slow_first(name, seconds)

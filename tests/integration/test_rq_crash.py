@@ -154,9 +154,12 @@ def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
             worker.stop()
 
 
+@pytest.mark.parametrize("dlq", [True, False], ids=["dlq", "no-dlq"])
 def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
-    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+    dlq: bool, rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    job_function = rq_jobs.slow_first if dlq else rq_jobs.slow_first_without_dlq
+    task_name = f"tests.integration.rq_jobs.{job_function.__name__}"
     name, key = f"horse-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
     queue = IdempotentQueue(
         f"it-rq-horse-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
@@ -164,20 +167,26 @@ def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
     (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-horse"))
     try:
         # Given a keyed job that runs for a long time
-        first = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        first = queue.enqueue(job_function, name, 60, idempotency_key=key)
         wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
         # When its work horse alone is killed (out of memory, say): the worker lives on
         (horse,) = subprocess.run(
             ["pgrep", "-P", str(worker.process.pid)], capture_output=True, text=True, check=True
         ).stdout.split()
         os.kill(int(horse), signal.SIGKILL)
-        # Then RQ fails the job, and IdempotentJob dead-letters it
+        # Then RQ fails the job, and IdempotentJob dead-letters it (unless dlq=False)
         wait_failed(first)
-        (row,) = wait_until(lambda: rq_env.rows_of(first.id), 10, "the dead letter")
-        assert (row.error_type, row.idempotency_key) == ("WorkHorseKilled", key)
+        if dlq:
+            (row,) = wait_until(lambda: rq_env.rows_of(first.id), 10, "the dead letter")
+            assert (row.error_type, row.idempotency_key) == ("WorkHorseKilled", key)
+        else:
+            wait_until(
+                lambda: queue.store.get(storage_key(task_name, key)) is None, 10, "the release"
+            )
+            assert rq_env.rows_of(first.id) == []
         # And releases its key: a new call runs at once, not once the dead claim's lease ends
-        assert queue.store.get(storage_key(SLOW_FIRST, key)) is None
-        again = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        assert queue.store.get(storage_key(task_name, key)) is None
+        again = queue.enqueue(job_function, name, 60, idempotency_key=key)
         assert again.id != first.id
         assert wait_value(again) == {"name": name, "run": 2}
         assert worker.process.poll() is None
