@@ -465,7 +465,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         raise exc  # so that the dead letter's traceback names it
                     except type(exc):
                         self.on_final_failure(exc, key, args, kwargs)
-                except Retry:
+                except (Retry, Ignore):
                     pass  # the dead letter could not be written: the re-published message will
                 except Exception:
                     logger.exception("could not dead-letter the call killed at its time limit")
@@ -526,8 +526,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # Celery stored the call's failure already: the message that writes its dead
                 # letter must store no state over it (STARTED, RETRY).
                 headers[FAILURE_REPORTED_HEADER] = True
-                self._republish_self(delay, exc, headers, ignore_result=True)
-            self._republish_self(delay, exc, headers)
+                self._republish_self(delay, exc, headers, quiet=True, ignore_result=True)
+            else:
+                self._republish_self(delay, exc, headers)
         if _request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
             if _request_header(self.request, FAILURE_REPORTED_HEADER):
                 raise Ignore()  # its failure ran its errbacks already: not twice
@@ -561,9 +562,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         countdown: float,
         exc: Exception | None,
         headers: dict[str, Any] | None = None,
+        *,
+        quiet: bool = False,
         **options: Any,
     ) -> NoReturn:
-        """Publish this very message again after ``countdown`` s, not counting it as a retry."""
+        """Publish this very message again after ``countdown`` s, not counting it as a retry.
+
+        Ends this run with ``Retry``, or, ``quiet``, with ``Ignore`` (which stores no state and
+        runs no retry handlers: for a call whose failure Celery has stored already).
+        """
         signature = self.signature_from_request(
             self.request,
             countdown=countdown,
@@ -576,6 +583,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Exception as publish_error:
             # The broker is unreachable too: hand the message back rather than lose it.
             raise Reject(publish_error, requeue=True) from publish_error
+        if quiet:
+            raise Ignore()
         raise Retry(exc=exc, when=countdown, sig=signature)
 
     def _attempt(

@@ -69,10 +69,10 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                 # Billiard terminates the process only after this handler: make sure the body
                 # is gone before its key is released, or a duplicate could run beside it.
                 # (Only a pool process of ours: a green pool's worker_pid is a greenlet's id.)
-                if self.worker_pid in {child.pid for child in active_children()}:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(self.worker_pid, signal.SIGKILL)
                 try:
+                    if self.worker_pid in {child.pid for child in active_children()}:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(self.worker_pid, signal.SIGKILL)
                     # The message body's callbacks, errbacks and chain join the request dict
                     # only once Celery builds its context: a re-published message needs them.
                     _ = self._context

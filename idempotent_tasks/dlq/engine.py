@@ -18,13 +18,9 @@ CONNECT_TIMEOUT_SECONDS = 10
 #: Seconds an SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
-#: The connect-timeout argument of each PostgreSQL driver that has one.
-_PG_CONNECT_TIMEOUT_ARGS = {
-    "psycopg": "connect_timeout",
-    "psycopg2": "connect_timeout",
-    "psycopg2cffi": "connect_timeout",
-    "pg8000": "timeout",
-}
+#: PostgreSQL drivers on libpq, whose ``connect_timeout`` bounds the connection only (pg8000's
+#: ``timeout`` would bound every statement too, and is left to the URL).
+_LIBPQ_DRIVERS = frozenset({"psycopg", "psycopg2", "psycopg2cffi"})
 _DRIVER_EXTRAS = {"postgresql": "sql", "mysql": "sql", "mariadb": "sql"}
 
 
@@ -54,9 +50,12 @@ def create_dlq_engine(url: str) -> Engine:
     parsed = make_url(url)
     dialect = parsed.get_backend_name()
     options: dict[str, Any] = {"pool_pre_ping": True}
-    timeout_arg = _PG_CONNECT_TIMEOUT_ARGS.get(parsed.get_driver_name())
-    if dialect == "postgresql" and timeout_arg and timeout_arg not in parsed.query:
-        options["connect_args"] = {timeout_arg: CONNECT_TIMEOUT_SECONDS}
+    if (
+        dialect == "postgresql"
+        and parsed.get_driver_name() in _LIBPQ_DRIVERS
+        and "connect_timeout" not in parsed.query
+    ):
+        options["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
     try:
         engine = create_engine(url, **options)
     except (ImportError, NoSuchModuleError) as exc:

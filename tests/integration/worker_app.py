@@ -248,7 +248,8 @@ def retries_into_the_void(self: Any, name: str) -> str:
     return f"{name} done"
 
 
-@app.task(base=IdempotentTask, time_limit=1, dlq_max_retries=0)
+# store_errors_even_if_ignored: a message sent with ignore_result still stores its errors.
+@app.task(base=IdempotentTask, time_limit=1, dlq_max_retries=0, store_errors_even_if_ignored=True)
 def overruns(name: str, sleep: float) -> str:
     """Killed by its hard time limit when ``sleep`` is over a second (it has no soft one)."""
     note("start", name)

@@ -33,13 +33,16 @@ def test_issued_owners_never_repeat_and_a_forked_child_issues_its_own() -> None:
     assert len(issued) == 1000 and all(len(owner) <= 64 for owner in issued)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: report its first id, then leave at once
-        os.write(write, _owner_ids.issue().encode())
-        os._exit(0)
-    os.waitpid(pid, 0)
-    child_owner = os.read(read, 100).decode()
-    os.close(read)
+    if pid == 0:  # the child: report its first id, then leave at once, whatever happens
+        try:
+            os.write(write, _owner_ids.issue().encode())
+        finally:
+            os._exit(0)
     os.close(write)
+    with os.fdopen(read) as from_child:
+        child_owner = from_child.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
     assert child_owner and child_owner[:24] != _owner_ids.issue()[:24]
 
 
