@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: Longest task id a dead letter or an SQL claim row holds (their ``task_id`` columns).
 MAX_TASK_ID_CHARS = 255
+#: Longest task name the claim and dead-letter tables keep (their ``task_name`` columns).
+MAX_TASK_NAME_CHARS = 255
 
 
 def check_task_id(task_id: object) -> None:

@@ -108,6 +108,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"on_duplicate must be one of {', '.join(ON_DUPLICATE_CHOICES)}, "
                 f"not {cls.on_duplicate!r}"
             )
+        name = cls.__dict__.get("name")
+        if isinstance(name, str) and len(name) > publishing.MAX_TASK_NAME_CHARS:
+            # Its calls could be neither claimed in an SQL store nor dead-lettered.
+            raise ValueError(
+                f"task name {name[:60]!r}... is {len(name)} characters long; an IdempotentTask's "
+                f"may have at most {publishing.MAX_TASK_NAME_CHARS}"
+            )
         request_class = cls.__dict__.get("Request")
         if request_class is not None and not _ends_killed_calls(request_class):
             warnings.warn(

@@ -109,3 +109,15 @@ def test_a_subclass_with_a_request_class_not_ours_is_warned_of_what_it_loses() -
 
         class Inherits(Keeps):
             pass
+
+
+def test_a_task_name_the_tables_cannot_keep_is_refused_when_the_task_is_made() -> None:
+    app = _app()
+
+    def body() -> None:
+        return None
+
+    # (the app builds a task class when first used, as a worker or producer does at start)
+    assert app.task(base=IdempotentTask, name="n" * 255)(body).name == "n" * 255
+    with pytest.raises(ValueError, match="256 characters long; an IdempotentTask's may have"):
+        _ = app.task(base=IdempotentTask, name="n" * 256)(body).name
