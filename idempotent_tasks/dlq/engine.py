@@ -11,9 +11,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 
-#: Seconds a new PostgreSQL connection may take (libpq waits for ever by default), unless the
-#: URL sets the driver's own option for it. A worker's main process writes a dead letter too (a call
-#: killed at its time limit) and must not hang on an unanswering server.
+#: Seconds a new PostgreSQL connection through libpq may take (it waits for ever by default),
+#: unless the URL sets ``connect_timeout``. A worker's main process writes dead letters too (a
+#: call killed at its time limit) and must not hang on a server that does not answer.
 CONNECT_TIMEOUT_SECONDS = 10
 #: Seconds an SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
