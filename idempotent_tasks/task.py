@@ -234,7 +234,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"task id is {len(request.id)} characters long; a keyed call's may have "
                     f"at most {publishing.MAX_TASK_ID_CHARS}"
                 )
-            except ValueError as refused:  # raised first so that the dead letter's traceback
+            except ValueError as refused:  # raised, so that the dead letter's traceback names it
                 self.on_final_failure(refused, key, args, kwargs)
                 raise
 
@@ -461,7 +461,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # An attribute, not a push_request keyword: those become headers that a
             # re-publish (of the unwritten dead letter) would carry into the next run.
             request.idempotency_entered = True
-            # Celery fails the call itself (errbacks, chord) once this returns.
+            # Celery has failed the call itself already (its result, errbacks, chord part).
             setattr(request, FAILURE_REPORTED_HEADER, True)
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
             key = self._call_key(request, args, kwargs)
