@@ -226,6 +226,24 @@ class Attempt:
                 exc,
             )
 
+    def release_dead_owner(self, pickup: Pickup | None = None) -> None:
+        """Release the claim of this attempt's owner, whose process died with its token: the
+        token is read from the record, and nothing is released unless this owner still holds
+        the key (a later attempt that took it over keeps it). Store errors are logged."""
+        try:
+            record = self.store.get(self.request.storage_key)
+        except (StoreUnavailable, CorruptRecord) as exc:
+            logger.warning(
+                "could not release key %r (%s): its lease frees it", self.request.key, exc
+            )
+            return
+        if record is None or record.status is not Status.PROCESSING:
+            return
+        if record.owner != self.request.owner:
+            return  # taken over since, or never claimed by this owner
+        self.token = record.token
+        self.release_quietly(pickup)
+
     def release(self, pickup: Pickup | None = None) -> bool:
         """Give the key up so a retry can claim it; ``False`` if it was no longer held.
 

@@ -7,7 +7,7 @@ import inspect
 import logging
 import warnings
 from functools import cached_property
-from traceback import format_exc
+from traceback import format_exception
 from typing import Any, ClassVar, NoReturn
 
 import celery
@@ -44,7 +44,7 @@ from .errors import (
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key
 from .pickups import make_pickup, pickup_timeout, seconds_until
-from .records import ClaimRequest, Outcome, Pickup, Record, SideWrite, Status
+from .records import ClaimRequest, Outcome, Record, SideWrite
 from .settings import app_setting, resolve
 from .worker_request import ISSUED_BY, ISSUED_OWNER, IdempotentRequest, issued_owner
 
@@ -229,14 +229,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._run_unclaimed(args, kwargs)
         if len(request.id) > publishing.MAX_TASK_ID_CHARS:
             # Sent by other means than apply_async, which refuses it: no store can claim it.
-            try:
-                raise ValueError(
-                    f"task id is {len(request.id)} characters long; a keyed call's may have "
-                    f"at most {publishing.MAX_TASK_ID_CHARS}"
-                )
-            except ValueError as refused:  # raised, so that the dead letter's traceback names it
-                self.on_final_failure(refused, key, args, kwargs)
-                raise
+            refused = ValueError(
+                f"task id is {len(request.id)} characters long; a keyed call's may have at "
+                f"most {publishing.MAX_TASK_ID_CHARS}"
+            )
+            self.on_final_failure(refused, key, args, kwargs)
+            raise refused
 
         attempt = self._attempt(key, args, kwargs, request)
         try:
@@ -438,7 +436,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             options=routing_options(request.delivery_info),
             error_type=type(exc).__name__,
             error_message=str(exc)[:MAX_ERROR_MESSAGE_CHARS],
-            traceback=format_exc()[-MAX_TRACEBACK_CHARS:],
+            # exc's own traceback: one killed in another process has none, and names itself.
+            traceback="".join(format_exception(exc))[-MAX_TRACEBACK_CHARS:],
             # Arguments kept as text would run the task with the wrong values: kept, not retried.
             max_retries=max_retries if faithful else 0,
         )
@@ -468,22 +467,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             requeued = _timeout_requeues(self)
             if not requeued:
                 try:
-                    try:
-                        raise exc  # so that the dead letter's traceback names it
-                    except type(exc):
-                        self.on_final_failure(exc, key, args, kwargs)
+                    self.on_final_failure(exc, key, args, kwargs)
                 except (Retry, Ignore):
                     pass  # the dead letter could not be written: the re-published message will
                 except Exception:
                     logger.exception("could not dead-letter the call killed at its time limit")
                     return
-            if key is not None:
+            if key is not None and issued_owner(request) is not None:
+                # The killed process took its token with it: release under the owner id this
+                # worker issued to the delivery (not delivered by IdempotentRequest: the lease
+                # frees the key).
                 pickup = (
                     self._message_pickup(key, args, kwargs, 0.0, retries=request.retries)
                     if requeued
                     else None
                 )
-                self._release_killed_owner(key, args, kwargs, pickup)
+                self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
         finally:
             self.pop_request()
 
@@ -493,28 +492,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is None and self.idempotency_key is not None:
             key = derive_key(self.idempotency_key, self._signature, args, kwargs)
         return key
-
-    def _release_killed_owner(
-        self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], pickup: Pickup | None
-    ) -> None:
-        """Release the claim of the killed attempt, if it still holds the key: under the owner
-        id this worker issued to its delivery, with the token the record holds (read first,
-        as only the killed process knew it)."""
-        owner = issued_owner(self.request)
-        if owner is None:  # not delivered by IdempotentRequest: the lease frees the key
-            return
-        store = store_for(self.app)
-        try:
-            record = store.get(storage_key(self.name, key))
-        except (StoreUnavailable, CorruptRecord) as exc:
-            logger.warning("could not release key %r (%s): its lease frees it", key, exc)
-            return
-        if record is None or record.status is not Status.PROCESSING or record.owner != owner:
-            return  # never claimed, or taken over since: not the killed attempt's to release
-        claim = self._claim_request(key, args, kwargs, self.request.id, owner=owner)
-        Attempt(store=store, request=claim, codec=self._codec, token=record.token).release_quietly(
-            pickup
-        )
 
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""
@@ -533,7 +510,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # Celery stored the call's failure already: the message that writes its dead
                 # letter must store no state over it (STARTED, RETRY).
                 headers[FAILURE_REPORTED_HEADER] = True
-                self._republish_self(delay, exc, headers, quiet=True, ignore_result=True)
+                self._republish_self(delay, exc, headers, quiet=True)
             else:
                 self._republish_self(delay, exc, headers)
         if _request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
@@ -571,19 +548,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers: dict[str, Any] | None = None,
         *,
         quiet: bool = False,
-        **options: Any,
     ) -> NoReturn:
         """Publish this very message again after ``countdown`` s, not counting it as a retry.
 
-        Ends this run with ``Retry``, or, ``quiet``, with ``Ignore`` (which stores no state and
-        runs no retry handlers: for a call whose failure Celery has stored already).
+        Ends this run with ``Retry``; ``quiet``, for a call whose failure Celery has stored
+        already, with ``Ignore``, and the message published with ``ignore_result``: neither
+        run stores any state over that failure (RETRY, STARTED).
         """
         signature = self.signature_from_request(
             self.request,
             countdown=countdown,
             retries=self.request.retries,
             **{_REPUBLISH: headers or {}},
-            **options,
+            **({"ignore_result": True} if quiet else {}),
         )
         try:
             signature.apply_async()

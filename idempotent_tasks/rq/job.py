@@ -30,7 +30,6 @@ from ..core import Attempt, new_owner, wait_for_owner
 from ..dlq import Failure
 from ..dlq.arguments import stored_arguments
 from ..errors import (
-    CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
@@ -38,7 +37,7 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..keys import derive_key, fingerprint, storage_key
-from ..records import ClaimRequest, Outcome, Record, Status
+from ..records import ClaimRequest, Outcome, Record
 from .dead_letters import (
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TRACEBACK_CHARS,
@@ -469,25 +468,8 @@ class IdempotentJob(Job):
             dlq = dead_letter_queue(state.get("dlq_url"))
             write_failure(dlq, failure, state.get("dead_letter_id"))
         if key is not None and not abandoned:
-            self._release_dead_horse(func, key, options, state)
-
-    def _release_dead_horse(
-        self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
-    ) -> None:
-        """Release the claim of this worker's dead work horse, if it still holds the key (its
-        token read from the record: only the horse knew it)."""
-        attempt = self._attempt(func, key, options, state)
-        try:
-            record = attempt.store.get(attempt.request.storage_key)
-        except (StoreUnavailable, CorruptRecord) as exc:
-            logger.warning("could not release key %r (%s): its lease frees it", key, exc)
-            return
-        if record is None or record.status is not Status.PROCESSING:
-            return
-        if record.owner != attempt.request.owner:
-            return  # taken over since, or claimed by another run: not the dead horse's
-        attempt.token = record.token
-        attempt.release_quietly()
+            # The horse was forked from this very job object: it claimed under this owner id.
+            self._attempt(func, key, options, state).release_dead_owner()
 
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
         dead_letter_id = state.get("dead_letter_id")

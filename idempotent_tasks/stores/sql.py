@@ -167,7 +167,7 @@ class SqlStore:
                 rows = connection.execute(select_due(self.prefix, now, wanted)).mappings().all()
             for row in rows:
                 try:
-                    due = self._take(row, now)
+                    due = self._take(readable_pickup(row), now)
                 except (CorruptRecord, ValueError, TypeError) as exc:
                     # One unreadable row must not stop the sweep for every other key.
                     logger.error("skipping the unreadable pickup of %r: %s", row["id"], exc)
@@ -187,14 +187,14 @@ class SqlStore:
         return self._take(row, now)
 
     def _take(self, row: RowMapping, now: float) -> DuePickup | None:
-        """Move one due pickup on and return it, unless another sweep took it or its key no
-        longer needs it (then its row is dropped).
+        """Move one due pickup (a readable row) on and return it, unless another sweep took it
+        or its key no longer needs it (then its row is dropped).
 
         A key still queued for the pickup's task id is due at the pickup's time. A key claimed
         since is due only once its owner's lease ended a timeout ago without a takeover (the
         owner died and its message was lost too); it is then published under the owner's id.
         """
-        claim_id, task_id = readable_pickup(row)["id"], row["task_id"]
+        claim_id, task_id = row["id"], row["task_id"]
         timeout = float(row["timeout"])
         republished = int(row["republished"]) + 1
         due_at = now + timeout * 2 ** min(republished, MAX_BACKOFF_EXPONENT)

@@ -17,41 +17,42 @@ _STATUSES = frozenset({QUEUED, PROCESSING, COMPLETED, RELEASED})
 _NUMBERS = ("token", "lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
+_PICKUP_NUMBERS = ("timeout", "republished", "due_at")
+
+
 def is_readable(row: Any) -> bool:
     """Whether the protocol can decide on a claim row: a known status, numbers where numbers
     go (SQLite keeps whatever is written into a column)."""
-    return row["status"] in _STATUSES and all(
-        isinstance(row[name], (int, float)) for name in _NUMBERS
-    )
+    return row["status"] in _STATUSES and _numbers_in(row, _NUMBERS)
 
 
 def readable_claim(where: str, row: Any) -> Any:
     """``row`` (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
     if row is not None and not is_readable(row):
-        raise CorruptRecord(
-            f"claim row of {where!r} is unreadable (status {row['status']!r}, "
-            + ", ".join(f"{name} {row[name]!r}" for name in _NUMBERS)
-            + "); `key forget` deletes it"
-        )
+        raise _unreadable("claim", where, row, ("status", *_NUMBERS))
     return row
-
-
-_PICKUP_NUMBERS = ("timeout", "republished", "due_at")
 
 
 def readable_pickup(row: Any) -> Any:
-    """A pickup row (or ``None``), once it is known to be readable; else ``CorruptRecord``."""
-    if row is None:
-        return None
-    if not isinstance(row["envelope"], (bytes, bytearray, memoryview)) or not all(
-        isinstance(row[name], (int, float)) for name in _PICKUP_NUMBERS
+    """A pickup row (or ``None``), once it is known to be readable (a binary envelope too);
+    else ``CorruptRecord``."""
+    if row is not None and not (
+        isinstance(row["envelope"], (bytes, bytearray, memoryview))
+        and _numbers_in(row, _PICKUP_NUMBERS)
     ):
-        raise CorruptRecord(
-            f"pickup row of {row['id']!r} is unreadable ("
-            + ", ".join(f"{name} {row[name]!r}" for name in _PICKUP_NUMBERS)
-            + f", envelope of type {type(row['envelope']).__name__}); `key forget` deletes it"
-        )
+        raise _unreadable("pickup", row["id"], row, _PICKUP_NUMBERS)
     return row
+
+
+def _numbers_in(row: Any, names: tuple[str, ...]) -> bool:
+    return all(isinstance(row[name], (int, float)) for name in names)
+
+
+def _unreadable(kind: str, where: str, row: Any, shown: tuple[str, ...]) -> CorruptRecord:
+    values = ", ".join(f"{name} {row[name]!r}" for name in shown)
+    return CorruptRecord(
+        f"{kind} row of {where!r} is unreadable ({values}); `key forget` deletes it"
+    )
 
 
 def is_live(row: Any, now: float) -> bool:
