@@ -78,12 +78,18 @@ def test_a_killed_call_celery_hands_back_to_the_broker_is_not_dead_lettered_and_
     try:
         name, key = fresh("requeued"), fresh("key")
         task = worker_app.overruns_once
-        result = task.apply_async((name,), idempotency_key=key)
+        result = task.apply_async(
+            (name,), idempotency_key=key, link=worker_app.noted_callback.s(name)
+        )
         # When its first run is killed, then the requeued message runs it again at once
         # (its key released for it, not held until the killed run's lease ends)
         wait_until(lambda: ledger_events(name, "finish") == 1, 30, "the requeued run")
         assert ledger_events(name, "start") == 2
         assert AsyncResult(result.id, app=app).get(timeout=10) == name
+        # And its link runs once, after the run that finished
+        wait_until(lambda: ledger_events(name, "callback") == 1, 10, "the link")
+        time.sleep(0.5)
+        assert ledger_events(name, "callback") == 1
         # And the call, which did not fail for good, is not in the dead-letter table
         assert _row_of(result.id) is None
         record = store_for(app).get(storage_key(task.name, key))

@@ -264,6 +264,12 @@ def noted_errback(request: Any, exc: Any, traceback: Any, name: str) -> None:
     note("errback", name)
 
 
+@app.task
+def noted_callback(value: Any, name: str) -> None:
+    """A link: records in the ledger of ``name`` that it ran."""
+    note("callback", name)
+
+
 @app.task(
     base=IdempotentTask,
     time_limit=1,

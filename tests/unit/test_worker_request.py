@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -9,10 +10,20 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.app.task import Context
+from celery.contrib.testing.mocks import TaskMessage
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks import task as task_module
-from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER, _owner_ids, issued_owner
+from idempotent_tasks.app_store import store_for
+from idempotent_tasks.core import Attempt
+from idempotent_tasks.records import Outcome, Pickup, Status
+from idempotent_tasks.worker_request import (
+    ISSUED_BY,
+    ISSUED_OWNER,
+    IdempotentRequest,
+    _owner_ids,
+    issued_owner,
+)
 
 
 def _request(**fields: Any) -> Context:
@@ -88,3 +99,74 @@ def test_whether_celery_requeues_a_killed_call_follows_its_version(
     assert task_module._timeout_requeues(task) is requeues  # type: ignore[arg-type]
     task.acks_late = False
     assert task_module._timeout_requeues(task) is False  # type: ignore[arg-type]
+
+
+def test_a_killed_call_celery_requeues_keeps_its_callbacks_and_chain_in_its_pickup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a keyed delivery, with a link, an errback and a chain in its message body, of a
+    # task whose message Celery requeues when its hard time limit kills it
+    app = Celery("requeues", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+
+    @app.task(
+        base=IdempotentTask,
+        acks_late=True,
+        acks_on_timeout=False,  # Celery 5.7
+        acks_on_failure_or_timeout=False,  # before 5.7
+    )
+    def overruns(name: str) -> str:
+        return name
+
+    @app.task
+    def after(value: Any, note: str) -> str:
+        return note
+
+    link, errback, chained = (
+        json.loads(json.dumps(after.s(note))) for note in ("linked", "errback", "chained")
+    )
+    message = TaskMessage(
+        overruns.name,
+        args=("n",),
+        callbacks=[link],
+        errbacks=[errback],
+        chain=[chained],
+        idempotency_key="k",
+    )
+    rejected: list[bool] = []
+    request = IdempotentRequest(
+        message,
+        app=app,
+        task=overruns,
+        on_reject=lambda logger, errors, requeue: rejected.append(requeue),
+    )
+    # whose pool process claimed the key under the owner this worker issued it
+    store = store_for(app)
+    claim = overruns._claim_request(
+        "k", ("n",), {}, request.id, owner=request.request_dict[ISSUED_OWNER]
+    )
+    assert store.claim(claim).outcome is Outcome.ACQUIRED
+    released_with: list[Pickup | None] = []
+    release_dead_owner = Attempt.release_dead_owner
+
+    def spy(attempt: Attempt, pickup: Pickup | None = None) -> None:
+        released_with.append(pickup)
+        release_dead_owner(attempt, pickup)
+
+    monkeypatch.setattr(Attempt, "release_dead_owner", spy)
+    # When the worker's main process handles the hard time limit
+    request.on_timeout(soft=False, timeout=1)
+    # Then Celery requeued the message, and the key waits for it, queued
+    assert rejected == [True]
+    record = store.get(claim.storage_key)
+    assert record is not None and record.status is Status.QUEUED
+    # And the pickup that stands for it keeps the message's link, errback and chain
+    (pickup,) = released_with
+    assert pickup is not None
+    options = json.loads(pickup.envelope)["options"]
+    assert (options["link"], options["link_error"], options["chain"]) == (
+        [link],
+        [errback],
+        [chained],
+    )
+    assert options["headers"]["idempotency_key"] == "k"
