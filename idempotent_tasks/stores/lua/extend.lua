@@ -12,11 +12,11 @@ local lease = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
 if found[1] == 'processing' and found[2] == ARGV[1] and found[3] == ARGV[2] then
-  redis.call('HSET', KEYS[1], 'lease_expires_at', now + lease, 'updated_at', now,
-    'expires_at', now + lease + ttl)
-  redis.call('PEXPIRE', KEYS[1], lease + ttl)
+  redis.call('HSET', KEYS[1], 'lease_expires_at', int(now + lease), 'updated_at', int(now),
+    'expires_at', int(now + lease + ttl))
+  redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   if redis.call('PTTL', KEYS[2]) < lease + ttl then
-    redis.call('PEXPIRE', KEYS[2], lease + ttl + 1000)
+    redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
   end
   return 1
 end

@@ -18,9 +18,10 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local due_in = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[5])
+local due_at = int(now + due_in)
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', ARGV[7],
-  'lease_expires_at', now + due_in, 'updated_at', now, 'expires_at', now + due_in + ttl,
-  'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', 0, 'due_at', now + due_in)
-redis.call('PEXPIRE', KEYS[1], due_in + ttl)
-redis.call('ZADD', KEYS[2], now + due_in, ARGV[8])
+  'lease_expires_at', due_at, 'updated_at', int(now), 'expires_at', int(now + due_in + ttl),
+  'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', '0', 'due_at', due_at)
+redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
+redis.call('ZADD', KEYS[2], due_at, ARGV[8])
 return 1
