@@ -74,6 +74,18 @@ def publish_key(
     return None
 
 
+#: Options of a call that is one part of a canvas: its chain's next step, a chord's body, a
+#: group collecting its result by its own task id.
+CANVAS_OPTIONS = ("chain", "chord", "group_id")
+
+
+def continues(options: dict[str, Any], link: Any, link_error: Any) -> bool:
+    """Whether work waits on this very message (callbacks, a chain's next step, a chord or
+    group collecting its task id): such a call is published even when its key could answer
+    at once, and the worker answers it as a duplicate, so that the work after it runs."""
+    return bool(link or link_error or any(options.get(name) for name in CANVAS_OPTIONS))
+
+
 def reserve(
     task: IdempotentTask,
     key: str,

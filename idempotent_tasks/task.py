@@ -146,7 +146,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Takes Celery's options plus ``idempotency_key``. A completed key returns a result whose
         ``.get()`` is the cached value and whose ``.id`` is the original task id; a key in
-        progress returns the owner's ``AsyncResult``. Nothing is published in either case.
+        progress returns the owner's ``AsyncResult``. Nothing is published in either case,
+        unless work waits on this message (link callbacks, a chain, a chord or a group): it is
+        then published, and the worker answers it as a duplicate.
 
         Raises:
             ValueError: the key is not a non-empty ``str``, or the task requires one; the
@@ -174,7 +176,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             reservation, short_circuit = publishing.reserve(
                 self, key, args, kwargs, task_id, message_options
             )
-            if short_circuit is not None:
+            if short_circuit is not None and not publishing.continues(options, link, link_error):
                 return short_circuit
             if reservation is not None:
                 try:

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from celery import chord, group
 from celery.result import AsyncResult, EagerResult
 
 from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
@@ -16,6 +17,7 @@ from tests.integration.helpers import (
     ledger_events,
     queue_length,
     set_pickup_timeout,
+    wait_until,
 )
 from tests.integration.workers import WorkerProcess
 
@@ -88,6 +90,46 @@ def test_canvas_signature_carries_the_key() -> None:
     first = charge.s(order, 3).set(idempotency_key=key).delay()
     second = charge.s(order, 3).set(idempotency_key=key).delay()
     assert first.get(timeout=30) == second.get(timeout=30)
+    assert ledger_events(order, "start") == 1
+
+
+def test_a_canvas_call_of_a_completed_key_is_published_so_its_chain_runs() -> None:
+    # Given a completed key
+    order, key = fresh("order"), fresh("key")
+    value = charge.apply_async((order, 10), idempotency_key=key).get(timeout=30)
+    # When it is called again as the first step of a chain, and with a link
+    chained = (charge.s(order, 10).set(idempotency_key=key) | worker_app.plain.s()).delay()
+    linked = charge.apply_async(
+        (order, 10), idempotency_key=key, link=worker_app.noted_callback.s(order)
+    )
+    # Then the chain's next step runs on the cached value, and the link runs
+    assert chained.get(timeout=30) == value
+    assert linked.get(timeout=30) == value
+    wait_until(lambda: ledger_events(order, "callback") == 1, 30, "the link")
+    # And the body itself still ran once
+    assert ledger_events(order, "start") == 1
+
+
+def test_a_group_and_a_chord_collect_a_completed_keys_cached_value() -> None:
+    order, key = fresh("order"), fresh("key")
+    value = charge.apply_async((order, 10), idempotency_key=key).get(timeout=30)
+    # Each part's result is read by the task id the group gave it
+    parts = group(charge.s(order, 10).set(idempotency_key=key), worker_app.plain.s(5))
+    assert parts.apply_async().get(timeout=30) == [value, 5]
+    assert chord(parts)(worker_app.plain.s()).get(timeout=30) == [value, 5]
+    assert ledger_events(order, "start") == 1
+
+
+def test_a_linked_call_of_a_key_in_progress_waits_for_the_owner_then_runs_its_link() -> None:
+    order, key = fresh("order"), fresh("key")
+    owner = charge.apply_async((order, 10), {"sleep": 2.0}, idempotency_key=key)
+    wait_until(lambda: ledger_events(order, "start") == 1, 30, "the owner's start")
+    duplicate = charge.apply_async(
+        (order, 10), {"sleep": 2.0}, idempotency_key=key, link=worker_app.noted_callback.s(order)
+    )
+    assert duplicate.id != owner.id
+    assert duplicate.get(timeout=30) == owner.get(timeout=30)
+    wait_until(lambda: ledger_events(order, "callback") == 1, 30, "the link")
     assert ledger_events(order, "start") == 1
 
 
