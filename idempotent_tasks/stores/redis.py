@@ -11,6 +11,7 @@ plain Redis database.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -39,6 +40,8 @@ from ..records import (
     SideWrite,
     Status,
 )
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _SCRIPTS = ("reserve", "read", "cancel", "due", "take", "claim", "complete", "release", "extend")
@@ -137,7 +140,12 @@ class RedisStore:
             members = [_text(m) for found in pipe.execute() for m in found]
         taken: list[DuePickup] = []
         for storage_key in members:
-            due = self.take(storage_key)
+            try:
+                due = self.take(storage_key)
+            except CorruptRecord as exc:
+                # One unreadable key must not stop the sweep for every other one.
+                logger.warning("skipping key %r in the sweep: %s", storage_key, exc)
+                continue
             if due is not None:
                 taken.append(due)
                 if len(taken) == limit:

@@ -143,6 +143,23 @@ def test_a_pickup_whose_numbers_cannot_be_read_is_taken_not_lost(
     assert record is not None and record.status is Status.QUEUED
 
 
+def test_a_sweep_leaves_a_key_that_holds_no_record_and_takes_the_others(url: str) -> None:
+    # Given two queued keys past their due time, one of whose records was overwritten with a
+    # string (a name reused by another program)
+    store = RedisStore.from_url(url, prefix="not-a-record")
+    for key in ("k", "other"):
+        assert store.reserve(_request(key), Pickup(envelope=b"m", due_in=0.01, timeout=30)) is None
+    client = redis.Redis.from_url(url)
+    client.set(store.names("k")[0], "not a hash")
+    time.sleep(0.05)
+    # When the sweep takes the due keys, then it takes the other one, and drops the string's
+    # name from the due index (it has no message to guard) without touching the string
+    assert [due.storage_key for due in store.take_due(10)] == ["other"]
+    assert store.take_due(10) == []
+    assert client.zscore(store.names("k")[2], "k") is None
+    assert client.get(store.names("k")[0]) == b"not a hash"
+
+
 @pytest.fixture()
 def replica(tmp_path: Path) -> Iterator[str]:
     """The URL of a read-only Redis replica (as during a failover), on servers of its own."""

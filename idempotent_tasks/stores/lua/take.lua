@@ -5,12 +5,13 @@
 -- ARGV[1]  storage key (index member)
 -- ARGV[2]  re-publication timeout, ms, for a record whose own cannot be read
 -- Returns  {task id, task name, envelope, republished} when taken, else nil; a key neither
---          queued nor processing (or without a pickup) leaves the index
+--          queued nor processing (or without a pickup, or not a record at all) leaves the index
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local found = redis.call('HMGET', KEYS[1], 'status', 'lease_expires_at', 'pickup_timeout',
+local found = redis.pcall('HMGET', KEYS[1], 'status', 'lease_expires_at', 'pickup_timeout',
   'republished', 'envelope', 'task_id', 'task_name', 'due_at')
-local status = found[1]
+-- A key holding something else than a record (an error reply) protects nothing either.
+local status = found.err == nil and found[1]
 if (status ~= 'queued' and status ~= 'processing') or not found[5] then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return nil
