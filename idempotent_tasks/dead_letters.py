@@ -14,7 +14,9 @@ from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
 from .dlq.arguments import restored_arguments
+from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
+from .dlq.sweep import CannotResend, resend_due
 from .errors import StoreUnavailable
 from .pickups import republish_lost
 from .settings import app_setting
@@ -87,7 +89,13 @@ def mark_succeeded(app: Any, dead_letter_id: str) -> None:
 
 
 def republish(app: Any, item: DeadLetter) -> None:
-    """Send a dead letter's task again: same name, id, arguments, key and routing."""
+    """Send a dead letter's task again: same name, id, arguments, key and routing.
+
+    Raises:
+        CannotResend: its arguments are kept only as text.
+    """
+    if item.options.get(ARGS_LOSSY):
+        raise CannotResend("its arguments were not JSON and are kept only as text")
     headers: dict[str, Any] = {DEAD_LETTER_HEADER: item.id}
     if item.idempotency_key is not None:
         headers["idempotency_key"] = item.idempotency_key
@@ -119,20 +127,15 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     recovered = queue.recover_stuck(timedelta(seconds=timeout))
     if recovered:
         logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
-    published = 0
-    while True:
-        items = queue.take_due(batch)
-        for item in items:
-            try:
-                republish(app, item)
-            except Exception as exc:
-                logger.error("could not re-publish dead letter %s: %s", item.id, exc)
-                queue.unclaim(item.id)
-                continue
-            published += 1
-        if len(items) < batch:
-            _count_rows(queue)
-            return published
+    published = resend_due(
+        queue,
+        lambda item: republish(app, item),
+        framework="celery",
+        batch=batch,
+        retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
+    )
+    _count_rows(queue)
+    return published
 
 
 def _count_rows(queue: Any) -> None:

@@ -34,6 +34,7 @@ from .dead_letters import (
 )
 from .dlq import Failure
 from .dlq.arguments import stored_arguments
+from .dlq.items import ARGS_LOSSY
 from .errors import (
     CorruptRecord,
     DeadLettered,
@@ -428,6 +429,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"
             )
         task_id = publishing.fitted_task_id(request.id)
+        options = routing_options(request.delivery_info)
+        if not faithful:
+            options[ARGS_LOSSY] = True  # the sweep refuses to send it again
         failure = Failure(
             failure_id=f"{task_id}:{request.retries}",
             task_name=self.name,
@@ -435,7 +439,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             idempotency_key=key,
             args=stored_args,
             kwargs=stored_kwargs,
-            options=routing_options(request.delivery_info),
+            options=options,
             error_type=type(exc).__name__,
             error_message=str(exc)[:MAX_ERROR_MESSAGE_CHARS],
             # exc's own traceback: one killed in another process has none, and names itself.

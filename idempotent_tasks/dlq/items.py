@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+#: Item option: the arguments JSON could not hold are kept as their ``repr``, for display only.
+ARGS_LOSSY = "args_lossy"
+
 
 class DeadLetterStatus(str, enum.Enum):
     """Where a dead letter is in its life."""

@@ -76,12 +76,12 @@ def recover_stuck(stuck_before: datetime, now: datetime) -> Update:
     )
 
 
-def unclaim(item_id: str, now: datetime) -> Update:
-    """Return one ``retrying`` item to ``pending``, due now."""
+def unclaim(item_id: str, now: datetime, due: datetime) -> Update:
+    """Return one ``retrying`` item to ``pending``, due at ``due``."""
     return (
         update(dead_letters)
         .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
-        .values(status=PENDING, next_retry_at=now, sweep_id=None, updated_at=now)
+        .values(status=PENDING, next_retry_at=due, sweep_id=None, updated_at=now)
     )
 
 

@@ -149,11 +149,13 @@ class DeadLetterQueue:
             )
         return int(result.rowcount)
 
-    def unclaim(self, item_id: str) -> bool:
-        """Put a ``retrying`` item back to ``pending`` (its re-publication failed)."""
-        now = self._db(self._clock())
+    def unclaim(self, item_id: str, delay: float = 0.0) -> bool:
+        """Put a ``retrying`` item back to ``pending``, due ``delay`` seconds from now (its
+        re-publication failed; no retry is used)."""
+        now = self._clock()
+        due = now + timedelta(seconds=max(delay, 0.0))
         with self._begin() as connection:
-            result = connection.execute(queries.unclaim(item_id, now))
+            result = connection.execute(queries.unclaim(item_id, self._db(now), self._db(due)))
         return bool(result.rowcount)
 
     def mark_succeeded(self, item_id: str) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 from .. import signals
 from ..dlq import DeadLetter, DeadLetterQueue, Failure
+from ..dlq.items import ARGS_LOSSY
 from ..errors import StoreUnavailable
 from .options import FRAMEWORK
 
@@ -25,7 +26,7 @@ def row_options(queue_name: str, args_lossy: bool = False) -> dict[str, Any]:
     """
     options: dict[str, Any] = {"queue": queue_name, "framework": FRAMEWORK}
     if args_lossy:
-        options["args_lossy"] = True
+        options[ARGS_LOSSY] = True
     return options
 
 

@@ -32,7 +32,9 @@ from rq.queue import Queue
 from .. import defaults
 from ..dlq import DeadLetter, DeadLetterQueue
 from ..dlq.arguments import restored_arguments
+from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
+from ..dlq.sweep import CannotResend, resend_due
 from .job import IdempotentJob
 from .options import FRAMEWORK, META_KEY
 from .resources import dlq_url_for
@@ -98,19 +100,13 @@ def _sweep(
     store_url: str | None,
     batch: int,
 ) -> int:
-    enqueued = 0
-    while True:
-        items = queue.take_due(batch, framework=FRAMEWORK)
-        for item in items:
-            try:
-                _enqueue(connection, item, dlq_url, store_url)
-            except Exception as exc:
-                logger.error("could not re-enqueue dead letter %s: %s", item.id, exc)
-                queue.unclaim(item.id)
-                continue
-            enqueued += 1
-        if len(items) < batch:
-            return enqueued
+    return resend_due(
+        queue,
+        lambda item: _enqueue(connection, item, dlq_url, store_url),
+        framework=FRAMEWORK,
+        batch=batch,
+        retry_delay=defaults.DLQ_POLL_INTERVAL,
+    )
 
 
 def _enqueue(
@@ -128,8 +124,8 @@ def _enqueue(
             pass  # no longer in the failed registry: enqueue it anew below
         else:
             return
-    if item.options.get("args_lossy"):
-        raise ValueError("its arguments were not JSON and RQ no longer has the original job")
+    if item.options.get(ARGS_LOSSY):
+        raise CannotResend("its arguments were not JSON and RQ no longer has the original job")
     state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
     state.update(dead_letter_id=item.id)
     if item.idempotency_key is not None:

@@ -582,6 +582,15 @@ def test_unclaim_puts_a_retrying_item_back_due_now(dlq: DeadLetterQueue, clock: 
     assert dlq.unclaim(item.id) is False
     assert dlq.unclaim(str(uuid.uuid4())) is False
     assert _ids(dlq.take_due()) == {item.id}
+    # With a delay, it is due that much later, and not before
+    now = clock.advance(seconds=1)
+    assert dlq.unclaim(item.id, delay=60) is True
+    back = dlq.get(item.id)
+    assert back is not None
+    assert (back.status, back.next_retry_at) == (Statuses.PENDING, now + timedelta(seconds=60))
+    assert dlq.take_due() == []
+    clock.advance(seconds=60)
+    assert _ids(dlq.take_due()) == {item.id}
 
 
 def test_retry_now_makes_an_item_pending_and_due(dlq: DeadLetterQueue, clock: Clock) -> None:

@@ -1,0 +1,54 @@
+"""One sweep over the due dead letters, shared by the Celery and RQ sweeps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .items import DeadLetter
+from .queue import DeadLetterQueue
+
+logger = logging.getLogger(__name__)
+
+
+class CannotResend(Exception):
+    """A dead letter that cannot be sent again as it is kept (its arguments are kept only as
+    text, say): sending it would run the task with the wrong values."""
+
+
+def resend_due(
+    queue: DeadLetterQueue,
+    resend: Callable[[DeadLetter], None],
+    *,
+    framework: str,
+    batch: int,
+    retry_delay: float,
+) -> int:
+    """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
+
+    An item ``resend`` refuses with :class:`CannotResend` counts as a failed retry (so it gives
+    up at its limit, with the reason as its error). An item that could not be sent for another
+    reason (a broker down, say) is due again ``retry_delay`` seconds later, with no retry used:
+    later sweeps try it again, and this one, not taking it again, ends.
+    """
+    sent = 0
+    while True:
+        items = queue.take_due(batch, framework=framework)
+        for item in items:
+            try:
+                resend(item)
+            except CannotResend as exc:
+                logger.error("dead letter %s cannot be sent again: %s", item.id, exc)
+                queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
+            except Exception as exc:
+                logger.error(
+                    "could not send dead letter %s again (due again in %ss): %s",
+                    item.id,
+                    retry_delay,
+                    exc,
+                )
+                queue.unclaim(item.id, delay=retry_delay)
+            else:
+                sent += 1
+        if len(items) < batch:
+            return sent

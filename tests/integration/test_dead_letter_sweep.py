@@ -1,0 +1,144 @@
+"""A dead-letter sweep facing rows it cannot send: a broker that is down, arguments kept as text.
+
+The sweeps run in this process, against real databases (an SQLite file, Redis for RQ).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.dead_letters import SWEEP_TASK
+from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
+from idempotent_tasks.rq.dead_letters import row_options
+from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
+from tests.integration.rq_support import RQ_DB
+
+POLL_INTERVAL = 30
+
+
+def _failure(framework: str = "celery", options: dict[str, Any] | None = None) -> Failure:
+    task_id = str(uuid.uuid4())
+    return Failure(
+        failure_id=f"{task_id}:0",
+        task_name="sweep.charge",
+        task_id=task_id,
+        idempotency_key=None,
+        args=["order"],
+        kwargs={},
+        options={"queue": "celery"} if options is None else options,
+        error_type="RuntimeError",
+        error_message="seeded",
+        traceback=None,
+        max_retries=3,
+        framework=framework,
+    )
+
+
+@pytest.fixture()
+def dlq_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'dead_letters.db'}"
+
+
+@pytest.fixture()
+def queue(dlq_url: str) -> Iterator[DeadLetterQueue]:
+    dead_letters = DeadLetterQueue(dlq_url, base_delay=0)
+    yield dead_letters
+    dead_letters.dispose()
+
+
+@pytest.fixture()
+def app(dlq_url: str) -> Celery:
+    """An app whose broker does not answer (nothing listens on port 1)."""
+    app = Celery("sweeps", set_as_current=False, broker="redis://127.0.0.1:1/0")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_dlq_url=dlq_url,
+        idempotency_dlq_poll_interval=POLL_INTERVAL,
+        task_publish_retry=False,
+        broker_connection_timeout=1,
+    )
+
+    # A name of its own per app (Celery refuses one name for two callables), not shared with
+    # the apps made after this one.
+    @app.task(
+        name=f"sweep.charge.{uuid.uuid4().hex}",
+        base=IdempotentTask,
+        serializer="pickle",
+        shared=False,
+    )
+    def charge(order: Any) -> None:
+        raise RuntimeError("declined")
+
+    app.conf.sweep_test_task = charge.name
+    app.finalize()
+    return app
+
+
+def test_rows_a_down_broker_refuses_are_due_again_later_and_the_sweep_ends(
+    app: Celery, queue: DeadLetterQueue
+) -> None:
+    # Given more due rows than one batch, while the broker is down
+    items = [queue.add(_failure()) for _ in range(3)]
+    # When a sweep runs in batches of two, then it ends, having sent nothing
+    assert app.tasks[SWEEP_TASK].run(batch=2) == 0
+    # And each row is pending again, with no retry used, due a poll interval later
+    now = queue.now()
+    for item in items:
+        row = queue.get(item.id)
+        assert row is not None and row.next_retry_at is not None
+        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+        assert now + timedelta(seconds=POLL_INTERVAL - 5) < row.next_retry_at
+        assert row.next_retry_at <= now + timedelta(seconds=POLL_INTERVAL)
+    assert queue.take_due() == []
+
+
+def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
+    app: Celery, queue: DeadLetterQueue
+) -> None:
+    # Given a call whose arguments JSON cannot hold, failed for good
+    task = app.tasks[app.conf.sweep_test_task]
+    task_id = str(uuid.uuid4())
+    task.push_request(id=task_id, retries=0, delivery_info={"routing_key": "celery"})
+    try:
+        task.on_final_failure(RuntimeError("declined"), None, (object(),), {})
+    finally:
+        task.pop_request()
+    (row,) = [item for item in queue.items() if item.task_id == task_id]
+    assert row.options["args_lossy"] is True
+    assert row.status is DeadLetterStatus.PERMANENT_FAILURE
+    # When an operator asks for it to be retried anyway, and the sweep runs
+    assert queue.retry_now(row.id)
+    assert app.tasks[SWEEP_TASK].run(batch=2) == 0
+    # Then it is refused before anything is sent (the broker would have failed it otherwise),
+    # and the row gives up again, saying why
+    after = queue.get(row.id)
+    assert after is not None
+    assert (after.status, after.error_type) == (DeadLetterStatus.PERMANENT_FAILURE, "CannotResend")
+
+
+def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given more due RQ rows than one batch whose arguments are kept as text and whose
+    # original jobs RQ no longer has
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    lossy = row_options("default", args_lossy=True)
+    items = [queue.add(_failure(RQ_FRAMEWORK, lossy)) for _ in range(3)]
+    # When the sweep runs in batches of two, then it ends, having enqueued nothing
+    assert rq_retry_dead_letters(connection, dlq_url, batch=2) == 0
+    # And each row used a retry, saying why, so it gives up at its limit
+    for item in items:
+        row = queue.get(item.id)
+        assert row is not None
+        assert (row.retry_count, row.error_type) == (1, "CannotResend")
+    assert all(connection.llen(name) == 0 for name in connection.keys("rq:queue:*"))
