@@ -194,7 +194,10 @@ class MemoryStore:
                 self._drop(request.storage_key)
                 return True
             found = self._records[request.storage_key]
-            self._queue(request, pickup, self._clock(), found.created_at, found.token)
+            # The key keeps the arguments it stands for (a retry may run with others).
+            self._queue(
+                request, pickup, self._clock(), found.created_at, found.token, found.fingerprint
+            )
             return True
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
@@ -247,7 +250,13 @@ class MemoryStore:
         self._pending.pop(storage_key, None)
 
     def _queue(
-        self, request: ClaimRequest, pickup: Pickup, now: float, created_at: float, token: int
+        self,
+        request: ClaimRequest,
+        pickup: Pickup,
+        now: float,
+        created_at: float,
+        token: int,
+        fingerprint: str | None = None,
     ) -> None:
         self._records[request.storage_key] = Record(
             storage_key=request.storage_key,
@@ -257,7 +266,7 @@ class MemoryStore:
             owner="",
             token=token,
             task_id=request.task_id,
-            fingerprint=request.fingerprint,
+            fingerprint=request.fingerprint if fingerprint is None else fingerprint,
             lease_expires_at=now + pickup.due_in,
             created_at=created_at,
             updated_at=now,

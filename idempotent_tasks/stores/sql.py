@@ -345,6 +345,7 @@ class SqlStore:
                 connection.execute(delete_pickup(claim_id))  # nothing is left to publish
                 return True
         values = self._queued_values(request, pickup, now)
+        del values["fingerprint"]  # the key keeps the arguments it stands for (see claim)
         return self._write_queued(
             update_held(claim_id, request.owner, token, now, values), request, pickup, now
         )

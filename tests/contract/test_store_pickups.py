@@ -546,6 +546,23 @@ def test_release_with_a_pickup_queues_the_key_for_a_retry(store: Store, make_req
     assert retry.token > token
 
 
+def test_a_retry_with_other_arguments_leaves_the_keys_fingerprint_as_its_caller_made_it(
+    store: Store, make_request: Make
+) -> None:
+    # Given a call whose first run gave its claim up to a retry
+    first = make_request(task_id="task-1", fingerprint="fp-1")
+    assert store.release(first, store.claim(first).token, make_pickup()) is True
+    # When the retry runs with other arguments (self.retry(args=...)), then retries again
+    retry = make_request(storage_key=first.storage_key, task_id="task-1", fingerprint="fp-2")
+    claim = store.claim(retry)
+    assert claim.outcome is Outcome.ACQUIRED
+    assert store.release(retry, claim.token, make_pickup()) is True
+    # Then the key still stands for the caller's arguments
+    record = store.get(first.storage_key)
+    assert record is not None
+    assert (record.status, record.fingerprint) == (Status.QUEUED, "fp-1")
+
+
 def test_release_with_a_pickup_needs_the_claim_held(store: Store, make_request: Make) -> None:
     owner = make_request()
     token = store.claim(owner).token
