@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, cast
 
 from kombu.utils import json as kombu_json
@@ -72,11 +72,15 @@ def pickup_timeout(conf: Any) -> float:
 
 
 def seconds_until(countdown: Any = None, eta: Any = None) -> float:
-    """How long from now a message asks to wait before it runs."""
+    """How long from now a message asks to wait before it runs.
+
+    A naive ``eta`` is UTC, as Celery's worker reads it (not this host's local time).
+    """
     if eta is not None:
         when = datetime.fromisoformat(eta) if isinstance(eta, str) else cast(datetime, eta)
-        now = datetime.now(when.tzinfo) if when.tzinfo else datetime.now()
-        return max((when - now).total_seconds(), 0.0)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        return max((when - datetime.now(timezone.utc)).total_seconds(), 0.0)
     return max(float(countdown or 0), 0.0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -85,6 +86,21 @@ def test_seconds_until_reads_countdowns_and_etas(
 def test_seconds_until_reads_iso_etas_too() -> None:
     eta = (datetime.now(timezone.utc) + timedelta(seconds=60)).isoformat()
     assert seconds_until(None, eta) == pytest.approx(60, abs=0.5)
+
+
+def test_a_naive_eta_is_utc_as_celerys_worker_reads_it_whatever_the_local_zone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A host nine hours east of UTC, whose local clock a naive datetime.now() would read
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        naive_utc = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(hours=2)
+        assert seconds_until(None, naive_utc) == pytest.approx(7200, abs=1)
+        assert seconds_until(None, naive_utc.isoformat()) == pytest.approx(7200, abs=1)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_an_option_that_is_not_json_is_left_out_and_the_rest_kept() -> None:
