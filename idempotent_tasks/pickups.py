@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
+from kombu.entity import Exchange, Queue
 from kombu.utils import json as kombu_json
 
 from . import defaults, signals
@@ -45,6 +46,7 @@ CARRIED_OPTIONS = (
     "link",
     "link_error",
     "chain",
+    "chord",
     "group_id",
     "group_index",
     "root_id",
@@ -90,8 +92,12 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
     carried: dict[str, Any] = {}
     for name in CARRIED_OPTIONS:
         value = options.get(name)
+        if isinstance(value, Queue | Exchange):
+            value = value.name
+        elif name == "expires":
+            value = _absolute_expiry(value)
         if value is not None:
-            carried[name] = getattr(value, "name", value)  # kombu Queue / Exchange objects
+            carried[name] = value
     message = {"args": list(args), "kwargs": kwargs, "options": carried}
     try:
         return dumps(message).encode()
@@ -103,6 +109,14 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
         return dumps(message).encode()
     except (TypeError, ValueError):
         return None
+
+
+def _absolute_expiry(expires: Any) -> Any:
+    """``expires`` as a moment: Celery reads a number of seconds from each publish, so a
+    message published again must not carry it as one (it would live on afresh)."""
+    if isinstance(expires, int | float) and not isinstance(expires, bool):
+        return (datetime.now(timezone.utc) + timedelta(seconds=expires)).isoformat()
+    return expires
 
 
 def _jsonable(value: Any) -> bool:

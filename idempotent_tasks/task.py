@@ -385,6 +385,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             headers[DEAD_LETTER_HEADER] = dead_letter_id
+        time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
             **routing_options(request.delivery_info),
             "headers": headers,
@@ -392,9 +393,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "link": request.callbacks,
             "link_error": request.errbacks,
             "chain": request.chain,
+            "chord": request.chord,
             "group_id": request.group,
+            "group_index": request.group_index,
             "root_id": request.root_id,
             "parent_id": request.parent_id,
+            "shadow": request.shadow,
+            "expires": request.expires,
+            "time_limit": time_limit,
+            "soft_time_limit": soft_time_limit,
         }
         return make_pickup(
             request.args if args is None else args,

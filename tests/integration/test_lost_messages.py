@@ -90,8 +90,11 @@ def _status(task: Any, key: str) -> Status | None:
 @pytest.mark.usefixtures("short_pickup")
 def test_a_lost_message_is_published_again_and_runs_once(worker_and_beat: Any) -> None:
     # Given a keyed task published while no worker runs, whose message the broker then loses
+    # (with a link, a signature the message carries along)
     name, key = fresh("lost"), fresh("key")
-    result = worker_app.ledgered.apply_async((name,), idempotency_key=key)
+    result = worker_app.ledgered.apply_async(
+        (name,), idempotency_key=key, link=worker_app.noted_callback.s(name)
+    )
     _lose_message("celery", result.id)
     assert _status(worker_app.ledgered, key) is Status.QUEUED
 
@@ -102,6 +105,8 @@ def test_a_lost_message_is_published_again_and_runs_once(worker_and_beat: Any) -
     assert result.get(timeout=30) == name
     assert ledger_events(name, "start") == 1
     assert _status(worker_app.ledgered, key) is Status.COMPLETED
+    # And its link runs
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the link")
 
 
 @pytest.mark.usefixtures("short_pickup")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -9,8 +10,9 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 
+from idempotent_tasks import IdempotentTask
 from idempotent_tasks.pickups import envelope, loads, make_pickup, pickup_timeout, seconds_until
 
 
@@ -107,3 +109,79 @@ def test_an_option_that_is_not_json_is_left_out_and_the_rest_kept() -> None:
     body = envelope((1,), {}, {"queue": "q", "link": object()})
     assert body is not None
     assert loads(body.decode()) == {"args": [1], "kwargs": {}, "options": {"queue": "q"}}
+
+
+def test_an_envelope_keeps_canvas_signatures_whole_and_an_expiry_as_a_moment() -> None:
+    app = _app()
+
+    @app.task(shared=False)
+    def step(value: Any) -> Any:
+        return value
+
+    link, errback, body = step.s("linked"), step.s("failed"), step.s()
+    before = datetime.now(timezone.utc)
+    kept = envelope(
+        (1,),
+        {},
+        {
+            "link": link,
+            "link_error": [errback],
+            "chord": body,
+            "exchange": Exchange("payments"),
+            "expires": 60,
+        },
+    )
+    assert kept is not None
+    options = loads(kept.decode())["options"]
+    # Signatures stay signatures (not their task names), kombu objects become their names
+    assert options["link"] == json.loads(json.dumps(link))
+    assert options["link_error"] == [json.loads(json.dumps(errback))]
+    assert options["chord"] == json.loads(json.dumps(body))
+    assert options["exchange"] == "payments"
+    # A relative expiry becomes the moment it ends, so a later re-publication does not renew it
+    expires = datetime.fromisoformat(options["expires"])
+    assert (
+        before + timedelta(seconds=59)
+        < expires
+        < datetime.now(timezone.utc) + timedelta(seconds=61)
+    )
+
+
+def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    body = json.loads(json.dumps(charge.s("body")))
+    charge.push_request(
+        id="t-1",
+        args=["o"],
+        kwargs={},
+        retries=0,
+        delivery_info={"exchange": "", "routing_key": "payments"},
+        chord=body,
+        group="g-1",
+        group_index=2,
+        expires="2030-01-02T03:04:05+00:00",
+        timelimit=(30, 20),
+        shadow="charge (shadow)",
+    )
+    try:
+        pickup = charge._message_pickup("k", None, None, 0.0, retries=1)
+    finally:
+        charge.pop_request()
+    assert pickup is not None
+    message = loads(pickup.envelope.decode())
+    assert message["args"] == ["o"]
+    options = message["options"]
+    assert options["chord"] == body
+    assert (options["group_id"], options["group_index"]) == ("g-1", 2)
+    assert options["expires"] == "2030-01-02T03:04:05+00:00"
+    assert (options["time_limit"], options["soft_time_limit"]) == (30, 20)
+    assert (options["shadow"], options["queue"], options["retries"]) == (
+        "charge (shadow)",
+        "payments",
+        1,
+    )
