@@ -256,9 +256,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         record = claim.record
         assert record is not None
         if claim.outcome is Outcome.MISMATCH:
-            raise IdempotencyKeyMismatch(
+            mismatch = IdempotencyKeyMismatch(
                 key, self.name, record.fingerprint, attempt.request.fingerprint
             )
+            if _request_header(request, DEAD_LETTER_HEADER) is not None:
+                # A dead letter's retry whose key stands for other arguments by now (its caller
+                # called again, corrected): its row records the failure, or it stays retrying.
+                self.on_final_failure(mismatch, key, args, kwargs)
+            raise mismatch
         signals.duplicate_suppressed.send(
             task_name=self.name, where="worker", outcome=claim.outcome
         )

@@ -11,7 +11,7 @@ import pytest
 
 from idempotent_tasks import IdempotencyKeyMismatch
 from idempotent_tasks.app_store import dlq_for
-from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from tests.integration import worker_app
 from tests.integration.helpers import fresh, ledger_events, wait_until
 from tests.integration.workers import BeatProcess, WorkerProcess
@@ -143,6 +143,40 @@ class TestWithBeat:
         with pytest.raises(IdempotencyKeyMismatch):
             other.get(timeout=30)
         assert _row_of(other.id) is None
+
+    def test_a_dead_letter_whose_key_now_stands_for_other_arguments_gives_up(self) -> None:
+        # Given a key completed by a call, and a dead letter of that key with other arguments
+        # (the failed call its caller has since called again, corrected)
+        key, corrected, failed = fresh("key"), fresh("corrected"), fresh("failed")
+        worker_app.ledgered.apply_async((corrected,), idempotency_key=key).get(timeout=30)
+        item = dlq_for(app).add(
+            Failure(
+                failure_id=f"{fresh('task')}:0",
+                task_name=worker_app.ledgered.name,
+                task_id=fresh("task"),
+                idempotency_key=key,
+                args=[failed],
+                kwargs={},
+                options={"queue": "celery"},
+                error_type="RuntimeError",
+                error_message="seeded",
+                traceback=None,
+                max_retries=1,
+            )
+        )
+        # When beat's sweep re-publishes it, then its retry fails with the mismatch, which its
+        # row records (it does not stay retrying), and the old arguments never run
+        row = wait_until(
+            lambda: (
+                (r := dlq_for(app).get(item.id))
+                and r.status is DeadLetterStatus.PERMANENT_FAILURE
+                and r
+            ),
+            30,
+            "the dead letter to give up",
+        )
+        assert (row.retry_count, row.error_type) == (1, "IdempotencyKeyMismatch")
+        assert ledger_events(failed, "start") == 0
 
 
 @pytest.mark.usefixtures("workers_and_beat")
