@@ -121,7 +121,13 @@ def _enqueue(
         try:
             original.failed_job_registry.requeue(original)
         except InvalidJobOperation:
-            pass  # no longer in the failed registry: enqueue it anew below
+            # No longer in the failed registry (a requeue cut short half-way): enqueue it anew,
+            # as it is when only it has the arguments, else below from the row.
+            if item.options.get(ARGS_LOSSY):
+                Queue(original.origin, connection=connection, job_class=IdempotentJob).enqueue_job(
+                    original
+                )
+                return
         else:
             return
     if item.options.get(ARGS_LOSSY):

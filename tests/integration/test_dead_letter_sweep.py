@@ -8,26 +8,33 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from rq.job import JobStatus
+from rq.queue import Queue
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.dead_letters import SWEEP_TASK
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.rq import IdempotentJob
 from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
 from idempotent_tasks.rq.dead_letters import row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
+from tests.integration import rq_jobs
 from tests.integration.rq_support import RQ_DB
 
 POLL_INTERVAL = 30
 
 
-def _failure(framework: str = "celery", options: dict[str, Any] | None = None) -> Failure:
-    task_id = str(uuid.uuid4())
+def _failure(
+    framework: str = "celery", options: dict[str, Any] | None = None, task_id: str | None = None
+) -> Failure:
+    task_id = task_id or str(uuid.uuid4())
     return Failure(
         failure_id=f"{task_id}:0",
         task_name="sweep.charge",
@@ -132,7 +139,8 @@ def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
     # Given more due RQ rows than one batch whose arguments are kept as text and whose
     # original jobs RQ no longer has
     connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
-    lossy = row_options("default", args_lossy=True)
+    queue_name = f"sweep-{uuid.uuid4().hex[:8]}"
+    lossy = row_options(queue_name, args_lossy=True)
     items = [queue.add(_failure(RQ_FRAMEWORK, lossy)) for _ in range(3)]
     # When the sweep runs in batches of two, then it ends, having enqueued nothing
     assert rq_retry_dead_letters(connection, dlq_url, batch=2) == 0
@@ -141,4 +149,31 @@ def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
         row = queue.get(item.id)
         assert row is not None
         assert (row.retry_count, row.error_type) == (1, "CannotResend")
-    assert all(connection.llen(name) == 0 for name in connection.keys("rq:queue:*"))
+    assert Queue(queue_name, connection=connection).count == 0
+
+
+def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a failed job whose arguments JSON cannot hold, taken out of RQ's failed registry
+    # by a requeue that was cut short before it enqueued the job, and its dead letter
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = Queue(
+        f"sweep-{uuid.uuid4().hex[:8]}", connection=connection, job_class=IdempotentJob
+    )
+    job = rq_queue.enqueue(rq_jobs.starts, Decimal("1.5"))
+    rq_queue.remove(job)
+    job.set_status(JobStatus.FAILED)
+    item = queue.add(
+        _failure(RQ_FRAMEWORK, row_options(rq_queue.name, args_lossy=True), task_id=job.id)
+    )
+    try:
+        # When the sweep runs, then it enqueues that very job again, arguments and all
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        assert rq_queue.job_ids == [job.id]
+        again = IdempotentJob.fetch(job.id, connection=connection)
+        assert again.args == (Decimal("1.5"),)
+        row = queue.get(item.id)
+        assert row is not None and row.status is DeadLetterStatus.RETRYING
+    finally:
+        rq_queue.delete(delete_jobs=True)
