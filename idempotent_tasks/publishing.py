@@ -116,6 +116,19 @@ def reserve(
     return None, answer_from_record(task, record, request)
 
 
+def hand_to_guard(task: IdempotentTask, request: ClaimRequest) -> None:
+    """Leave the reservation of a message the broker could not take to the pickup guard, due
+    at once: a duplicate may have joined this call meanwhile, and waits for its result."""
+    try:
+        store_for(task.app).make_reservation_due(request)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning(
+            "could not hand key %r to the pickup guard (%s): it publishes it when it is due",
+            request.key,
+            exc,
+        )
+
+
 def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:
     """Take back the reservation of a message that could not be published."""
     try:

@@ -17,6 +17,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.log import get_task_logger
+from kombu.exceptions import OperationalError
 from kombu.utils.imports import symbol_by_name
 
 from . import defaults, publishing, signals
@@ -184,6 +185,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     return super().apply_async(
                         args, kwargs, task_id, producer, link, link_error, shadow, **options
                     )
+                except OperationalError:
+                    # The broker could not be reached. A duplicate may have joined this call
+                    # since it was reserved: the call stays, for the guard to publish.
+                    publishing.hand_to_guard(self, reservation)
+                    raise
                 except Exception:
                     publishing.cancel_reservation(self, reservation)
                     raise

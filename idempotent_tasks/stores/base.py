@@ -42,6 +42,12 @@ class Store(Protocol):
         there was one."""
         ...
 
+    def make_reservation_due(self, request: ClaimRequest) -> bool:
+        """Make the ``queued`` record of ``request.task_id`` due at once: its message could not
+        be published (the broker was unreachable), and the pickup guard publishes it when it
+        next looks (a sweep, or a publish of the key). Whether there was one with a pickup."""
+        ...
+
     def take_due(self, limit: int) -> list[DuePickup]:
         """Up to ``limit`` queued keys whose message counts as lost, for re-publication.
 

@@ -44,7 +44,18 @@ from ..records import (
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_SCRIPTS = ("reserve", "read", "cancel", "due", "take", "claim", "complete", "release", "extend")
+_SCRIPTS = (
+    "reserve",
+    "read",
+    "cancel",
+    "make_due",
+    "due",
+    "take",
+    "claim",
+    "complete",
+    "release",
+    "extend",
+)
 #: Shards keys are spread over (each one Redis Cluster slot, with its own due index).
 SHARDS = 256
 #: Connection errors after which redis-py reconnects and tries the command again.
@@ -130,6 +141,11 @@ class RedisStore:
     def cancel_reservation(self, request: ClaimRequest) -> bool:
         record, _, index = self.names(request.storage_key)
         return bool(self._run("cancel", [record, index], [request.task_id, request.storage_key]))
+
+    def make_reservation_due(self, request: ClaimRequest) -> bool:
+        record, _, index = self.names(request.storage_key)
+        args = [request.task_id, request.storage_key]
+        return bool(self._run("make_due", [record, index], args))
 
     def take_due(self, limit: int) -> list[DuePickup]:
         indexes = [f"{self.prefix}:{{{shard:02x}}}:due" for shard in range(SHARDS)]

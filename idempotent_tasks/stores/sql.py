@@ -77,6 +77,7 @@ from .sql_statements import (
     insert_if_absent,
     release_queued,
     replace_if_unchanged,
+    retime_pickup,
     retime_queued,
     select_claim,
     select_due,
@@ -154,6 +155,17 @@ class SqlStore:
             if _count(connection, release_queued(claim_id, request.task_id, now)) == 0:
                 return False
             connection.execute(delete_pickup(claim_id))
+            return True
+
+    def make_reservation_due(self, request: ClaimRequest) -> bool:
+        claim_id = self.claim_id(request.storage_key)
+        now = self._clock()  # before the transaction: a measurement takes a connection too
+        with self._begin() as connection:
+            if _count(connection, retime_queued(claim_id, request.task_id, now, now)) == 0:
+                return False
+            if _count(connection, retime_pickup(claim_id, request.task_id, now)) == 0:
+                connection.rollback()  # no pickup: nothing for the guard to publish
+                return False
             return True
 
     def take_due(self, limit: int) -> list[DuePickup]:

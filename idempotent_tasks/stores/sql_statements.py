@@ -114,6 +114,12 @@ def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Upd
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
+def retime_pickup(claim_id: str, task_id: str, due_at: float) -> Update:
+    """Move the due time of the pickup row of ``task_id``'s message."""
+    mine = (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
+    return pickups.update().where(mine).values(due_at=due_at)
+
+
 def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
     """Write a pickup row, replacing any row of the same id."""
     changes = {name: value for name, value in row.items() if name != "id"}

@@ -510,6 +510,38 @@ def test_cancel_reservation_deletes_only_its_own_queued_record(
     assert store.take_due(10) == []
 
 
+def test_a_reservation_made_due_is_handed_to_the_guard_at_once(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key reserved for task-1, whose message could not be published
+    mine = make_request(task_id="task-1")
+    assert store.reserve(mine, make_pickup(envelope=b"unsent")) is None
+    assert store.take_due(10) == []
+    # When it is made due (and not by another task id's publish)
+    stranger = make_request(storage_key=mine.storage_key, task_id="task-2")
+    assert store.make_reservation_due(stranger) is False
+    assert store.make_reservation_due(mine) is True
+    # Then it is still queued for task-1, its lease over, and the guard takes it now, once
+    record = store.get(mine.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.QUEUED, "task-1")
+    assert record.lease_expires_at <= record.store_time()
+    [due] = store.take_due(10)
+    assert (due.task_id, due.envelope, due.republished) == ("task-1", b"unsent", 1)
+    assert store.take_due(10) == []
+
+
+def test_a_claimed_key_is_never_made_due(store: Store, make_request: Make) -> None:
+    request = make_request(task_id="task-1")
+    store.reserve(request, make_pickup())
+    store.claim(request)
+    assert store.make_reservation_due(request) is False
+    record = store.get(request.storage_key)
+    assert record is not None
+    assert (record.status, record.owner) == (Status.PROCESSING, request.owner)
+    assert store.take_due(10) == []
+
+
 def test_cancel_reservation_leaves_a_claimed_key_alone(store: Store, make_request: Make) -> None:
     request = make_request(task_id="task-1")
     store.reserve(request, make_pickup())

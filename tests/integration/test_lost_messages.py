@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from kombu.exceptions import EncodeError, OperationalError
 
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.keys import storage_key
@@ -240,18 +241,45 @@ def test_a_producer_whose_clock_runs_behind_sees_a_dead_owners_lease_as_over(
 
 
 def test_a_failed_publish_leaves_no_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a broker that refuses the message
+    # Given a publish that fails otherwise than for want of a broker (a message its
+    # serializer refuses)
     name, key = fresh("unpublished"), fresh("key")
 
     def refuse(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("broker down")
+        raise EncodeError("cannot serialize")
 
     monkeypatch.setattr(app, "send_task", refuse)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(EncodeError):
         worker_app.ledgered.apply_async((name,), idempotency_key=key)
 
     # Then the key is free again: nothing will publish it behind the caller's back
     assert _status(worker_app.ledgered, key) is None
+
+
+@pytest.mark.usefixtures("short_pickup")
+def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
+    monkeypatch: pytest.MonkeyPatch, worker_and_beat: Any
+) -> None:
+    # Given a call whose publish fails because the broker cannot be reached, after a
+    # duplicate (a client retrying, say) joined its reservation
+    name, key = fresh("refused"), fresh("key")
+    send_task, joined = app.send_task, []
+
+    def refuse_after_a_duplicate_joined(*args: Any, **kwargs: Any) -> None:
+        monkeypatch.setattr(app, "send_task", send_task)
+        joined.append(worker_app.ledgered.apply_async((name,), idempotency_key=key))
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(app, "send_task", refuse_after_a_duplicate_joined)
+    with pytest.raises(OperationalError):
+        worker_app.ledgered.apply_async((name,), idempotency_key=key)
+    [duplicate] = joined
+    # Then the caller got the error, but the call is kept, queued and due at once
+    assert _status(worker_app.ledgered, key) is Status.QUEUED
+    # And once a worker and beat run, the guard publishes it, and the duplicate gets its value
+    worker_and_beat()
+    assert duplicate.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
 
 
 def _messages_of(queue: str, task_id: str) -> int:
