@@ -10,6 +10,8 @@ from celery import chord, group
 from celery.result import AsyncResult, EagerResult
 
 from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
+from idempotent_tasks.app_store import store_for
+from idempotent_tasks.keys import storage_key
 from tests.integration import worker_app
 from tests.integration.helpers import (
     IDLE_QUEUE,
@@ -131,6 +133,22 @@ def test_a_linked_call_of_a_key_in_progress_waits_for_the_owner_then_runs_its_li
     assert duplicate.get(timeout=30) == owner.get(timeout=30)
     wait_until(lambda: ledger_events(order, "callback") == 1, 30, "the link")
     assert ledger_events(order, "start") == 1
+
+
+def test_a_call_that_expired_before_it_ran_frees_its_key() -> None:
+    # Given a keyed call that expires before its countdown lets it run
+    name, key = fresh("expired"), fresh("key")
+    result = worker_app.ledgered.apply_async(
+        (name,), idempotency_key=key, countdown=1.5, expires=0.5
+    )
+    # When the worker discards it at its eta, then the key is free again (nothing queued for
+    # the pickup guard to publish later) and the call ran nothing
+    store, stored_as = store_for(worker_app.app), storage_key(worker_app.ledgered.name, key)
+    wait_until(lambda: store.get(stored_as) is None, 30, "the reservation cancelled")
+    assert AsyncResult(result.id, app=worker_app.app).state == "REVOKED"
+    assert ledger_events(name, "start") == 0
+    # And a later call under the key runs
+    assert worker_app.ledgered.apply_async((name,), idempotency_key=key).get(timeout=30) == name
 
 
 def test_positional_and_keyword_calls_share_a_fingerprint() -> None:
