@@ -516,8 +516,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         reservation is cancelled, so that neither the pickup guard publishes it again (where
         it would run once the worker forgets the revoke) nor callers wait on it any longer.
 
-        Runs in the worker's main process, from Celery's ``task_revoked`` signal. A call
-        terminated while it ran keeps its claim until its lease ends.
+        Runs in the worker's main process, from Celery's ``task_revoked`` signal, for calls
+        that did not start (not for one terminated while it ran).
         """
         args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
         key = self._call_key(request, args, kwargs)
