@@ -27,6 +27,8 @@ module_logger = logging.getLogger(__name__)
 SWEEP_TASK = "idempotent_tasks.retry_dead_letters"
 #: Header of a re-published dead letter: the id of its row.
 DEAD_LETTER_HEADER = "idempotency_dead_letter_id"
+#: ... and the sweep that published it (its failure counts only while that sweep holds the row).
+DEAD_LETTER_SWEEP_HEADER = "idempotency_dead_letter_sweep"
 #: Header of a message whose final failure still has to be written (the database was down).
 UNWRITTEN_FAILURE_HEADER = "idempotency_unwritten_failure"
 #: Header of such a message whose failure Celery has reported already (a call killed at its
@@ -49,15 +51,22 @@ def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
     return options
 
 
-def write_failure(app: Any, failure: Failure, dead_letter_id: str | None) -> str:
-    """Record a final failure: a new row, or the next failure of a re-published row.
+def write_failure(
+    app: Any, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
+) -> str:
+    """Record a final failure: a new row, or the next failure of a re-published row (of the
+    sweep ``sweep_id``, when given).
 
     Returns the row's id. Raises StoreUnavailable when the database cannot be written.
     """
     queue = dlq_for(app)
     if dead_letter_id is not None:
         item = queue.record_retry_failure(
-            dead_letter_id, failure.error_type, failure.error_message, failure.traceback
+            dead_letter_id,
+            failure.error_type,
+            failure.error_message,
+            failure.traceback,
+            sweep_id,
         )
         if item is not None:
             _log_item(item)
@@ -97,6 +106,8 @@ def republish(app: Any, item: DeadLetter) -> None:
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and are kept only as text")
     headers: dict[str, Any] = {DEAD_LETTER_HEADER: item.id}
+    if item.sweep_id is not None:
+        headers[DEAD_LETTER_SWEEP_HEADER] = item.sweep_id
     if item.idempotency_key is not None:
         headers["idempotency_key"] = item.idempotency_key
     args, kwargs = restored_arguments(item.args, item.kwargs)

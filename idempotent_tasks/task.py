@@ -28,6 +28,7 @@ from .codec import UNSAFE_SERIALIZERS, ResultCodec
 from .core import Attempt, new_owner, wait_for_owner
 from .dead_letters import (
     DEAD_LETTER_HEADER,
+    DEAD_LETTER_SWEEP_HEADER,
     FAILURE_REPORTED_HEADER,
     UNWRITTEN_FAILURE_HEADER,
     mark_succeeded,
@@ -212,9 +213,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is not None:
             extra_options.setdefault(KEY_HEADER, key)
         carried = extra_options.setdefault(_REPUBLISH, {})
-        dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
-        if dead_letter_id is not None:
-            carried.setdefault(DEAD_LETTER_HEADER, dead_letter_id)
+        for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
+            value = _request_header(request, name)
+            if value is not None:
+                carried.setdefault(name, value)
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         # The owner this delivery was issued is its own: the next one is issued another.
         headers = signature.options.get("headers") or {}
@@ -394,9 +396,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers = {KEY_HEADER: key}
         if previous_owner is not None:
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
-        dead_letter_id = _request_header(request, DEAD_LETTER_HEADER)
-        if dead_letter_id is not None:
-            headers[DEAD_LETTER_HEADER] = dead_letter_id
+        for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
+            value = _request_header(request, name)
+            if value is not None:
+                headers[name] = value
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
             **routing_options(request.delivery_info),
@@ -535,8 +538,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""
         dead_letter_id = _request_header(self.request, DEAD_LETTER_HEADER)
+        sweep_id = _request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
         try:
-            write_failure(self.app, failure, dead_letter_id)
+            write_failure(self.app, failure, dead_letter_id, sweep_id)
         except (StoreUnavailable, SchemaVersionError) as exc:
             delay = float(app_setting(self.app.conf, "idempotency_dlq_write_retry_delay"))
             logger.error(

@@ -166,12 +166,19 @@ class DeadLetterQueue:
         return bool(result.rowcount)
 
     def record_retry_failure(
-        self, item_id: str, error_type: str, error_message: str, traceback: str | None
+        self,
+        item_id: str,
+        error_type: str,
+        error_message: str,
+        traceback: str | None,
+        sweep_id: str | None = None,
     ) -> DeadLetter | None:
         """A re-published item failed for good again: reschedule it, or give up at its limit.
 
-        Only an item in ``retrying`` changes (so a repeated call changes nothing); returns the
-        item as it now is, or ``None`` if there is no such item.
+        Only an item in ``retrying`` changes, and with ``sweep_id`` (the sweep that published
+        the run reporting), only while that sweep holds it: a repeated report changes nothing,
+        even once a later sweep took the item again. Returns the item as it now is, or
+        ``None`` if there is no such item.
         """
         now = self._clock()
         with self._begin() as connection:
@@ -179,7 +186,8 @@ class DeadLetterQueue:
             if found is None:
                 return None
             item = _item(found._mapping)
-            if item.status is DeadLetterStatus.RETRYING:
+            held = sweep_id is None or item.sweep_id == sweep_id
+            if item.status is DeadLetterStatus.RETRYING and held:
                 retry_count = item.retry_count + 1
                 exhausted = retry_count >= item.max_retries
                 values: dict[str, Any] = {

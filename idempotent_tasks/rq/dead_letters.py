@@ -30,15 +30,25 @@ def row_options(queue_name: str, args_lossy: bool = False) -> dict[str, Any]:
     return options
 
 
-def write_failure(queue: DeadLetterQueue, failure: Failure, dead_letter_id: str | None) -> str:
-    """Record a final failure: a new row, or the next failure of a re-enqueued row.
+def write_failure(
+    queue: DeadLetterQueue,
+    failure: Failure,
+    dead_letter_id: str | None,
+    sweep_id: str | None = None,
+) -> str:
+    """Record a final failure: a new row, or the next failure of a re-enqueued row (of the
+    sweep ``sweep_id``, when given).
 
     Returns the row's id. Raises StoreUnavailable (or SchemaVersionError) when the database
     cannot be written.
     """
     if dead_letter_id is not None:
         item = queue.record_retry_failure(
-            dead_letter_id, failure.error_type, failure.error_message, failure.traceback
+            dead_letter_id,
+            failure.error_type,
+            failure.error_message,
+            failure.traceback,
+            sweep_id,
         )
         if item is not None:
             _log_item(failure.task_id, item)

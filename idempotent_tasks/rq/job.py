@@ -386,7 +386,10 @@ class IdempotentJob(Job):
     def _write_failure(self, failure: Failure, state: dict[str, Any]) -> Requeue | None:
         try:
             write_failure(
-                dead_letter_queue(state.get("dlq_url")), failure, state.get("dead_letter_id")
+                dead_letter_queue(state.get("dlq_url")),
+                failure,
+                state.get("dead_letter_id"),
+                state.get("dead_letter_sweep"),
             )
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self._is_sync:
@@ -466,7 +469,7 @@ class IdempotentJob(Job):
                 options,
             )
             dlq = dead_letter_queue(state.get("dlq_url"))
-            write_failure(dlq, failure, state.get("dead_letter_id"))
+            write_failure(dlq, failure, state.get("dead_letter_id"), state.get("dead_letter_sweep"))
         if key is not None and not abandoned:
             # The horse was forked from this very job object: it claimed under this owner id.
             self._attempt(func, key, options, state).release_dead_owner()

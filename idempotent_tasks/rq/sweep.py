@@ -116,7 +116,7 @@ def _enqueue(
     original = _failed_original(connection, item.task_id)
     if original is not None:
         state = _fresh_state(original.meta.get(META_KEY))
-        state["dead_letter_id"] = item.id
+        state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
         original.meta[META_KEY] = state
         try:
             original.failed_job_registry.requeue(original)
@@ -133,7 +133,7 @@ def _enqueue(
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and RQ no longer has the original job")
     state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
-    state.update(dead_letter_id=item.id)
+    state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
     if item.idempotency_key is not None:
         state["key"] = item.idempotency_key
     state.setdefault("prefix", defaults.KEY_PREFIX)

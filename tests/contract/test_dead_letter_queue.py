@@ -563,6 +563,38 @@ def test_a_repeated_retry_failure_report_counts_once(dlq: DeadLetterQueue, clock
     assert again == first
 
 
+def test_a_report_from_an_earlier_sweeps_run_leaves_a_later_sweeps_retry_alone(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given an item whose first retry (published by one sweep) failed, and which a later sweep
+    # has taken again
+    item = dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    [first_sweep] = dlq.take_due()
+    assert first_sweep.sweep_id is not None
+    failed = dlq.record_retry_failure(item.id, "E", "once", None, first_sweep.sweep_id)
+    assert failed is not None and failed.retry_count == 1
+    clock.advance(days=1)
+    [second_sweep] = dlq.take_due()
+    assert second_sweep.sweep_id not in (None, first_sweep.sweep_id)
+    # When the first retry's failure is reported again (a redelivery, a write repeated after a
+    # lost reply), then nothing changes: the second retry is still in flight
+    assert dlq.record_retry_failure(item.id, "E", "again", None, first_sweep.sweep_id) == (
+        dlq.get(item.id)
+    )
+    held = dlq.get(item.id)
+    assert held is not None
+    assert (held.status, held.retry_count) == (Statuses.RETRYING, 1)
+    # And the second retry's own failure counts
+    second = dlq.record_retry_failure(item.id, "E", "second", None, second_sweep.sweep_id)
+    assert second is not None
+    assert (second.status, second.retry_count, second.error_message) == (
+        Statuses.PENDING,
+        2,
+        "second",
+    )
+
+
 def test_unclaim_puts_a_retrying_item_back_due_now(dlq: DeadLetterQueue, clock: Clock) -> None:
     item = dlq.add(_failure())
     clock.advance(hours=1)
