@@ -74,16 +74,18 @@ def publish_key(
     return None
 
 
-#: Options of a call that is one part of a canvas: its chain's next step, a chord's body, a
-#: group collecting its result by its own task id.
-CANVAS_OPTIONS = ("chain", "chord", "group_id")
+#: Options of a call that is one part of a canvas: a chord's body, a group collecting its
+#: result by its own task id, a task that replaced itself with this call (``Task.replace``).
+CANVAS_OPTIONS = ("chord", "group_id", "replaced_task_nesting")
 
 
 def continues(options: dict[str, Any], link: Any, link_error: Any) -> bool:
     """Whether work waits on this very message (callbacks, a chain's next step, a chord or
-    group collecting its task id): such a call is published even when its key could answer
-    at once, and the worker answers it as a duplicate, so that the work after it runs."""
-    return bool(link or link_error or any(options.get(name) for name in CANVAS_OPTIONS))
+    group collecting its task id, a replaced task's callers): such a call is published even
+    when its key could answer at once, and the worker answers it as a duplicate, so that the
+    work after it runs. A chain's last step has ``chain=[]``: its id is the chain's result."""
+    in_chain = options.get("chain") is not None
+    return bool(link or link_error or in_chain or any(options.get(n) for n in CANVAS_OPTIONS))
 
 
 def reserve(

@@ -112,6 +112,20 @@ def test_a_canvas_call_of_a_completed_key_is_published_so_its_chain_runs() -> No
     assert ledger_events(order, "start") == 1
 
 
+def test_a_completed_key_as_a_chains_last_step_or_a_replacement_gives_its_value() -> None:
+    # Given a completed key
+    name, key = fresh("last"), fresh("key")
+    assert worker_app.ledgered.apply_async((name,), idempotency_key=key).get(timeout=30) == name
+    # When it is called again as a chain's last step (whose task id is the chain's result),
+    # and as the task another one replaces itself with (which takes that one's task id)
+    last = (worker_app.plain.si(1) | worker_app.ledgered.si(name).set(idempotency_key=key))()
+    replaced = worker_app.replaced_by_ledgered.delay(name, key)
+    # Then both give the cached value, and the body ran once
+    assert last.get(timeout=30) == name
+    assert replaced.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
+
+
 def test_a_group_and_a_chord_collect_a_completed_keys_cached_value() -> None:
     order, key = fresh("order"), fresh("key")
     value = charge.apply_async((order, 10), idempotency_key=key).get(timeout=30)

@@ -264,6 +264,12 @@ def noted_errback(request: Any, exc: Any, traceback: Any, name: str) -> None:
     note("errback", name)
 
 
+@app.task(bind=True)
+def replaced_by_ledgered(self: Any, name: str, key: str) -> None:
+    """Replaces itself with ``ledgered(name)`` under ``key`` (Celery's ``Task.replace``)."""
+    raise self.replace(ledgered.si(name).set(idempotency_key=key))
+
+
 @app.task
 def noted_callback(value: Any, name: str) -> None:
     """A link: records in the ledger of ``name`` that it ran."""
