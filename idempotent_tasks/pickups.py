@@ -20,10 +20,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from kombu.entity import Exchange, Queue
+from kombu.exceptions import OperationalError
 from kombu.utils import json as kombu_json
 
 from . import defaults, signals
-from .errors import StoreUnavailable
+from .errors import CorruptRecord, StoreUnavailable
 from .records import DuePickup, Pickup
 
 logger = logging.getLogger(__name__)
@@ -168,18 +169,28 @@ def republish_lost(app: Any, store: Any, batch: int = SWEEP_BATCH) -> int:
         except StoreUnavailable as exc:
             logger.warning("could not look for lost messages: %s", exc)
             return published
-        published += sum(republish_taken(app, due) for due in taken)
+        published += sum(republish_taken(app, store, due) for due in taken)
         if len(taken) < batch:
             return published
 
 
-def republish_taken(app: Any, due: DuePickup) -> bool:
+def republish_taken(
+    app: Any, store: Any, due: DuePickup, *, raise_unreachable: bool = False
+) -> bool:
     """Publish a pickup taken from the store again, logging it; whether it went out.
 
-    A pickup that cannot be published stays with its key: it is due again after its backoff.
+    A pickup that cannot be published stays with its key: it is due again after its backoff,
+    or at once when the broker could not be reached (it goes out as soon as the broker is
+    back); ``raise_unreachable`` then raises kombu's ``OperationalError`` too.
     """
     try:
         republish(app, due)
+    except OperationalError as exc:
+        logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
+        hand_to_guard(store, due.storage_key, due.task_id)
+        if raise_unreachable:
+            raise
+        return False
     except Exception as exc:
         logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
         return False
@@ -191,3 +202,12 @@ def republish_taken(app: Any, due: DuePickup) -> bool:
     )
     signals.lost_message_republished.send(task_name=due.task_name)
     return True
+
+
+def hand_to_guard(store: Any, storage_key: str, task_id: str) -> None:
+    """Make the queued key of a message the broker could not take due at once, for the guard
+    to publish as soon as it can; a store error is logged (it is then due after its backoff)."""
+    try:
+        store.make_reservation_due(storage_key, task_id)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("could not hand key %r to the pickup guard at once: %s", storage_key, exc)

@@ -118,19 +118,6 @@ def reserve(
     return None, answer_from_record(task, record, request)
 
 
-def hand_to_guard(task: IdempotentTask, request: ClaimRequest) -> None:
-    """Leave the reservation of a message the broker could not take to the pickup guard, due
-    at once: a duplicate may have joined this call meanwhile, and waits for its result."""
-    try:
-        store_for(task.app).make_reservation_due(request)
-    except (StoreUnavailable, CorruptRecord) as exc:
-        logger.warning(
-            "could not hand key %r to the pickup guard (%s): it publishes it when it is due",
-            request.key,
-            exc,
-        )
-
-
 def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:
     """Take back the reservation of a message that could not be published."""
     try:
@@ -183,11 +170,14 @@ def _republish_if_lost(task: IdempotentTask, record: Record) -> str | None:
     lost message is found without beat too); the task id it went out under, else ``None``."""
     if task._pickup_timeout <= 0:
         return None
+    store = store_for(task.app)
     try:
-        due = store_for(task.app).take(record.storage_key)
+        due = store.take(record.storage_key)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not take over the lost message of key %r: %s", record.key, exc)
         return None
-    if due is None or not republish_taken(task.app, due):
+    # A broker still unreachable fails this publish as it failed the call's own (its key due
+    # again at once), rather than hand back a result nothing will ever write.
+    if due is None or not republish_taken(task.app, store, due, raise_unreachable=True):
         return None
     return due.task_id

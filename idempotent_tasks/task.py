@@ -47,7 +47,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import KeySource, derive_key, fingerprint, storage_key
-from .pickups import make_pickup, pickup_timeout, seconds_until
+from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .settings import app_setting, resolve
 from .worker_request import ISSUED_BY, ISSUED_OWNER, IdempotentRequest, issued_owner
@@ -190,7 +190,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 except OperationalError:
                     # The broker could not be reached. A duplicate may have joined this call
                     # since it was reserved: the call stays, for the guard to publish.
-                    publishing.hand_to_guard(self, reservation)
+                    hand_to_guard(store_for(self.app), reservation.storage_key, reservation.task_id)
                     raise
                 except Exception:
                     publishing.cancel_reservation(self, reservation)

@@ -42,10 +42,10 @@ class Store(Protocol):
         there was one."""
         ...
 
-    def make_reservation_due(self, request: ClaimRequest) -> bool:
-        """Make the ``queued`` record of ``request.task_id`` due at once: its message could not
-        be published (the broker was unreachable), and the pickup guard publishes it when it
-        next looks (a sweep, or a publish of the key). Whether there was one with a pickup."""
+    def make_reservation_due(self, storage_key: str, task_id: str) -> bool:
+        """Make the ``queued`` record of ``task_id`` due at once: its message could not be
+        published (the broker was unreachable), and the pickup guard publishes it when it next
+        looks (a sweep, or a publish of the key). Whether there was one with a pickup."""
         ...
 
     def take_due(self, limit: int) -> list[DuePickup]:

@@ -67,16 +67,16 @@ class MemoryStore:
             self._drop(request.storage_key)
             return True
 
-    def make_reservation_due(self, request: ClaimRequest) -> bool:
+    def make_reservation_due(self, storage_key: str, task_id: str) -> bool:
         with self._lock:
             now = self._clock()
-            found = self._live(request.storage_key, now)
-            pending = self._pending.get(request.storage_key)
+            found = self._live(storage_key, now)
+            pending = self._pending.get(storage_key)
             if found is None or found.status is not Status.QUEUED or pending is None:
                 return False
-            if found.task_id != request.task_id:
+            if found.task_id != task_id:
                 return False
-            self._records[request.storage_key] = dataclasses.replace(
+            self._records[storage_key] = dataclasses.replace(
                 found, lease_expires_at=now, updated_at=now
             )
             pending.due_at = now

@@ -519,8 +519,8 @@ def test_a_reservation_made_due_is_handed_to_the_guard_at_once(
     assert store.take_due(10) == []
     # When it is made due (and not by another task id's publish)
     stranger = make_request(storage_key=mine.storage_key, task_id="task-2")
-    assert store.make_reservation_due(stranger) is False
-    assert store.make_reservation_due(mine) is True
+    assert store.make_reservation_due(stranger.storage_key, stranger.task_id) is False
+    assert store.make_reservation_due(mine.storage_key, mine.task_id) is True
     # Then it is still queued for task-1, its lease over, and the guard takes it now, once
     record = store.get(mine.storage_key)
     assert record is not None
@@ -535,7 +535,7 @@ def test_a_claimed_key_is_never_made_due(store: Store, make_request: Make) -> No
     request = make_request(task_id="task-1")
     store.reserve(request, make_pickup())
     store.claim(request)
-    assert store.make_reservation_due(request) is False
+    assert store.make_reservation_due(request.storage_key, request.task_id) is False
     record = store.get(request.storage_key)
     assert record is not None
     assert (record.status, record.owner) == (Status.PROCESSING, request.owner)

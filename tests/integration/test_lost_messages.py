@@ -276,6 +276,19 @@ def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
     [duplicate] = joined
     # Then the caller got the error, but the call is kept, queued and due at once
     assert _status(worker_app.ledgered, key) is Status.QUEUED
+
+    # And a caller trying again while the broker is still unreachable gets the error again
+    # (not a result nothing would write), and the call stays due at once
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("broker still unreachable")
+
+    monkeypatch.setattr(app, "send_task", refuse)
+    with pytest.raises(OperationalError):
+        worker_app.ledgered.apply_async((name,), idempotency_key=key)
+    record = store_for(app).get(storage_key(worker_app.ledgered.name, key))
+    assert record is not None and record.status is Status.QUEUED
+    assert record.lease_expires_at <= record.store_time()
+    monkeypatch.setattr(app, "send_task", send_task)
     # And once a worker and beat run, the guard publishes it, and the duplicate gets its value
     worker_and_beat()
     assert duplicate.get(timeout=30) == name
