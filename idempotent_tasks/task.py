@@ -15,13 +15,17 @@ from celery import Task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
-from celery.signals import task_revoked
 from celery.utils import uuid
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 from kombu.utils.imports import symbol_by_name
 
-from . import defaults, publishing, signals
+from . import (
+    defaults,
+    publishing,
+    revocations,  # noqa: F401  (connects the receiver of Celery's task_revoked)
+    signals,
+)
 from .app_store import store_for
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
@@ -514,20 +518,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         finally:
             self.pop_request()
 
-    def end_revoked_call(self, request: Any) -> None:
-        """End a call Celery's worker discarded before it ran (revoked, or expired): its key's
-        reservation is cancelled, so that neither the pickup guard publishes it again (where
-        it would run once the worker forgets the revoke) nor callers wait on it any longer.
-
-        Runs in the worker's main process, from Celery's ``task_revoked`` signal, for calls
-        that did not start (not for one terminated while it ran).
-        """
-        args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-        key = self._call_key(request, args, kwargs)
-        if key is not None:
-            reservation = self._claim_request(key, args, kwargs, request.id, owner="")
-            publishing.cancel_reservation(self, reservation)
-
     def _call_key(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """The key a delivered call runs under: its message's, else the task's own."""
         key = _request_key(request)
@@ -721,19 +711,6 @@ def _ends_killed_calls(request_class: Any) -> bool:
     except Exception:
         return True
     return isinstance(resolved, type) and issubclass(resolved, IdempotentRequest)
-
-
-@task_revoked.connect  # type: ignore[untyped-decorator]
-def _end_revoked_call(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
-) -> None:
-    end_revoked_call = getattr(sender, "end_revoked_call", None)
-    if end_revoked_call is None or terminated or request is None:
-        return
-    try:
-        end_revoked_call(request)
-    except Exception:
-        logger.exception("could not end the revoked call %s", getattr(request, "id", None))
 
 
 def _timeout_requeues(task: Task) -> bool:

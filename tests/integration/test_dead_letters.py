@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -177,6 +178,40 @@ class TestWithBeat:
         )
         assert (row.retry_count, row.error_type) == (1, "IdempotencyKeyMismatch")
         assert ledger_events(failed, "start") == 0
+
+    def test_a_dead_letter_whose_retry_was_revoked_gives_up(self) -> None:
+        # Given a dead letter whose task id the workers were told to revoke
+        name, task_id = fresh("revoked"), fresh("task")
+        app.control.revoke(task_id)
+        time.sleep(1)  # the broadcast reaches the workers
+        item = dlq_for(app).add(
+            Failure(
+                failure_id=f"{task_id}:0",
+                task_name=worker_app.ledgered.name,
+                task_id=task_id,
+                idempotency_key=fresh("key"),
+                args=[name],
+                kwargs={},
+                options={"queue": "celery"},
+                error_type="RuntimeError",
+                error_message="seeded",
+                traceback=None,
+                max_retries=1,
+            )
+        )
+        # When beat's sweep re-publishes it and a worker discards it, then its row records
+        # the revoke as a failed retry (it does not stay retrying), and nothing ran
+        row = wait_until(
+            lambda: (
+                (r := dlq_for(app).get(item.id))
+                and r.status is DeadLetterStatus.PERMANENT_FAILURE
+                and r
+            ),
+            30,
+            "the dead letter to give up",
+        )
+        assert (row.retry_count, row.error_type) == (1, "TaskRevokedError")
+        assert ledger_events(name, "start") == 0
 
 
 @pytest.mark.usefixtures("workers_and_beat")

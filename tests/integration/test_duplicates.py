@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from celery import chord, group
+from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
 
 from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import Outcome
+from idempotent_tasks.revocations import end_revoked_call
 from tests.integration import worker_app
 from tests.integration.helpers import (
     IDLE_QUEUE,
@@ -163,6 +168,31 @@ def test_a_call_that_expired_before_it_ran_frees_its_key() -> None:
     assert ledger_events(name, "start") == 0
     # And a later call under the key runs
     assert worker_app.ledgered.apply_async((name,), idempotency_key=key).get(timeout=30) == name
+
+
+def test_a_revoked_call_whose_owner_is_gone_releases_its_key() -> None:
+    # Given the claim of a call that was terminated while it ran, its lease over
+    # (as when the pickup guard's copy of it comes back and is discarded as revoked)
+    task, key, task_id = worker_app.ledgered, fresh("key"), fresh("task")
+    store = store_for(worker_app.app)
+    gone = dataclasses.replace(
+        task._claim_request(key, ("n",), {}, task_id, owner=fresh("owner")), lease_seconds=0.2
+    )
+    assert store.claim(gone).outcome is Outcome.ACQUIRED
+    live = task._claim_request(fresh("key"), ("n",), {}, task_id, owner=fresh("owner"))
+    assert store.claim(live).outcome is Outcome.ACQUIRED
+    time.sleep(0.3)
+
+    def revoked(call_key: str) -> Context:
+        return Context(id=task_id, args=["n"], kwargs={}, idempotency_key=call_key)
+
+    # When the worker reports the call revoked, then the dead owner's claim is released
+    end_revoked_call(task, revoked(key))
+    assert store.get(gone.storage_key) is None
+    # And a claim whose lease still runs (its process may not be gone yet) is kept
+    end_revoked_call(task, revoked(live.key))
+    record = store.get(live.storage_key)
+    assert record is not None and record.owner == live.owner
 
 
 def test_positional_and_keyword_calls_share_a_fingerprint() -> None:

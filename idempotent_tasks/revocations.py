@@ -1,0 +1,94 @@
+"""Keyed calls Celery's worker revokes: their keys are freed, so nothing runs them later.
+
+A revoked (or expired) message is discarded by the worker, acknowledged, and never reaches the
+task's code, so its key would stay ``queued`` (or, for a call terminated while it ran, claimed)
+with the pickup guard's copy of its message. The guard would publish it again, and once the
+worker forgets the revoke (three hours, or a restart), the call would run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from celery.signals import task_revoked
+
+from . import publishing
+from .app_store import dlq_for, store_for
+from .core import Attempt
+from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER
+from .errors import CorruptRecord, StoreUnavailable
+from .records import Status
+
+if TYPE_CHECKING:
+    from .task import IdempotentTask
+
+logger = logging.getLogger(__name__)
+
+
+def end_revoked_call(task: IdempotentTask, request: Any) -> None:
+    """End a keyed call the worker discarded before it ran, revoked or expired.
+
+    Its reservation is cancelled; a claim of this call whose owner is gone (its lease over: a
+    call terminated while it ran, whose copy the guard published) is released. A dead letter's
+    retry records the revoke on its row (a failed retry), which would otherwise stay
+    ``retrying``. Runs in the worker's main process, from Celery's ``task_revoked`` signal.
+    """
+    _record_on_dead_letter(task, request)
+    args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+    key = task._call_key(request, args, kwargs)
+    if key is None:
+        return
+    reservation = task._claim_request(key, args, kwargs, request.id, owner="")
+    publishing.cancel_reservation(task, reservation)
+    store = store_for(task.app)
+    try:
+        record = store.get(reservation.storage_key)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("could not read key %r of revoked call %s: %s", key, request.id, exc)
+        return
+    if (
+        record is not None
+        and record.status is Status.PROCESSING
+        and record.task_id == request.id
+        and record.lease_expires_at <= record.store_time()
+    ):
+        claim = task._claim_request(key, args, kwargs, request.id, owner=record.owner)
+        Attempt(store=store, request=claim, codec=task._codec).release_dead_owner()
+
+
+def _header(request: Any, name: str) -> Any:
+    value = getattr(request, name, None)
+    return (getattr(request, "headers", None) or {}).get(name) if value is None else value
+
+
+def _record_on_dead_letter(task: IdempotentTask, request: Any) -> None:
+    dead_letter_id = _header(request, DEAD_LETTER_HEADER)
+    if dead_letter_id is None:
+        return
+    try:
+        dlq_for(task.app).record_retry_failure(
+            str(dead_letter_id),
+            "TaskRevokedError",
+            "revoked before it ran",
+            None,
+            _header(request, DEAD_LETTER_SWEEP_HEADER),
+        )
+    except StoreUnavailable as exc:
+        logger.warning("could not record the revoke on dead letter %s: %s", dead_letter_id, exc)
+
+
+@task_revoked.connect  # type: ignore[untyped-decorator]
+def _on_task_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+) -> None:
+    from .task import IdempotentTask  # here: the task module imports this one
+
+    # A call terminated while it ran keeps its claim until its lease ends (its process may not
+    # be gone yet): the guard's copy of it, revoked in turn, releases it then.
+    if request is None or terminated or not isinstance(sender, IdempotentTask):
+        return
+    try:
+        end_revoked_call(sender, request)
+    except Exception:
+        logger.exception("could not end the revoked call %s", getattr(request, "id", None))
