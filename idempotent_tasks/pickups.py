@@ -43,6 +43,7 @@ CARRIED_OPTIONS = (
     "time_limit",
     "soft_time_limit",
     "serializer",
+    "ignore_result",
     "shadow",
     "link",
     "link_error",

@@ -418,6 +418,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "root_id": request.root_id,
             "parent_id": request.parent_id,
             "shadow": request.shadow,
+            "ignore_result": get_actual_ignore_result(self, request) or None,
             "expires": request.expires,
             "time_limit": time_limit,
             "soft_time_limit": soft_time_limit,

@@ -167,6 +167,7 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
         expires="2030-01-02T03:04:05+00:00",
         timelimit=(30, 20),
         shadow="charge (shadow)",
+        ignore_result=True,
     )
     try:
         pickup = charge._message_pickup("k", None, None, 0.0, retries=1)
@@ -180,6 +181,7 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
     assert (options["group_id"], options["group_index"]) == ("g-1", 2)
     assert options["expires"] == "2030-01-02T03:04:05+00:00"
     assert (options["time_limit"], options["soft_time_limit"]) == (30, 20)
+    assert options["ignore_result"] is True
     assert (options["shadow"], options["queue"], options["retries"]) == (
         "charge (shadow)",
         "payments",
