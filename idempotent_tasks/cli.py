@@ -29,6 +29,8 @@ STATUSES = click.Choice([status.value for status in DeadLetterStatus])
 
 #: Units of ``--older-than``, in seconds.
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+#: Longest ``--older-than``: a thousand years.
+MAX_DURATION = timedelta(days=365_000)
 
 
 def parse_duration(
@@ -40,7 +42,11 @@ def parse_duration(
     found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value.lower())
     if found is None:
         raise click.BadParameter(f"{value!r} is not a duration like 7d, 12h, 30m or 3600s")
-    return timedelta(seconds=float(found[1]) * DURATION_UNITS[found[2] or "s"])
+    seconds = float(found[1]) * DURATION_UNITS[found[2] or "s"]
+    if seconds > MAX_DURATION.total_seconds():
+        # Further back than any date the databases (or Python) can hold.
+        raise click.BadParameter(f"{value!r} is longer than {MAX_DURATION.days} days")
+    return timedelta(seconds=seconds)
 
 
 @click.group(name="idempotency")

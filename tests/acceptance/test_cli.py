@@ -413,6 +413,7 @@ def test_purge_needs_a_filter_or_all(run: Run, queue: DeadLetterQueue, clock: Cl
     bare = run("dlq", "purge", "--yes")
     mixed = run("dlq", "purge", "--all", "--status", "pending", "--yes")
     bad_age = run("dlq", "purge", "--older-than", "a week", "--yes")
+    too_old = [run("dlq", "purge", "--older-than", age) for age in ("800000d", "99999999999w")]
     assert queue.stats()["total"] == 3
     everything = run("dlq", "purge", "--all", "--yes")
 
@@ -421,6 +422,11 @@ def test_purge_needs_a_filter_or_all(run: Run, queue: DeadLetterQueue, clock: Cl
     assert mixed.exit_code == 2 and "--all deletes every item" in mixed.stderr
     assert bad_age.exit_code == 2
     assert "'a week' is not a duration like 7d, 12h, 30m or 3600s" in bad_age.stderr
+    # Ages no date can reach are refused at once: no traceback, no question asked first
+    for refused in too_old:
+        assert refused.exit_code == 2, refused.stderr
+        assert "is longer than 365000 days" in refused.stderr
+        assert "Delete" not in refused.stdout
     assert everything.exit_code == 0 and everything.stdout == "Deleted 3 dead letters.\n"
     assert queue.stats()["total"] == 0
 
