@@ -24,6 +24,27 @@ def validate_key(key: object) -> str:
     return key
 
 
+#: Longest task id a dead letter or an SQL claim row holds (their ``task_id`` columns).
+MAX_TASK_ID_CHARS = 255
+
+
+def check_task_id(task_id: object) -> None:
+    """``ValueError`` for a task (or job) id given to a keyed publish that the stores cannot
+    hold.
+
+    Refused before anything is published: such a call could be neither claimed in an SQL
+    store nor dead-lettered, and would be re-published to try again for ever.
+    """
+    if task_id is None:
+        return
+    if not isinstance(task_id, str) or not task_id:
+        raise ValueError(f"task_id must be a non-empty str, not {task_id!r}")
+    if len(task_id) > MAX_TASK_ID_CHARS:
+        raise ValueError(
+            f"task_id is {len(task_id)} characters long; at most {MAX_TASK_ID_CHARS} are kept"
+        )
+
+
 def bind_arguments(
     signature: inspect.Signature | None, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from celery.result import EagerResult
 from . import signals
 from .app_store import store_for
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
-from .keys import derive_key, validate_key
+from .keys import MAX_TASK_ID_CHARS, derive_key, validate_key
 from .pickups import make_pickup, republish_taken, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
 
@@ -27,26 +27,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-#: Longest task id a dead letter or an SQL claim row holds (their ``task_id`` columns).
-MAX_TASK_ID_CHARS = 255
 #: Longest task name the claim and dead-letter tables keep (their ``task_name`` columns).
 MAX_TASK_NAME_CHARS = 255
-
-
-def check_task_id(task_id: object) -> None:
-    """``ValueError`` for a task id given to ``apply_async`` that the stores cannot hold.
-
-    Refused before anything is published: such a call could be neither claimed in an SQL
-    store nor dead-lettered, and would be re-published to try again for ever.
-    """
-    if task_id is None:
-        return
-    if not isinstance(task_id, str) or not task_id:
-        raise ValueError(f"task_id must be a non-empty str, not {task_id!r}")
-    if len(task_id) > MAX_TASK_ID_CHARS:
-        raise ValueError(
-            f"task_id is {len(task_id)} characters long; at most {MAX_TASK_ID_CHARS} are kept"
-        )
 
 
 def fitted_task_id(task_id: str) -> str:

@@ -50,7 +50,7 @@ from .errors import (
     SchemaVersionError,
     StoreUnavailable,
 )
-from .keys import KeySource, derive_key, fingerprint, storage_key
+from .keys import MAX_TASK_ID_CHARS, KeySource, check_task_id, derive_key, fingerprint, storage_key
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .settings import app_setting, resolve
@@ -168,7 +168,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if republish_headers is None:
             # Not our own re-publish (a retry, a wait) of a message that already runs here:
             # one sent by other means is not refused half-way through its life.
-            publishing.check_task_id(task_id)
+            check_task_id(task_id)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         key = publishing.publish_key(self, call_key, args, kwargs)
@@ -243,11 +243,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         key = self._call_key(request, args, kwargs)
         if key is None:
             return self._run_unclaimed(args, kwargs)
-        if len(request.id) > publishing.MAX_TASK_ID_CHARS:
+        if len(request.id) > MAX_TASK_ID_CHARS:
             # Sent by other means than apply_async, which refuses it: no store can claim it.
             refused = ValueError(
                 f"task id is {len(request.id)} characters long; a keyed call's may have at "
-                f"most {publishing.MAX_TASK_ID_CHARS}"
+                f"most {MAX_TASK_ID_CHARS}"
             )
             self.on_final_failure(refused, key, args, kwargs)
             raise refused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 import uuid
@@ -24,6 +25,10 @@ from .schema_setup import ensure_component
 
 #: Items a sweep takes at most per batch.
 SWEEP_BATCH = 100
+#: Longest task id, key and failure id the columns keep; longer ones are kept whole in the
+#: item's options, under these names (the columns show their start and a digest).
+MAX_TASK_ID_CHARS, MAX_KEY_CHARS, MAX_FAILURE_ID_CHARS = 255, 1024, 300
+FULL_TASK_ID, FULL_KEY = "full_task_id", "full_idempotency_key"
 #: Times a sweep picks again when concurrent sweeps took all it picked.
 TAKE_ROUNDS = 5
 
@@ -78,16 +83,25 @@ class DeadLetterQueue:
     def add(self, failure: Failure) -> DeadLetter:
         """Record a final failure as a ``pending`` item; the same failure twice gives one row."""
         now = self._clock()
+        options = dict(failure.options)
+        task_id = _fitted(failure.task_id, MAX_TASK_ID_CHARS, options, FULL_TASK_ID)
+        key = failure.idempotency_key
+        if key is not None:
+            key = _fitted(key, MAX_KEY_CHARS, options, FULL_KEY)
+        # Only compared: a digest names an over-long one as well.
+        failure_id = failure.failure_id
+        if len(failure_id) > MAX_FAILURE_ID_CHARS:
+            failure_id = "sha256:" + hashlib.sha256(failure_id.encode()).hexdigest()
         row = {
             "id": str(uuid.uuid4()),
             "task_name": failure.task_name,
-            "task_id": failure.task_id,
+            "task_id": task_id,
             "framework": failure.framework,
-            "failure_id": failure.failure_id,
-            "idempotency_key": failure.idempotency_key,
+            "failure_id": failure_id,
+            "idempotency_key": key,
             "args": list(failure.args),
             "kwargs": dict(failure.kwargs),
-            "options": dict(failure.options),
+            "options": options,
             "error_type": failure.error_type,
             "error_message": failure.error_message,
             "traceback": failure.traceback,
@@ -113,7 +127,7 @@ class DeadLetterQueue:
         except IntegrityError:
             pass  # this failure was written before (a retried write): keep that row
         with self._begin() as connection:
-            found = connection.execute(queries.select_by_failure(failure.failure_id)).one()
+            found = connection.execute(queries.select_by_failure(failure_id)).one()
         return _item(found._mapping)
 
     def take_due(self, limit: int = SWEEP_BATCH, framework: str = "celery") -> list[DeadLetter]:
@@ -298,17 +312,28 @@ class DeadLetterQueue:
             self._schema_ready = True
 
 
+def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> str:
+    """``value`` as its column keeps it: when longer than ``limit``, its start and a digest of
+    the whole, the whole value going to ``options[full_name]`` (items read it back from there)."""
+    if len(value) <= limit:
+        return value
+    options[full_name] = value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:32]
+    return f"{value[: limit - len(digest) - 1]}~{digest}"
+
+
 def _item(row: Any) -> DeadLetter:
+    options = dict(row["options"])
     return DeadLetter(
         id=row["id"],
         task_name=row["task_name"],
-        task_id=row["task_id"],
+        task_id=options.pop(FULL_TASK_ID, row["task_id"]),
         framework=row["framework"],
         failure_id=row["failure_id"],
-        idempotency_key=row["idempotency_key"],
+        idempotency_key=options.pop(FULL_KEY, row["idempotency_key"]),
         args=list(row["args"]),
         kwargs=dict(row["kwargs"]),
-        options=dict(row["options"]),
+        options=options,
         error_type=row["error_type"],
         error_message=row["error_message"],
         traceback=row["traceback"],

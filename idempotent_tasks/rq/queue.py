@@ -15,7 +15,7 @@ from rq.utils import import_attribute, resolve_function_reference
 
 from .. import defaults, signals
 from ..errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
-from ..keys import derive_key, fingerprint, storage_key, validate_key
+from ..keys import check_task_id, derive_key, fingerprint, storage_key, validate_key
 from ..records import Outcome, Record, Status
 from ..stores import Store
 from .job import CODEC, IdempotentJob
@@ -154,6 +154,7 @@ class IdempotentQueue(Queue):
         options, task_name, carried = self._carried(func, call_args, call_kwargs, idempotency_key)
         key = carried.get("key")
         if key is not None:
+            check_task_id(rq_options.get("job_id"))
             answered = self._peek(
                 task_name, key, carried["fingerprint"], options, func, call_args, call_kwargs
             )
@@ -175,6 +176,8 @@ class IdempotentQueue(Queue):
         _, _, carried = self._carried(
             parsed.func, tuple(parsed.args or ()), dict(parsed.kwargs or {}), call_key
         )
+        if carried.get("key") is not None:
+            check_task_id(parsed.job_id)
         kwargs["meta"] = {**(parsed.meta or {}), META_KEY: carried}
         job: Job = super().enqueue_at(datetime, f, *args, **kwargs)
         return job

@@ -426,6 +426,28 @@ def test_a_first_read_of_the_servers_clock_needs_no_second_pooled_connection(
         queue.dispose()
 
 
+def test_task_ids_keys_and_failure_ids_longer_than_their_columns_are_kept_whole(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a failure whose task id, key and failure id are longer than their columns hold
+    # (an RQ job id of 300 characters, a key of 5000: keys of any length are allowed)
+    task_id, key = "t" * 299 + "1", "k" * 4999 + "1"
+    failure = _failure(task_id=task_id, idempotency_key=key, failure_id=f"{task_id}:0")
+    # When it is written, twice (a write repeated after a lost reply)
+    item = dlq.add(failure)
+    assert dlq.add(failure) == item
+    # Then one row keeps them whole, and items read back show them as they were given
+    assert dlq.stats()["total"] == 1
+    assert (item.task_id, item.idempotency_key) == (task_id, key)
+    assert item.options == {"queue": "celery"}
+    read_back = dlq.get(item.id)
+    assert read_back is not None
+    assert (read_back.task_id, read_back.idempotency_key) == (task_id, key)
+    # And ones that differ only at their end are different rows
+    other = dlq.add(_failure(task_id="t" * 299 + "2", failure_id="t" * 299 + "2:0"))
+    assert other.id != item.id and other.task_id == "t" * 299 + "2"
+
+
 def test_the_same_failure_twice_is_one_row(dlq: DeadLetterQueue, clock: Clock) -> None:
     # Given a write repeated after a lost reply (same failed delivery, later)
     failure = _failure(failure_id="task-7:2")
@@ -981,7 +1003,7 @@ def test_a_refused_login_raises_store_unavailable(url: str) -> None:
 def test_add_keeps_a_task_id_of_the_longest_length_apply_async_takes(
     dlq: DeadLetterQueue,
 ) -> None:
-    from idempotent_tasks.publishing import MAX_TASK_ID_CHARS
+    from idempotent_tasks.keys import MAX_TASK_ID_CHARS
 
     task_id = ("t" * MAX_TASK_ID_CHARS)[:-1] + "z"
     item = dlq.add(_failure(task_id=task_id, failure_id=f"{task_id}:99"))

@@ -752,7 +752,7 @@ def test_concurrent_reservations_in_many_processes_get_one_winner(
 def test_a_task_id_of_the_longest_length_apply_async_takes_is_kept_whole(
     store: Store, make_request: Make
 ) -> None:
-    from idempotent_tasks.publishing import MAX_TASK_ID_CHARS
+    from idempotent_tasks.keys import MAX_TASK_ID_CHARS
 
     task_id = ("t" * MAX_TASK_ID_CHARS)[:-1] + "z"
     request = make_request(task_id=task_id)

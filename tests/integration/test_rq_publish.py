@@ -61,6 +61,27 @@ def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueue
     assert idle.count == 0
 
 
+def test_a_keyed_job_id_the_stores_cannot_hold_is_refused_before_anything_is_enqueued(
+    idle: IdempotentQueue,
+) -> None:
+    # (an SQL claim row or a dead letter keeps 255 characters: such a job could be neither
+    # claimed nor dead-lettered)
+    too_long = "j" * 256
+    with pytest.raises(ValueError, match="256 characters long; at most 255 are kept"):
+        idle.enqueue(rq_jobs.record, "x", 1, idempotency_key="k", job_id=too_long)
+    with pytest.raises(ValueError, match="256 characters long"):
+        idle.enqueue_call(rq_jobs.record, ("x", 1), idempotency_key="k", job_id=too_long)
+    with pytest.raises(ValueError, match="256 characters long"):
+        idle.enqueue_in(
+            timedelta(hours=1), rq_jobs.record, "x", 1, idempotency_key="k", job_id=too_long
+        )
+    assert idle.count == 0
+    # A job id of 255 characters, or any job id without a key, is RQ's as ever
+    assert idle.enqueue(rq_jobs.record, "x", 1, idempotency_key="k", job_id="j" * 255)
+    assert idle.enqueue(rq_jobs.record, "x", 1, job_id=too_long)
+    assert idle.count == 2
+
+
 def test_a_function_that_requires_a_key_refuses_calls_without_one(idle: IdempotentQueue) -> None:
     with pytest.raises(ValueError, match="requires an idempotency key"):
         idle.enqueue(rq_jobs.key_required, "x")
