@@ -112,6 +112,8 @@ class IdempotentJob(Job):
         #: so the worker knows it too and can release that claim should the horse die.
         self._idempotency_owner = new_owner()
         self._idempotency_performed = False
+        #: What ended this run, when it was no ordinary exception (SystemExit, a cancellation).
+        self._idempotency_ended_by: BaseException | None = None
 
     # -- what RQ calls ------------------------------------------------------------------------
 
@@ -119,15 +121,21 @@ class IdempotentJob(Job):
         """Claim the key, then run the function once, or answer as a duplicate."""
         self._idempotency_settled = False
         self._idempotency_no_retry = False
+        self._idempotency_ended_by = None
         if self._idempotency_performed:
             self._idempotency_owner = new_owner()  # one owner per run
         self._idempotency_performed = True
         try:
             value = self._perform_idempotently()
-        except BaseException:
-            # Whatever failed here was seen (and dead-lettered if it had to be): RQ's failure
-            # hook below must not write it again.
+        except Exception:
+            # A failure of the function was seen here (and dead-lettered if it had to be):
+            # RQ's failure hook below must not write it again. What ended the run otherwise
+            # (SystemExit, a cancellation, a platform's shutdown) is left to that hook, which
+            # dead-letters it should RQ fail the job for good.
             self._idempotency_settled = True
+            raise
+        except BaseException as exc:
+            self._idempotency_ended_by = exc
             raise
         self._result = value
         return value
@@ -460,13 +468,15 @@ class IdempotentJob(Job):
         key = self._job_key(func, options, state)
         if options.dlq:
             started = self.started_at.isoformat() if self.started_at else "unknown"
+            ended_by = self._idempotency_ended_by
+            if ended_by is not None:  # a run of this process, ended by a BaseException
+                error_type, message = type(ended_by).__name__, str(ended_by)
+            else:
+                error_type = "AbandonedJobError" if abandoned else "WorkHorseKilled"
+                lines = exc_string.strip().splitlines()
+                message = lines[0] if lines else "work horse lost"
             failure = self._build_failure(
-                f"lost:{execution_id or started}",
-                "AbandonedJobError" if abandoned else "WorkHorseKilled",
-                exc_string.strip().splitlines()[0] if exc_string.strip() else "work horse lost",
-                None,
-                key,
-                options,
+                f"lost:{execution_id or started}", error_type, message, None, key, options
             )
             dlq = dead_letter_queue(state.get("dlq_url"))
             write_failure(dlq, failure, state.get("dead_letter_id"), state.get("dead_letter_sweep"))

@@ -67,6 +67,12 @@ def record_or_raise(name: str, seconds: float = 0.0) -> dict[str, Any]:
     return record(name, 0, seconds)
 
 
+def exits(name: str) -> None:
+    """Ends its run with SystemExit (as a platform's shutdown or a cancellation would)."""
+    _start(name)
+    raise SystemExit(f"{name} exits")
+
+
 @idempotent(key_required=True)
 def key_required(name: str) -> None:
     """Refused at enqueue without a per-call key."""

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import pytest
 from rq import Queue
+from rq.job import JobStatus
 
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.errors import IdempotencyKeyMismatch
@@ -25,6 +26,7 @@ from tests.integration import rq_jobs
 from tests.integration.rq_support import RQEnv, rq_env_fixture
 
 RECORD = "tests.integration.rq_jobs.record"
+RQ_EXITS = "tests.integration.rq_jobs.exits"
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,19 @@ def test_a_completed_key_enqueues_nothing_and_answers_with_the_cached_value(
     assert again.is_finished
     assert idle.count == 0
     assert rq_jobs.starts(name) == 1
+
+
+def test_a_job_ended_by_a_base_exception_with_no_retries_left_is_dead_lettered(
+    sync: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    name, key = fresh("exits"), fresh("key")
+    job = sync.enqueue(rq_jobs.exits, name, idempotency_key=key)
+    assert job.get_status() == JobStatus.FAILED
+    [row] = rq_env.rows_of(job.id)
+    assert (row.idempotency_key, row.status.value) == (key, "pending")
+    assert (row.error_type, row.error_message) == ("SystemExit", f"{name} exits")
+    # And its key is free for a new call
+    assert sync.store.get(storage_key(RQ_EXITS, key)) is None
 
 
 def test_a_completed_key_with_other_arguments_raises_a_mismatch(sync: IdempotentQueue) -> None:
