@@ -218,7 +218,8 @@ class IdempotentJob(Job):
     def _attempt(
         self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
     ) -> Attempt:
-        task_name = self.func_name or ""
+        # The name its queue scoped the key by (a bound method's class included), else RQ's.
+        task_name = str(state.get("task_name") or self.func_name or "")
         prefix = str(state.get("prefix") or defaults.KEY_PREFIX)
         lease = options.lease
         if lease is None:

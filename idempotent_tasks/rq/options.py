@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
 
+from rq.utils import resolve_function_reference
+
 from .. import defaults
 from ..keys import KeySource
 
@@ -142,3 +144,14 @@ def signature_of(func: object) -> inspect.Signature | None:
         return inspect.signature(func)
     except (TypeError, ValueError):
         return None
+
+
+def scoped_name(func: object) -> str:
+    """The name a function's keys are scoped by: RQ's name for it, with the class of the
+    instance a bound method or a callable object belongs to (RQ names those by the method's
+    name alone, so two classes' ``charge`` methods would share their keys)."""
+    instance, func_name = resolve_function_reference(func)
+    if instance is None:
+        return str(func_name)
+    owner = type(instance)
+    return f"{owner.__module__}.{owner.__qualname__}.{func_name}"

@@ -11,7 +11,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.results import Result
-from rq.utils import import_attribute, resolve_function_reference
+from rq.utils import import_attribute
 
 from .. import defaults, signals
 from ..errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
@@ -19,7 +19,14 @@ from ..keys import check_task_id, derive_key, fingerprint, storage_key, validate
 from ..records import Outcome, Record, Status
 from ..stores import Store
 from .job import CODEC, IdempotentJob
-from .options import DEFAULT_OPTIONS, META_KEY, IdempotencyOptions, options_of, signature_of
+from .options import (
+    DEFAULT_OPTIONS,
+    META_KEY,
+    IdempotencyOptions,
+    options_of,
+    scoped_name,
+    signature_of,
+)
 from .resources import claim_store
 
 logger = logging.getLogger(__name__)
@@ -210,9 +217,9 @@ class IdempotentQueue(Queue):
         """The function's options and scoped name, and what a job of it carries in meta."""
         target = _importable(func)
         options = options_of(target) or DEFAULT_OPTIONS
-        task_name = resolve_function_reference(func)[1]
+        task_name = scoped_name(func)
         key = self._call_key(call_key, options, target, task_name, args, kwargs)
-        carried: dict[str, Any] = {"prefix": self.key_prefix}
+        carried: dict[str, Any] = {"prefix": self.key_prefix, "task_name": task_name}
         if self.store_url:
             carried["store_url"] = self.store_url
         if self.dlq_url:

@@ -67,6 +67,20 @@ def record_or_raise(name: str, seconds: float = 0.0) -> dict[str, Any]:
     return record(name, 0, seconds)
 
 
+class Billing:
+    """Two classes with a method of one name: their keys must not meet."""
+
+    def charge(self, order: str) -> str:
+        _start(order)
+        return "billed"
+
+
+class Refunds:
+    def charge(self, order: str) -> str:
+        _start(order)
+        return "refunded"
+
+
 def exits(name: str) -> None:
     """Ends its run with SystemExit (as a platform's shutdown or a cancellation would)."""
     _start(name)

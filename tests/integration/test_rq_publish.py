@@ -148,6 +148,17 @@ def test_a_job_ended_by_a_base_exception_with_no_retries_left_is_dead_lettered(
     assert sync.store.get(storage_key(RQ_EXITS, key)) is None
 
 
+def test_methods_of_one_name_on_two_classes_never_share_a_key(sync: IdempotentQueue) -> None:
+    order, key = fresh("order"), fresh("key")
+    billed = sync.enqueue(rq_jobs.Billing().charge, order, idempotency_key=key)
+    refunded = sync.enqueue(rq_jobs.Refunds().charge, order, idempotency_key=key)
+    assert (billed.return_value(), refunded.return_value()) == ("billed", "refunded")
+    assert rq_jobs.starts(order) == 2
+    # While the same method of another instance of the same class is the same function
+    again = sync.enqueue(rq_jobs.Billing().charge, order, idempotency_key=key)
+    assert again.return_value() == "billed" and rq_jobs.starts(order) == 2
+
+
 def test_a_completed_key_with_other_arguments_raises_a_mismatch(sync: IdempotentQueue) -> None:
     name, key = fresh("mismatch"), fresh("key")
     sync.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
