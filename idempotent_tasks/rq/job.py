@@ -436,6 +436,16 @@ class IdempotentJob(Job):
         options: IdempotencyOptions,
     ) -> Failure:
         args, kwargs, faithful = stored_arguments(list(self.args), dict(self.kwargs))
+        kept_options = row_options(self.origin, not faithful)
+        # What a re-enqueue needs once RQ no longer has this job: the key's scope (never the
+        # stores' URLs, which may hold passwords: the sweep is given its own) and the timeout.
+        found = self.meta.get(META_KEY)
+        state = found if isinstance(found, dict) else {}
+        for name in ("prefix", "task_name"):
+            if state.get(name):
+                kept_options[name] = state[name]
+        if self.timeout:
+            kept_options["timeout"] = self.timeout
         return Failure(
             failure_id=f"{self.id}:{attempt_id}",
             task_name=self.func_name or "",
@@ -443,7 +453,7 @@ class IdempotentJob(Job):
             idempotency_key=key,
             args=args,
             kwargs=kwargs,
-            options=row_options(self.origin, not faithful),
+            options=kept_options,
             error_type=error_type,
             error_message=message[:MAX_ERROR_MESSAGE_CHARS],
             traceback=traceback[-MAX_TRACEBACK_CHARS:] if traceback else None,

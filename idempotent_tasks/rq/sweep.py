@@ -136,6 +136,9 @@ def _enqueue(
     state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
     if item.idempotency_key is not None:
         state["key"] = item.idempotency_key
+    for name in ("prefix", "task_name"):
+        if item.options.get(name):
+            state.setdefault(name, item.options[name])
     state.setdefault("prefix", defaults.KEY_PREFIX)
     if dlq_url:
         state.setdefault("dlq_url", dlq_url)
@@ -153,6 +156,7 @@ def _enqueue(
         kwargs=kwargs,
         job_id=item.task_id,
         meta={META_KEY: state},
+        timeout=item.options.get("timeout"),
     )
 
 

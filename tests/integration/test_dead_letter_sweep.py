@@ -21,10 +21,11 @@ from rq.queue import Queue
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.dead_letters import SWEEP_TASK
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
-from idempotent_tasks.rq import IdempotentJob
+from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
 from idempotent_tasks.rq.dead_letters import row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
+from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
 from tests.integration.rq_support import RQ_DB
 
@@ -177,3 +178,38 @@ def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(
         assert row is not None and row.status is DeadLetterStatus.RETRYING
     finally:
         rq_queue.delete(delete_jobs=True)
+
+
+def test_an_rq_row_whose_job_rq_dropped_is_enqueued_with_its_key_scope_and_timeout(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a keyed job of a queue with its own key prefix and a job timeout, failed for good
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    shop = IdempotentQueue(
+        f"sweep-{uuid.uuid4().hex[:8]}",
+        connection=connection,
+        key_prefix="shop",
+        dlq_url=dlq_url,
+        is_async=False,
+    )
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    job = shop.enqueue(rq_jobs.exits, f"exits-{key}", idempotency_key=key, job_timeout=600)
+    [row] = [item for item in queue.items() if item.task_id == job.id]
+    assert (row.options["prefix"], row.options["timeout"]) == ("shop", 600)
+    # and whose job RQ no longer has (its failure TTL passed, say)
+    job.delete()
+    assert queue.retry_now(row.id)
+    try:
+        # When the sweep re-enqueues it, then the new job claims under the queue's prefix and
+        # the function's scoped name (so a key completed since answers it), with its timeout
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        again = IdempotentJob.fetch(job.id, connection=connection)
+        state = again.meta[META_KEY]
+        assert (state["prefix"], state["task_name"], state["key"]) == (
+            "shop",
+            "tests.integration.rq_jobs.exits",
+            key,
+        )
+        assert again.timeout == 600
+    finally:
+        Queue(shop.name, connection=connection).delete(delete_jobs=True)

@@ -172,7 +172,14 @@ def test_an_exhausted_job_is_dead_lettered_and_swept_once(
     (row,) = rq_env.rows_of(job.id)
     assert row.status is DeadLetterStatus.PENDING
     assert (row.task_name, row.args, row.kwargs) == (FLAKY, [name, 99], {})
-    assert row.options == {"queue": queue.name, "framework": "rq"}
+    assert row.options == {
+        "queue": queue.name,
+        "framework": "rq",
+        # what a re-enqueue needs should RQ no longer have the job (never the stores' URLs)
+        "prefix": "idempotent_tasks",
+        "task_name": "tests.integration.rq_jobs.flaky",
+        "timeout": 180,
+    }
     assert row.idempotency_key == key and row.error_type == "TimeoutError"
     assert queue.store.get(storage_key(FLAKY, key)) is None
 
