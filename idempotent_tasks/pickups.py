@@ -170,7 +170,17 @@ def republish_lost(app: Any, store: Any, batch: int = SWEEP_BATCH) -> int:
         except StoreUnavailable as exc:
             logger.warning("could not look for lost messages: %s", exc)
             return published
-        published += sum(republish_taken(app, store, due) for due in taken)
+        for index, due in enumerate(taken):
+            try:
+                published += republish_taken(app, store, due, raise_unreachable=True)
+            except OperationalError:
+                # The broker cannot be reached: the rest of the batch is handed back as well,
+                # untried, and this sweep ends (its next take would find the same keys).
+                for untried in taken[index + 1 :]:
+                    hand_to_guard(
+                        store, untried.storage_key, untried.task_id, untried.republished - 1
+                    )
+                return published
         if len(taken) < batch:
             return published
 
@@ -188,7 +198,7 @@ def republish_taken(
         republish(app, due)
     except OperationalError as exc:
         logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
-        hand_to_guard(store, due.storage_key, due.task_id)
+        hand_to_guard(store, due.storage_key, due.task_id, due.republished - 1)
         if raise_unreachable:
             raise
         return False
@@ -205,10 +215,14 @@ def republish_taken(
     return True
 
 
-def hand_to_guard(store: Any, storage_key: str, task_id: str) -> None:
+def hand_to_guard(
+    store: Any, storage_key: str, task_id: str, republished: int | None = None
+) -> None:
     """Make the queued key of a message the broker could not take due at once, for the guard
-    to publish as soon as it can; a store error is logged (it is then due after its backoff)."""
+    to publish as soon as it can (``republished``: the count of re-publications to set back,
+    for a take whose publish failed); a store error is logged (it is then due after its
+    backoff)."""
     try:
-        store.make_reservation_due(storage_key, task_id)
+        store.make_reservation_due(storage_key, task_id, republished)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not hand key %r to the pickup guard at once: %s", storage_key, exc)

@@ -42,10 +42,14 @@ class Store(Protocol):
         there was one."""
         ...
 
-    def make_reservation_due(self, storage_key: str, task_id: str) -> bool:
+    def make_reservation_due(
+        self, storage_key: str, task_id: str, republished: int | None = None
+    ) -> bool:
         """Make the ``queued`` record of ``task_id`` due at once: its message could not be
         published (the broker was unreachable), and the pickup guard publishes it when it next
-        looks (a sweep, or a publish of the key). Whether there was one with a pickup."""
+        looks (a sweep, or a publish of the key). ``republished``, when given, sets the count
+        of re-publications back (a take whose publish failed does not count). Whether there
+        was one with a pickup."""
         ...
 
     def take_due(self, limit: int) -> list[DuePickup]:

@@ -67,7 +67,9 @@ class MemoryStore:
             self._drop(request.storage_key)
             return True
 
-    def make_reservation_due(self, storage_key: str, task_id: str) -> bool:
+    def make_reservation_due(
+        self, storage_key: str, task_id: str, republished: int | None = None
+    ) -> bool:
         with self._lock:
             now = self._clock()
             found = self._live(storage_key, now)
@@ -80,6 +82,8 @@ class MemoryStore:
                 found, lease_expires_at=now, updated_at=now
             )
             pending.due_at = now
+            if republished is not None:
+                pending.republished = republished
             return True
 
     def take_due(self, limit: int) -> list[DuePickup]:

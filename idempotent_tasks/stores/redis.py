@@ -142,9 +142,12 @@ class RedisStore:
         record, _, index = self.names(request.storage_key)
         return bool(self._run("cancel", [record, index], [request.task_id, request.storage_key]))
 
-    def make_reservation_due(self, storage_key: str, task_id: str) -> bool:
+    def make_reservation_due(
+        self, storage_key: str, task_id: str, republished: int | None = None
+    ) -> bool:
         record, _, index = self.names(storage_key)
-        return bool(self._run("make_due", [record, index], [task_id, storage_key]))
+        count = "" if republished is None else republished
+        return bool(self._run("make_due", [record, index], [task_id, storage_key, count]))
 
     def take_due(self, limit: int) -> list[DuePickup]:
         indexes = [f"{self.prefix}:{{{shard:02x}}}:due" for shard in range(SHARDS)]

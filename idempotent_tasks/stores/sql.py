@@ -157,13 +157,15 @@ class SqlStore:
             connection.execute(delete_pickup(claim_id))
             return True
 
-    def make_reservation_due(self, storage_key: str, task_id: str) -> bool:
+    def make_reservation_due(
+        self, storage_key: str, task_id: str, republished: int | None = None
+    ) -> bool:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
             if _count(connection, retime_queued(claim_id, task_id, now, now)) == 0:
                 return False
-            if _count(connection, retime_pickup(claim_id, task_id, now)) == 0:
+            if _count(connection, retime_pickup(claim_id, task_id, now, republished)) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
                 return False
             return True

@@ -114,10 +114,16 @@ def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Upd
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
-def retime_pickup(claim_id: str, task_id: str, due_at: float) -> Update:
-    """Move the due time of the pickup row of ``task_id``'s message."""
+def retime_pickup(
+    claim_id: str, task_id: str, due_at: float, republished: int | None = None
+) -> Update:
+    """Move the due time of the pickup row of ``task_id``'s message (and set its count of
+    re-publications, when given)."""
     mine = (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
-    return pickups.update().where(mine).values(due_at=due_at)
+    values: dict[str, Any] = {"due_at": due_at}
+    if republished is not None:
+        values["republished"] = republished
+    return pickups.update().where(mine).values(**values)
 
 
 def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:

@@ -531,6 +531,21 @@ def test_a_reservation_made_due_is_handed_to_the_guard_at_once(
     assert store.take_due(10) == []
 
 
+def test_a_take_whose_publish_failed_is_handed_back_uncounted(
+    store: Store, make_request: Make
+) -> None:
+    # Given a queued key past due, taken by the guard, whose publish then failed
+    request = make_request(task_id="task-1")
+    assert store.reserve(request, make_pickup(due_in=0.01)) is None
+    time.sleep(PAST_DUE)
+    [taken] = store.take_due(10)
+    assert taken.republished == 1
+    # When it is handed back with its count set back, then it is due at once, uncounted
+    assert store.make_reservation_due(request.storage_key, "task-1", taken.republished - 1)
+    [again] = store.take_due(10)
+    assert (again.task_id, again.republished) == ("task-1", 1)
+
+
 def test_a_claimed_key_is_never_made_due(store: Store, make_request: Make) -> None:
     request = make_request(task_id="task-1")
     store.reserve(request, make_pickup())

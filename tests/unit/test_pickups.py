@@ -11,9 +11,20 @@ from typing import Any
 import pytest
 from celery import Celery
 from kombu import Exchange, Queue
+from kombu.exceptions import OperationalError
 
 from idempotent_tasks import IdempotentTask
-from idempotent_tasks.pickups import envelope, loads, make_pickup, pickup_timeout, seconds_until
+from idempotent_tasks.pickups import (
+    REPUBLISHED_HEADER,
+    envelope,
+    loads,
+    make_pickup,
+    pickup_timeout,
+    republish_lost,
+    seconds_until,
+)
+from idempotent_tasks.records import ClaimRequest
+from idempotent_tasks.stores import MemoryStore
 
 
 def _app(**conf: Any) -> Celery:
@@ -187,3 +198,38 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
         "payments",
         1,
     )
+
+
+def test_a_sweep_that_meets_an_unreachable_broker_ends_and_hands_every_key_back_uncounted() -> None:
+    # Given more lost messages than one batch, and a broker that cannot be reached
+    app = _app(idempotency_store_url="memory://")
+    store = MemoryStore(clock=lambda: now[0])
+    now = [1000.0]
+    for index in range(5):
+        request = ClaimRequest(
+            storage_key=f"t:k{index}",
+            key=f"k{index}",
+            task_name="t",
+            task_id=f"task-{index}",
+            owner="",
+            fingerprint="fp",
+            lease_seconds=30,
+            ttl_seconds=3600,
+        )
+        assert store.reserve(request, make_pickup([index], {}, {}, 10.0, wait=0)) is None
+    now[0] += 11
+    sent: dict[str, int] = {}
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("broker unreachable")
+
+    app.send_task = unreachable  # type: ignore[method-assign]
+    # When the sweep runs in batches of three, then it ends at once, having sent nothing
+    assert republish_lost(app, store, batch=3) == 0
+    # And every key is due at once, its count of re-publications untouched: once the broker
+    # is back, the next sweep sends each one, as its first re-publication
+    app.send_task = lambda name, **options: sent.update(  # type: ignore[method-assign]
+        {options["task_id"]: options["headers"][REPUBLISHED_HEADER]}
+    )
+    assert republish_lost(app, store, batch=3) == 5
+    assert sent == {f"task-{index}": 1 for index in range(5)}

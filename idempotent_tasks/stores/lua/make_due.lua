@@ -2,6 +2,7 @@
 -- published, and the pickup guard is to publish it when it next looks.
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  task id           ARGV[2]  storage key (index member)
+-- ARGV[3]  count of re-publications to set back to ("" to leave it)
 -- Returns  1 if made due, else 0
 local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope')
 if found[1] ~= 'queued' or found[2] ~= ARGV[1] or not found[3] then
@@ -10,5 +11,8 @@ end
 local clock = redis.call('TIME')
 local now = int(tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000))
 redis.call('HSET', KEYS[1], 'lease_expires_at', now, 'due_at', now, 'updated_at', now)
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'republished', ARGV[3])
+end
 redis.call('ZADD', KEYS[2], now, ARGV[2])
 return 1
