@@ -51,6 +51,7 @@ from .options import (
     META_KEY,
     IdempotencyOptions,
     options_of,
+    scoped_name,
     signature_of,
 )
 from .resources import claim_store, dead_letter_queue
@@ -218,8 +219,9 @@ class IdempotentJob(Job):
     def _attempt(
         self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
     ) -> Attempt:
-        # The name its queue scoped the key by (a bound method's class included), else RQ's.
-        task_name = str(state.get("task_name") or self.func_name or "")
+        # The name its queue scoped the key by (a bound method's class included); a job that
+        # came another way (enqueue_many, a plain Queue) scopes it here the same way.
+        task_name = str(state.get("task_name") or _scoped_name_of(self, func))
         prefix = str(state.get("prefix") or defaults.KEY_PREFIX)
         lease = options.lease
         if lease is None:
@@ -522,3 +524,13 @@ class IdempotentJob(Job):
         scheduler is needed), then go back to the queue."""
         time.sleep(delay)
         return Requeue(reason)
+
+
+def _scoped_name_of(job: Job, func: Any) -> str:
+    """The name a job's key is scoped by when its meta does not say (see ``scoped_name``)."""
+    if func is not None and job.instance is not None:
+        try:
+            return scoped_name(func)
+        except Exception:  # pragma: no cover - rq could not name it either
+            pass
+    return job.func_name or ""

@@ -153,5 +153,5 @@ def scoped_name(func: object) -> str:
     instance, func_name = resolve_function_reference(func)
     if instance is None:
         return str(func_name)
-    owner = type(instance)
+    owner = instance if inspect.isclass(instance) else type(instance)  # a classmethod's: the class
     return f"{owner.__module__}.{owner.__qualname__}.{func_name}"

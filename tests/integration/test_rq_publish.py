@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from rq import Queue
+from rq import Queue, SimpleWorker
 from rq.job import JobStatus
 
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
@@ -157,6 +157,29 @@ def test_methods_of_one_name_on_two_classes_never_share_a_key(sync: IdempotentQu
     # While the same method of another instance of the same class is the same function
     again = sync.enqueue(rq_jobs.Billing().charge, order, idempotency_key=key)
     assert again.return_value() == "billed" and rq_jobs.starts(order) == 2
+    # And class methods of one name on two classes are two functions too
+    opened, other = fresh("opened"), fresh("key")
+    billing = sync.enqueue(rq_jobs.Billing.open, opened, idempotency_key=other)
+    refunds = sync.enqueue(rq_jobs.Refunds.open, opened, idempotency_key=other)
+    assert (billing.return_value(), refunds.return_value()) == ("billing opened", "refunds opened")
+
+
+def test_a_method_job_that_came_without_its_scoped_name_is_claimed_under_it(
+    idle: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a completed key of Refunds().charge, and a job of the same method under the same
+    # key that carries no scoped name (enqueued another way: enqueue_many, a plain Queue)
+    order, key = fresh("order"), fresh("key")
+    sync = IdempotentQueue(idle.name, connection=rq_env.connection, is_async=False)
+    first = sync.enqueue(rq_jobs.Refunds().charge, order, idempotency_key=key)
+    assert first.return_value() == "refunded"
+    plain = Queue(idle.name, connection=rq_env.connection, job_class=IdempotentJob)
+    job = plain.enqueue(rq_jobs.Refunds().charge, order, meta={META_KEY: {"key": key}})
+    # When a worker runs it, then it claims under the same scoped name: the key is completed,
+    # so it answers with the cached value, and the body does not run again
+    SimpleWorker([idle], connection=rq_env.connection, job_class=IdempotentJob).work(burst=True)
+    assert IdempotentJob.fetch(job.id, connection=rq_env.connection).return_value() == "refunded"
+    assert rq_jobs.starts(order) == 1
 
 
 def test_a_completed_key_with_other_arguments_raises_a_mismatch(sync: IdempotentQueue) -> None:
