@@ -140,6 +140,7 @@ def test_an_envelope_keeps_canvas_signatures_whole_and_an_expiry_as_a_moment() -
             "chord": body,
             "exchange": Exchange("payments"),
             "expires": 60,
+            "ignore_result": True,
         },
     )
     assert kept is not None
@@ -149,6 +150,7 @@ def test_an_envelope_keeps_canvas_signatures_whole_and_an_expiry_as_a_moment() -
     assert options["link_error"] == [json.loads(json.dumps(errback))]
     assert options["chord"] == json.loads(json.dumps(body))
     assert options["exchange"] == "payments"
+    assert options["ignore_result"] is True
     # A relative expiry becomes the moment it ends, so a later re-publication does not renew it
     expires = datetime.fromisoformat(options["expires"])
     assert (

@@ -16,6 +16,7 @@ from idempotent_tasks import IdempotentTask
 from idempotent_tasks import task as task_module
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.core import Attempt
+from idempotent_tasks.dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER, republish
 from idempotent_tasks.records import Outcome, Pickup, Status
 from idempotent_tasks.worker_request import (
     ISSUED_BY,
@@ -170,3 +171,35 @@ def test_a_killed_call_celery_requeues_keeps_its_callbacks_and_chain_in_its_pick
         [chained],
     )
     assert options["headers"]["idempotency_key"] == "k"
+
+
+def test_a_dead_letters_retry_carries_its_row_and_sweep_through_republishes() -> None:
+    app = Celery("sweep-headers", set_as_current=False, broker="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order_id: str) -> str:
+        return order_id
+
+    # The sweep's publish names the row and the sweep that took it
+    sent: dict[str, Any] = {}
+    fake = SimpleNamespace(send_task=lambda name, **options: sent.update(options))
+    item = SimpleNamespace(
+        id="row-1",
+        sweep_id="sweep-1",
+        idempotency_key="k",
+        args=["o"],
+        kwargs={},
+        task_name=charge.name,
+        task_id="t-1",
+        options={"queue": "celery"},
+    )
+    republish(fake, item)  # type: ignore[arg-type]
+    assert sent["headers"] == {
+        DEAD_LETTER_HEADER: "row-1",
+        DEAD_LETTER_SWEEP_HEADER: "sweep-1",
+        "idempotency_key": "k",
+    }
+    # and the retry's own re-publishes (a retry, a wait, a write-later) carry both along
+    request = _request(**{DEAD_LETTER_HEADER: "row-1", DEAD_LETTER_SWEEP_HEADER: "sweep-1"})
+    headers = charge.signature_from_request(request).options["headers"]
+    assert (headers[DEAD_LETTER_HEADER], headers[DEAD_LETTER_SWEEP_HEADER]) == ("row-1", "sweep-1")
