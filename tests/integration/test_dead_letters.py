@@ -26,6 +26,38 @@ def _row_of(task_id: str, queue: DeadLetterQueue | None = None) -> DeadLetter | 
     return rows[0] if rows else None
 
 
+def _seed_ledgered_dead_letter(task_id: str, key: str, name: str) -> DeadLetter:
+    """A due dead letter of ``ledgered(name)`` under ``key``, allowed one retry."""
+    return dlq_for(app).add(
+        Failure(
+            failure_id=f"{task_id}:0",
+            task_name=worker_app.ledgered.name,
+            task_id=task_id,
+            idempotency_key=key,
+            args=[name],
+            kwargs={},
+            options={"queue": "celery"},
+            error_type="RuntimeError",
+            error_message="seeded",
+            traceback=None,
+            max_retries=1,
+        )
+    )
+
+
+def _given_up(item_id: str) -> DeadLetter:
+    """The dead letter ``item_id`` once it has ended ``permanent_failure``."""
+    return wait_until(
+        lambda: (
+            (r := dlq_for(app).get(item_id))
+            and r.status is DeadLetterStatus.PERMANENT_FAILURE
+            and r
+        ),
+        30,
+        "the dead letter to give up",
+    )
+
+
 @pytest.fixture(scope="module")
 def workers_and_beat(
     it_env: dict[str, str], worker_app: Any, tmp_path_factory: pytest.TempPathFactory
@@ -150,32 +182,10 @@ class TestWithBeat:
         # (the failed call its caller has since called again, corrected)
         key, corrected, failed = fresh("key"), fresh("corrected"), fresh("failed")
         worker_app.ledgered.apply_async((corrected,), idempotency_key=key).get(timeout=30)
-        item = dlq_for(app).add(
-            Failure(
-                failure_id=f"{fresh('task')}:0",
-                task_name=worker_app.ledgered.name,
-                task_id=fresh("task"),
-                idempotency_key=key,
-                args=[failed],
-                kwargs={},
-                options={"queue": "celery"},
-                error_type="RuntimeError",
-                error_message="seeded",
-                traceback=None,
-                max_retries=1,
-            )
-        )
+        item = _seed_ledgered_dead_letter(fresh("task"), key, failed)
         # When beat's sweep re-publishes it, then its retry fails with the mismatch, which its
         # row records (it does not stay retrying), and the old arguments never run
-        row = wait_until(
-            lambda: (
-                (r := dlq_for(app).get(item.id))
-                and r.status is DeadLetterStatus.PERMANENT_FAILURE
-                and r
-            ),
-            30,
-            "the dead letter to give up",
-        )
+        row = _given_up(item.id)
         assert (row.retry_count, row.error_type) == (1, "IdempotencyKeyMismatch")
         assert ledger_events(failed, "start") == 0
 
@@ -184,32 +194,10 @@ class TestWithBeat:
         name, task_id = fresh("revoked"), fresh("task")
         app.control.revoke(task_id)
         time.sleep(1)  # the broadcast reaches the workers
-        item = dlq_for(app).add(
-            Failure(
-                failure_id=f"{task_id}:0",
-                task_name=worker_app.ledgered.name,
-                task_id=task_id,
-                idempotency_key=fresh("key"),
-                args=[name],
-                kwargs={},
-                options={"queue": "celery"},
-                error_type="RuntimeError",
-                error_message="seeded",
-                traceback=None,
-                max_retries=1,
-            )
-        )
+        item = _seed_ledgered_dead_letter(task_id, fresh("key"), name)
         # When beat's sweep re-publishes it and a worker discards it, then its row records
         # the revoke as a failed retry (it does not stay retrying), and nothing ran
-        row = wait_until(
-            lambda: (
-                (r := dlq_for(app).get(item.id))
-                and r.status is DeadLetterStatus.PERMANENT_FAILURE
-                and r
-            ),
-            30,
-            "the dead letter to give up",
-        )
+        row = _given_up(item.id)
         assert (row.retry_count, row.error_type) == (1, "TaskRevokedError")
         assert ledger_events(name, "start") == 0
 
