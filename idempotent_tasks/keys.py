@@ -45,6 +45,15 @@ def check_task_id(task_id: object) -> None:
         )
 
 
+def fitted(value: str, limit: int) -> str:
+    """``value``, or, when longer than ``limit`` characters, a shorter text naming it: its start
+    and a digest of the whole."""
+    if len(value) <= limit:
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:32]
+    return f"{value[: limit - len(digest) - 1]}~{digest}"
+
+
 def bind_arguments(
     signature: inspect.Signature | None, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:

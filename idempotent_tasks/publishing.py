@@ -7,7 +7,6 @@ cannot be reached lets the message go out unguarded.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ from celery.result import EagerResult
 from . import signals
 from .app_store import store_for
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
-from .keys import MAX_TASK_ID_CHARS, derive_key, validate_key
+from .keys import MAX_TASK_ID_CHARS, derive_key, fitted, validate_key
 from .pickups import make_pickup, republish_taken, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
 
@@ -34,10 +33,7 @@ MAX_TASK_NAME_CHARS = 255
 def fitted_task_id(task_id: str) -> str:
     """``task_id``, or, when longer than the stores keep, a shorter id naming it: its start
     and a digest of the whole (a message sent by other means than ``apply_async``)."""
-    if len(task_id) <= MAX_TASK_ID_CHARS:
-        return task_id
-    digest = hashlib.sha256(task_id.encode()).hexdigest()[:32]
-    return f"{task_id[: MAX_TASK_ID_CHARS - len(digest) - 1]}~{digest}"
+    return fitted(task_id, MAX_TASK_ID_CHARS)
 
 
 def publish_key(

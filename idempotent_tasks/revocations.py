@@ -19,6 +19,7 @@ from .core import Attempt
 from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER
 from .errors import CorruptRecord, StoreUnavailable
 from .records import Status
+from .worker_request import request_header
 
 if TYPE_CHECKING:
     from .task import IdempotentTask
@@ -57,13 +58,8 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
         Attempt(store=store, request=claim, codec=task._codec).release_dead_owner()
 
 
-def _header(request: Any, name: str) -> Any:
-    value = getattr(request, name, None)
-    return (getattr(request, "headers", None) or {}).get(name) if value is None else value
-
-
 def _record_on_dead_letter(task: IdempotentTask, request: Any) -> None:
-    dead_letter_id = _header(request, DEAD_LETTER_HEADER)
+    dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
     if dead_letter_id is None:
         return
     try:
@@ -72,7 +68,7 @@ def _record_on_dead_letter(task: IdempotentTask, request: Any) -> None:
             "TaskRevokedError",
             "revoked before it ran",
             None,
-            _header(request, DEAD_LETTER_SWEEP_HEADER),
+            request_header(request, DEAD_LETTER_SWEEP_HEADER),
         )
     except StoreUnavailable as exc:
         logger.warning("could not record the revoke on dead letter %s: %s", dead_letter_id, exc)

@@ -54,7 +54,13 @@ from .keys import MAX_TASK_ID_CHARS, KeySource, check_task_id, derive_key, finge
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .settings import app_setting, resolve
-from .worker_request import ISSUED_BY, ISSUED_OWNER, IdempotentRequest, issued_owner
+from .worker_request import (
+    ISSUED_BY,
+    ISSUED_OWNER,
+    IdempotentRequest,
+    issued_owner,
+    request_header,
+)
 
 logger = get_task_logger(__name__)
 module_logger = logging.getLogger(__name__)
@@ -218,7 +224,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             extra_options.setdefault(KEY_HEADER, key)
         carried = extra_options.setdefault(_REPUBLISH, {})
         for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
-            value = _request_header(request, name)
+            value = request_header(request, name)
             if value is not None:
                 carried.setdefault(name, value)
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
@@ -237,7 +243,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Called as a function (from the task's own body, say): a plain call, as Celery's.
             return super().__call__(*args, **kwargs)
         request.idempotency_entered = True
-        unwritten = _request_header(request, UNWRITTEN_FAILURE_HEADER)
+        unwritten = request_header(request, UNWRITTEN_FAILURE_HEADER)
         if unwritten is not None:
             self._write_failure(Failure(**unwritten))
         key = self._call_key(request, args, kwargs)
@@ -272,7 +278,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             mismatch = IdempotencyKeyMismatch(
                 key, self.name, record.fingerprint, attempt.request.fingerprint
             )
-            if _request_header(request, DEAD_LETTER_HEADER) is not None:
+            if request_header(request, DEAD_LETTER_HEADER) is not None:
                 # A dead letter's retry whose key stands for other arguments by now (its caller
                 # called again, corrected): its row records the failure, or it stays retrying.
                 self.on_final_failure(mismatch, key, args, kwargs)
@@ -401,7 +407,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if previous_owner is not None:
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
         for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
-            value = _request_header(request, name)
+            value = request_header(request, name)
             if value is not None:
                 headers[name] = value
         time_limit, soft_time_limit = request.timelimit or (None, None)
@@ -528,8 +534,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""
-        dead_letter_id = _request_header(self.request, DEAD_LETTER_HEADER)
-        sweep_id = _request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
+        dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
+        sweep_id = request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
         try:
             write_failure(self.app, failure, dead_letter_id, sweep_id)
         except (StoreUnavailable, SchemaVersionError) as exc:
@@ -540,20 +546,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 delay,
             )
             headers: dict[str, Any] = {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)}
-            if _request_header(self.request, FAILURE_REPORTED_HEADER):
+            if request_header(self.request, FAILURE_REPORTED_HEADER):
                 # Celery stored the call's failure already: the message that writes its dead
                 # letter must store no state over it (STARTED, RETRY).
                 headers[FAILURE_REPORTED_HEADER] = True
                 self._republish_self(delay, exc, headers, quiet=True)
             else:
                 self._republish_self(delay, exc, headers)
-        if _request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
-            if _request_header(self.request, FAILURE_REPORTED_HEADER):
+        if request_header(self.request, UNWRITTEN_FAILURE_HEADER) is not None:
+            if request_header(self.request, FAILURE_REPORTED_HEADER):
                 raise Ignore()  # its failure ran its errbacks already: not twice
             raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
 
     def _dead_letter_succeeded(self) -> None:
-        dead_letter_id = _request_header(self.request, DEAD_LETTER_HEADER)
+        dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             mark_succeeded(self.app, dead_letter_id)
 
@@ -561,7 +567,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # A broker redelivery of the owner's own message is no duplicate caller, nor is an owner
         # taken over while its body ran: dropping or failing either could lose the task (or
         # fail a task id whose body succeeded), so they always wait.
-        superseded = bool(_request_header(self.request, SUPERSEDED_HEADER))
+        superseded = bool(request_header(self.request, SUPERSEDED_HEADER))
         own = superseded or record.task_id == self.request.id
         mode = "wait" if own else self.on_duplicate
         if mode == "skip":
@@ -569,7 +575,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise Ignore()
         if mode == "raise" or self.request.is_eager:
             raise IdempotencyConflict(key, self.name, record.task_id)
-        waits = int(_request_header(self.request, WAITS_HEADER) or 0)
+        waits = int(request_header(self.request, WAITS_HEADER) or 0)
         headers: dict[str, Any] = {WAITS_HEADER: waits + 1}
         if superseded:
             headers[SUPERSEDED_HEADER] = True
@@ -614,7 +620,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             kwargs,
             request.id,
             owner=issued_owner(request) or new_owner(),
-            previous_owner=_request_header(request, PREVIOUS_OWNER_HEADER),
+            previous_owner=request_header(request, PREVIOUS_OWNER_HEADER),
         )
         return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
 
@@ -727,14 +733,6 @@ def _timeout_requeues(task: Task) -> bool:
     return acks is not None and not acks
 
 
-def _request_header(request: Any, name: str) -> Any:
-    """A custom header of a task request: a request attribute from a worker, else in headers."""
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    return value
-
-
 def _request_key(request: Any) -> str | None:
-    key = _request_header(request, KEY_HEADER)
+    key = request_header(request, KEY_HEADER)
     return None if key is None else str(key)

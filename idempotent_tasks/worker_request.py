@@ -94,3 +94,11 @@ def issued_owner(request: Any) -> str | None:
         return None
     owner = getattr(request, ISSUED_OWNER, None)
     return owner if isinstance(owner, str) and owner else None
+
+
+def request_header(request: Any, name: str) -> Any:
+    """A custom header of a task request: a request attribute from a worker, else in headers."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return value

@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import StoreUnavailable
+from ..keys import fitted
 from ..stores.sql_clock import ServerClock
 from . import queries
 from .backoff import next_retry_at
@@ -315,11 +316,9 @@ class DeadLetterQueue:
 def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> str:
     """``value`` as its column keeps it: when longer than ``limit``, its start and a digest of
     the whole, the whole value going to ``options[full_name]`` (items read it back from there)."""
-    if len(value) <= limit:
-        return value
-    options[full_name] = value
-    digest = hashlib.sha256(value.encode()).hexdigest()[:32]
-    return f"{value[: limit - len(digest) - 1]}~{digest}"
+    if len(value) > limit:
+        options[full_name] = value
+    return fitted(value, limit)
 
 
 def _item(row: Any) -> DeadLetter:

@@ -529,8 +529,5 @@ class IdempotentJob(Job):
 def _scoped_name_of(job: Job, func: Any) -> str:
     """The name a job's key is scoped by when its meta does not say (see ``scoped_name``)."""
     if func is not None and job.instance is not None:
-        try:
-            return scoped_name(func)
-        except Exception:  # pragma: no cover - rq could not name it either
-            pass
+        return scoped_name(func)
     return job.func_name or ""
