@@ -85,6 +85,10 @@ def test_a_killed_call_celery_hands_back_to_the_broker_is_not_dead_lettered_and_
         # (its key released for it, not held until the killed run's lease ends)
         wait_until(lambda: ledger_events(name, "finish") == 1, 30, "the requeued run")
         assert ledger_events(name, "start") == 2
+        # (the killed run's FAILURE, which Celery stored, stands until the run after it is done)
+        wait_until(
+            lambda: AsyncResult(result.id, app=app).state == "SUCCESS", 10, "the requeued result"
+        )
         assert AsyncResult(result.id, app=app).get(timeout=10) == name
         # And its link runs once, after the run that finished
         wait_until(lambda: ledger_events(name, "callback") == 1, 10, "the link")
