@@ -570,6 +570,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         superseded = bool(request_header(self.request, SUPERSEDED_HEADER))
         own = superseded or record.task_id == self.request.id
         mode = "wait" if own else self.on_duplicate
+        if mode == "skip" and (self.request.group or self.request.chord):
+            # A dropped part would leave its group's and chord's results waiting for ever,
+            # the other parts' with it: it waits for the owner's value instead.
+            mode = "wait"
         if mode == "skip":
             logger.info("key %r is in progress elsewhere, skipped", key)
             raise Ignore()

@@ -339,6 +339,24 @@ def test_on_duplicate_skip_drops_the_duplicate() -> None:
     assert duplicate.state in ("PENDING", "IGNORED")
 
 
+@pytest.mark.parametrize("canvas", ["group", "chord"])
+def test_a_skipping_duplicate_in_a_group_or_chord_gives_the_owners_value(canvas: str) -> None:
+    # Given a skipping task's key in progress
+    name, key = fresh("skip"), fresh("key")
+    owner = worker_app.skipping.apply_async((name, 2.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 30, "the owner's start")
+    # When a group or a chord holds a duplicate of it, then it does not wait for ever: the
+    # duplicate part resolves to the owner's value
+    parts = group(worker_app.skipping.s(name, 2.0).set(idempotency_key=key), worker_app.plain.s(5))
+    if canvas == "group":
+        result = parts.apply_async()
+    else:
+        result = chord(parts)(worker_app.plain.s())
+    assert result.get(timeout=30) == [name, 5]
+    assert owner.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
+
+
 def test_on_duplicate_raise_fails_the_duplicate_with_a_conflict() -> None:
     name, key = fresh("raise"), fresh("key")
     owner = worker_app.raising.apply_async((name, 1.5), idempotency_key=key)
