@@ -34,6 +34,9 @@ UNWRITTEN_FAILURE_HEADER = "idempotency_unwritten_failure"
 #: Header of such a message whose failure Celery has reported already (a call killed at its
 #: hard time limit): writing the dead letter ends it quietly, not as a second failure.
 FAILURE_REPORTED_HEADER = "idempotency_failure_reported"
+#: Header of a quiet message that only marks its dead letter succeeded (the database was down
+#: when its retry succeeded): it runs no body.
+UNWRITTEN_SUCCESS_HEADER = "idempotency_unwritten_success"
 
 
 def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
@@ -88,13 +91,15 @@ def _log_item(item: DeadLetter) -> None:
     )
 
 
-def mark_succeeded(app: Any, dead_letter_id: str) -> None:
-    """A re-published dead letter succeeded; a database error is logged (the row's sweep
-    timeout brings it back, and its key then answers from the cache)."""
+def mark_succeeded(app: Any, dead_letter_id: str) -> bool:
+    """A re-published dead letter succeeded: mark its row. Whether it was written; a database
+    error is logged."""
     try:
         dlq_for(app).mark_succeeded(dead_letter_id)
     except StoreUnavailable as exc:
         module_logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
+        return False
+    return True
 
 
 def republish(app: Any, item: DeadLetter) -> None:

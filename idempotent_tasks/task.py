@@ -35,6 +35,7 @@ from .dead_letters import (
     DEAD_LETTER_SWEEP_HEADER,
     FAILURE_REPORTED_HEADER,
     UNWRITTEN_FAILURE_HEADER,
+    UNWRITTEN_SUCCESS_HEADER,
     mark_succeeded,
     routing_options,
     write_failure,
@@ -243,6 +244,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Called as a function (from the task's own body, say): a plain call, as Celery's.
             return super().__call__(*args, **kwargs)
         request.idempotency_entered = True
+        if request_header(request, UNWRITTEN_SUCCESS_HEADER):
+            self._dead_letter_succeeded()
+            raise Ignore()
         unwritten = request_header(request, UNWRITTEN_FAILURE_HEADER)
         if unwritten is not None:
             self._write_failure(Failure(**unwritten))
@@ -560,8 +564,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _dead_letter_succeeded(self) -> None:
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
-        if dead_letter_id is not None:
-            mark_succeeded(self.app, dead_letter_id)
+        if dead_letter_id is None or mark_succeeded(self.app, dead_letter_id):
+            return
+        # Left `retrying`, the row would come back after its timeout and run a call without a
+        # key again: a quiet copy of the message marks it later, running no body.
+        delay = float(app_setting(self.app.conf, "idempotency_dlq_write_retry_delay"))
+        try:
+            self._quiet_copy(delay, {UNWRITTEN_SUCCESS_HEADER: True}).apply_async()
+        except Exception as exc:
+            logger.error("dead letter %s stays retrying: %s", dead_letter_id, exc)
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
         # A broker redelivery of the owner's own message is no duplicate caller, nor is an owner
@@ -599,13 +610,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         already, with ``Ignore``, and the message published with ``ignore_result``: neither
         run stores any state over that failure (RETRY, STARTED).
         """
-        signature = self.signature_from_request(
-            self.request,
-            countdown=countdown,
-            retries=self.request.retries,
-            **{_REPUBLISH: headers or {}},
-            **({"ignore_result": True} if quiet else {}),
-        )
+        if quiet:
+            signature = self._quiet_copy(countdown, headers or {})
+        else:
+            signature = self._copy(countdown, headers or {})
         try:
             signature.apply_async()
         except Exception as publish_error:
@@ -614,6 +622,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if quiet:
             raise Ignore()
         raise Retry(exc=exc, when=countdown, sig=signature)
+
+    def _copy(self, countdown: float, headers: dict[str, Any]) -> Any:
+        """This very message, to publish again after ``countdown`` s with ``headers`` added."""
+        return self.signature_from_request(
+            self.request,
+            countdown=countdown,
+            retries=self.request.retries,
+            **{_REPUBLISH: headers},
+        )
+
+    def _quiet_copy(self, countdown: float, headers: dict[str, Any]) -> Any:
+        """... storing no result or state over this call's own."""
+        signature = self._copy(countdown, headers)
+        signature.set(ignore_result=True)
+        return signature
 
     def _attempt(
         self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any

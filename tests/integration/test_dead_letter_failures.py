@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,41 @@ def test_database_down_at_failure_time_loses_nothing(
     finally:
         set_pg_database_online("it_dlq_down", True)
         worker.stop()
+
+
+@pytest.mark.slow
+def test_a_dead_letter_retry_that_succeeds_while_the_database_is_down_is_marked_later(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    # Given a dead letter of a call without a key, taken by the sweep and running
+    url = fresh_pg_database("it_dlq_mark_down")
+    queue = DeadLetterQueue(url, base_delay=0)
+    order = fresh("order")
+    seeded = dataclasses.replace(
+        _failure(order),
+        task_name=worker_app.charge.name,
+        idempotency_key=None,
+        args=[order, 10],
+        kwargs={"sleep": 2.0},
+    )
+    queue.add(seeded)
+    queue.dispose()
+    worker = WorkerProcess("mark-down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
+    try:
+        assert app.send_task(SWEEP_TASK).get(timeout=30) == 1
+        wait_until(lambda: ledger_events(order, "start") == 1, 30, "the retry's start")
+        # When the database is down as the retry succeeds
+        set_pg_database_online("it_dlq_mark_down", False)
+        wait_until(lambda: "could not mark dead letter" in worker.log(), 30, "the failed mark")
+        assert app.AsyncResult(seeded.task_id).get(timeout=30)["order_id"] == order
+        # Then once it is back, the row is marked succeeded (not left retrying, to come back
+        # and run the body again), and the caller's result is still the success
+        set_pg_database_online("it_dlq_mark_down", True)
+        queue = DeadLetterQueue(url)
+        wait_until(lambda: queue.stats()["succeeded"] == 1, 30, "the row marked succeeded")
+        assert app.AsyncResult(seeded.task_id).state == "SUCCESS"
+        assert ledger_events(order, "start") == 1
+    finally:
+        set_pg_database_online("it_dlq_mark_down", True)
+        worker.stop()
+        queue.dispose()
