@@ -76,8 +76,13 @@ class StoreUnavailable(IdempotencyError):
     """The idempotency store could not be reached; nothing was run unclaimed."""
 
 
-class SchemaVersionError(IdempotencyError):
-    """A database's schema is newer than this version of idempotent_tasks understands."""
+class SchemaVersionError(StoreUnavailable):
+    """A database's schema is newer than this version of idempotent_tasks understands.
+
+    To this code the database is unusable, as an unreachable one is: a task that meets it is
+    tried again later (by upgraded workers, say), never run unclaimed nor lost. A worker whose
+    databases are newer refuses to start.
+    """
 
 
 class CorruptRecord(IdempotencyError):

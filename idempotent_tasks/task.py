@@ -25,6 +25,7 @@ from . import (
     publishing,
     revocations,  # noqa: F401  (connects the receiver of Celery's task_revoked)
     signals,
+    startup,  # noqa: F401  (connects the worker_init check of the schema versions)
 )
 from .app_store import store_for
 from .celery_result import backend_shares_store, result_side_write
@@ -266,7 +267,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             claim = attempt.claim()
         except StoreUnavailable as exc:
-            logger.warning("store unreachable, will try again: %s", exc)
+            logger.warning("store unavailable, will try again: %s", exc)
             self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
         except CorruptRecord as exc:
             # Nothing can tell whether the key ran: the task waits in the dead-letter table

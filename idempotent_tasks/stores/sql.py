@@ -482,14 +482,15 @@ class SqlStore:
 
     @contextmanager
     def _begin(self) -> Iterator[Connection]:
-        self._ensure_schema()
+        self.ensure_schema()
         try:
             with self.engine.begin() as connection:
                 yield connection
         except SQLAlchemyError as exc:
             raise StoreUnavailable(f"SQL store error: {exc}") from exc
 
-    def _ensure_schema(self) -> None:
+    def ensure_schema(self) -> None:
+        """Create the tables if missing and check their schema versions (once per store)."""
         if self._schema_ready:
             return
         with self._schema_lock:

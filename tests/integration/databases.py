@@ -54,3 +54,17 @@ def fresh_mariadb_database(name: str) -> str:
         connection.execute(sa.text(f"CREATE DATABASE `{name}`"))
     engine.dispose()
     return f"mysql+pymysql://root@127.0.0.1:3306/{name}"
+
+
+def set_schema_version(url: str, component: str, version: int) -> None:
+    """Record ``component``'s tables at ``url`` as schema ``version`` (as an upgrade would)."""
+    from idempotent_tasks.dlq.schema import schema_versions
+
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(
+            schema_versions.update()
+            .where(schema_versions.c.component == component)
+            .values(version=version)
+        )
+    engine.dispose()

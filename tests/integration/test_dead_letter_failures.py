@@ -11,11 +11,13 @@ import pytest
 from idempotent_tasks import DeadLettered
 from idempotent_tasks.dead_letters import SWEEP_TASK
 from idempotent_tasks.dlq import DeadLetterQueue, Failure
+from idempotent_tasks.dlq.schema import COMPONENT, SCHEMA_VERSION
 from tests.integration import worker_app
 from tests.integration.databases import (
     fresh_mariadb_database,
     fresh_pg_database,
     set_pg_database_online,
+    set_schema_version,
 )
 from tests.integration.helpers import fresh, ledger_events, wait_until
 from tests.integration.workers import WorkerProcess
@@ -135,3 +137,19 @@ def test_a_dead_letter_retry_that_succeeds_while_the_database_is_down_is_marked_
         set_pg_database_online("it_dlq_mark_down", True)
         worker.stop()
         queue.dispose()
+
+
+def test_a_worker_refuses_to_start_on_a_dead_letter_database_newer_than_its_code(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    # Given a dead-letter database an upgrade moved to a newer schema
+    url = fresh_pg_database("it_dlq_newer")
+    queue = DeadLetterQueue(url)
+    queue.ensure_schema()
+    queue.dispose()
+    set_schema_version(url, COMPONENT, SCHEMA_VERSION + 1)
+    # When a worker starts on it, then it refuses, naming both versions
+    with pytest.raises(RuntimeError, match="exited") as refused:
+        WorkerProcess("newer", {**it_env, "IT_DLQ_URL": url}, tmp_path).stop()
+    assert f"schema version {SCHEMA_VERSION + 1}" in str(refused.value)
+    assert "refuses to start" in str(refused.value)

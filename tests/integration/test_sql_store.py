@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from idempotent_tasks.app_store import store_for
+from idempotent_tasks.dlq.schema import CLAIMS_COMPONENT, CLAIMS_SCHEMA_VERSION
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
-from tests.integration.databases import fresh_pg_database
+from tests.integration.databases import fresh_pg_database, set_schema_version
 from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
 from tests.integration.workers import WorkerProcess
 
@@ -77,3 +78,26 @@ def test_worker_killed_mid_task_is_taken_over_after_the_lease(start_worker: Any)
     record = store_for(worker_app.app).get(storage_key(worker_app.slow_first.name, key))
     assert record is not None
     assert (record.status, record.token) == (Status.COMPLETED, 2)
+
+
+def test_a_claim_store_at_a_newer_schema_hands_keyed_calls_back_until_it_can_claim(
+    start_worker: Any, sql_store_url: str
+) -> None:
+    # Given a running worker, whose claim store an upgrade then moved to a newer schema
+    store_for(worker_app.app).get("warm")  # this process checked the schema before
+    worker = start_worker()
+    set_schema_version(sql_store_url, CLAIMS_COMPONENT, CLAIMS_SCHEMA_VERSION + 1)
+    try:
+        # When a keyed call reaches it
+        order, key = fresh("sql-newer"), fresh("key")
+        result = worker_app.charge.apply_async((order, 10), idempotency_key=key)
+        # Then it neither runs unclaimed nor fails: it is handed back, to be tried again
+        wait_until(lambda: "store unavailable, will try again" in worker.log(), 30, "the hand-back")
+        assert "newer" in worker.log()
+        assert result.state != "FAILURE"
+        assert ledger_events(order, "start") == 0
+    finally:
+        set_schema_version(sql_store_url, CLAIMS_COMPONENT, CLAIMS_SCHEMA_VERSION)
+    # And once a worker can claim (here: the schema back), it runs once
+    assert result.get(timeout=60)["order_id"] == order
+    assert ledger_events(order, "start") == 1

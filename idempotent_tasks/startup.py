@@ -1,0 +1,41 @@
+"""A worker refuses to start on databases whose schema is newer than this code."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery.signals import worker_init
+
+from .app_store import dlq_for, store_for
+from .errors import SchemaVersionError, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
+    """Check the dead-letter database and an SQL claim store as a worker starts.
+
+    A database at a newer schema version stops the worker with :class:`SchemaVersionError`'s
+    message: it could only hand every keyed task and every failure back, again and again. A
+    database that is down does not: it may be back before a task needs it.
+    """
+    from .task import IdempotentTask
+
+    app = getattr(sender, "app", None)
+    if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+        return
+    checks: dict[str, Callable[[], None]] = {"dead-letter database": dlq_for(app).ensure_schema}
+    store_check = getattr(store_for(app), "ensure_schema", None)
+    if store_check is not None:
+        checks["claim store"] = store_check
+    for what, check in checks.items():
+        try:
+            check()
+        except SchemaVersionError as exc:
+            logger.critical("worker refuses to start: %s", exc)
+            raise SystemExit(f"idempotent_tasks: {exc}") from exc
+        except StoreUnavailable as exc:
+            logger.warning("%s not reachable as the worker starts: %s", what, exc)
