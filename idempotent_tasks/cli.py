@@ -324,33 +324,43 @@ def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bo
     """
     store, url = _store(ctx)
     _task(_app(ctx), task_name)  # warns about a misspelt task name
-    record = _record(store, url, task_name, idempotency_key)
+    unreadable: CorruptRecord | None = None
+    try:
+        record: Record | None = _record(store, url, task_name, idempotency_key, raise_corrupt=True)
+    except CorruptRecord as exc:
+        record, unreadable = None, exc  # forgetting an unreadable record is the way out of it
+    state = record.status.value if record is not None else "unreadable"
     if not yes:
         running = ""
-        if record.status is Status.PROCESSING:
+        if record is None:
+            running = f" Its record cannot be read ({unreadable})."
+        elif record.status is Status.PROCESSING:
             running = (
                 f" It is processing (task {record.task_id}): a duplicate could then run beside it."
             )
         elif record.status is Status.QUEUED:
             running = f" Task {record.task_id} is queued: a lost message is then not sent again."
         click.confirm(
-            f"Forget key {idempotency_key!r} of task {task_name} ({record.status.value})?{running}",
+            f"Forget key {idempotency_key!r} of task {task_name} ({state})?{running}",
             abort=True,
         )
     with _reaching("claim store", url):
-        if not store.forget(record.storage_key):
+        if not store.forget(storage_key(task_name, idempotency_key)):
             raise click.ClickException(f"key {idempotency_key!r} of task {task_name} just vanished")
-    click.echo(
-        f"Forgot key {idempotency_key!r} of task {task_name} (it was {record.status.value})."
-    )
+    click.echo(f"Forgot key {idempotency_key!r} of task {task_name} (it was {state}).")
 
 
-def _record(store: Store, url: str, task_name: str, idempotency_key: str) -> Record:
-    """The key's record; a clear error when there is none or it cannot be read."""
+def _record(
+    store: Store, url: str, task_name: str, idempotency_key: str, *, raise_corrupt: bool = False
+) -> Record:
+    """The key's record; a clear error when there is none or it cannot be read (or, with
+    ``raise_corrupt``, the ``CorruptRecord`` itself)."""
     with _reaching("claim store", url):
         try:
             record = store.get(storage_key(task_name, idempotency_key))
         except CorruptRecord as exc:
+            if raise_corrupt:
+                raise
             raise click.ClickException(
                 f"the record of key {idempotency_key!r} of task {task_name} is unreadable: {exc}"
             ) from exc

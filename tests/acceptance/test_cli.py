@@ -657,6 +657,24 @@ def test_key_forget_of_a_running_key_says_so_and_yes_skips_the_question(
     assert store.get(storage_key("shop.charge", "order-7")) is None
 
 
+def test_key_forget_deletes_an_unreadable_record(
+    run: Run, store: RedisStore, store_url: str
+) -> None:
+    # Given a key whose record cannot be read (calls of it are dead-lettered until it goes)
+    name = storage_key("shop.charge", "order-9")
+    redis.Redis.from_url(store_url).set(store.names(name)[0], "not a hash")
+    shown = run("key", "show", "order-9", "--task", "shop.charge")
+    assert_failed_cleanly(shown, "Error: the record of key 'order-9' of task shop.charge is")
+
+    # When it is forgotten, then the question says why, and the record is gone
+    asked = run("key", "forget", "order-9", "--task", "shop.charge", input="n\n")
+    assert "(unreadable)? Its record cannot be read" in asked.output
+    forgot = run("key", "forget", "order-9", "--task", "shop.charge", "--yes")
+    assert forgot.exit_code == 0, forgot.output
+    assert forgot.stdout.endswith("Forgot key 'order-9' of task shop.charge (it was unreadable).\n")
+    assert store.get(name) is None
+
+
 def test_key_forget_of_an_unknown_key_fails_clearly(run: Run, store: RedisStore) -> None:
     result = run("key", "forget", "order-43", "--task", "shop.charge", "--yes")
 
