@@ -91,9 +91,19 @@ def reserve(
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("publishing %s without a look at its key: %s", task.name, exc)
         return None, None
-    if record is None:
+    if record is None or _own_reservation(record, request):
         return (None if pickup is None else request), None
     return None, answer_from_record(task, record, request)
+
+
+def _own_reservation(record: Record, request: ClaimRequest) -> bool:
+    """The key is queued for this very message: the client sent the reservation again after
+    losing the store's reply (redis-py retries a timed-out command), and the first one took."""
+    return (
+        record.status is Status.QUEUED
+        and record.task_id == request.task_id
+        and record.fingerprint == request.fingerprint
+    )
 
 
 def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:

@@ -240,6 +240,28 @@ def test_a_producer_whose_clock_runs_behind_sees_a_dead_owners_lease_as_over(
     redis.Redis.from_url(app.conf.broker_url).delete(IDLE_QUEUE)
 
 
+def test_a_reservation_sent_twice_after_a_lost_reply_is_still_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a store whose reply to a reservation is lost, so the client sends it again (as
+    # redis-py does after a timeout): the second run finds the first one's record
+    name, key = fresh("twice"), fresh("key")
+    store = store_for(app)
+    reserve = store.reserve
+
+    def reserve_twice(*args: Any, **kwargs: Any) -> Any:
+        reserve(*args, **kwargs)
+        return reserve(*args, **kwargs)
+
+    monkeypatch.setattr(store, "reserve", reserve_twice)
+    # When the call is published, then it is sent: its own reservation is no other caller's
+    result = worker_app.ledgered.apply_async((name,), idempotency_key=key, queue=IDLE_QUEUE)
+    monkeypatch.undo()
+    assert _messages_of(IDLE_QUEUE, result.id) == 1
+    assert _status(worker_app.ledgered, key) is Status.QUEUED
+    redis.Redis.from_url(app.conf.broker_url).delete(IDLE_QUEUE)
+
+
 def test_a_failed_publish_leaves_no_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a publish that fails otherwise than for want of a broker (a message its
     # serializer refuses)
