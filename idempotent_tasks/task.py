@@ -42,7 +42,7 @@ from .dead_letters import (
     write_failure,
 )
 from .dlq import Failure
-from .dlq.arguments import stored_arguments
+from .dlq.arguments import error_text, stored_arguments
 from .dlq.items import ARGS_LOSSY
 from .errors import (
     CorruptRecord,
@@ -452,7 +452,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         never lost. Override to add to this; call ``super()``.
         """
         request = self.request
-        logger.error("failed for good: %s: %s", type(exc).__name__, exc)
+        message = error_text(exc)
+        logger.error("failed for good: %s: %s", type(exc).__name__, message)
         if not self.dlq:
             return
         stored_args, stored_kwargs, faithful = stored_arguments(args, kwargs)
@@ -479,7 +480,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             kwargs=stored_kwargs,
             options=options,
             error_type=type(exc).__name__,
-            error_message=str(exc)[:MAX_ERROR_MESSAGE_CHARS],
+            error_message=message[:MAX_ERROR_MESSAGE_CHARS],
             # exc's own traceback: one killed in another process has none, and names itself.
             traceback="".join(format_exception(exc))[-MAX_TRACEBACK_CHARS:],
             # Arguments kept as text would run the task with the wrong values: kept, not retried.

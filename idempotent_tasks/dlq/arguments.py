@@ -1,4 +1,5 @@
-"""A failed task's arguments as the dead-letter table's JSON columns keep them, and back."""
+"""A failed task's arguments as the dead-letter table's JSON columns keep them, and back; its
+error as the table's text keeps it."""
 
 from __future__ import annotations
 
@@ -22,11 +23,36 @@ def stored_arguments(
         kept = json.loads(kombu_json.dumps([list(args), dict(kwargs)]))  # type: ignore[no-untyped-call]
         return list(kept[0]), dict(kept[1]), True
     except (TypeError, ValueError):
-        kept = json.loads(json.dumps([list(args), dict(kwargs)], default=repr))
+        pass
+    try:
+        kept = json.loads(json.dumps([list(args), dict(kwargs)], default=safe_repr))
         return list(kept[0]), dict(kept[1]), False
+    except (TypeError, ValueError):
+        # Keys JSON cannot have (a tuple), or a value that holds itself: each argument whole.
+        return (
+            [safe_repr(arg) for arg in args],
+            {str(name): safe_repr(value) for name, value in kwargs.items()},
+            False,
+        )
+
+
+def safe_repr(value: Any) -> str:
+    """``repr(value)``, or a placeholder naming its type when its ``__repr__`` fails."""
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object; repr() failed>"
 
 
 def restored_arguments(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """The arguments :func:`stored_arguments` kept, typed values as themselves again."""
     restored = kombu_json.loads(json.dumps([args, kwargs]))  # type: ignore[no-untyped-call]
     return list(restored[0]), dict(restored[1])
+
+
+def error_text(exc: BaseException) -> str:
+    """``str(exc)``; a placeholder when the exception's ``__str__`` itself fails."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__}; str() failed>"

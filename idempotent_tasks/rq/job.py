@@ -28,7 +28,7 @@ from .. import defaults, signals
 from ..codec import ResultCodec
 from ..core import Attempt, new_owner, wait_for_owner
 from ..dlq import Failure
-from ..dlq.arguments import stored_arguments
+from ..dlq.arguments import error_text, stored_arguments
 from ..errors import (
     DeadLettered,
     IdempotencyConflict,
@@ -323,7 +323,7 @@ class IdempotentJob(Job):
             if will_retry:
                 raise
             requeue = self._final_failure(
-                type(exc).__name__, str(exc), format_exc(), key, options, state, attempt
+                type(exc).__name__, error_text(exc), format_exc(), key, options, state, attempt
             )
             if requeue is not None:
                 return requeue

@@ -6,7 +6,14 @@ import json
 import uuid
 from datetime import date, datetime, timezone
 from decimal import Decimal
+from pathlib import Path
+from typing import Any
 
+import pytest
+from celery import Celery
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.dlq import DeadLetterQueue
 from idempotent_tasks.dlq.arguments import restored_arguments, stored_arguments
 
 
@@ -30,3 +37,61 @@ def test_other_objects_are_kept_as_text_and_said_to_be() -> None:
     kept_args, kept_kwargs, faithful = stored_arguments((1, Opaque()), {"x": Opaque()})
     assert not faithful
     assert (kept_args, kept_kwargs) == ([1, "<Opaque 7>"], {"x": "<Opaque 7>"})
+
+
+class BrokenRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_arguments_json_cannot_even_hold_as_text_are_kept_one_by_one() -> None:
+    looped: list[Any] = []
+    looped.append(looped)
+    kept_args, kept_kwargs, faithful = stored_arguments(
+        ({(1, 2): "x"}, looped), {"broken": BrokenRepr()}
+    )
+    assert not faithful
+    assert kept_args == ["{(1, 2): 'x'}", "[[...]]"]
+    assert kept_kwargs == {"broken": "<BrokenRepr object; repr() failed>"}
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+def test_a_failure_whose_arguments_and_error_defy_text_is_still_dead_lettered(
+    tmp_path: Path,
+) -> None:
+    # Given a task whose arguments JSON cannot hold even as text (pickle sent them), failing
+    # with an error whose str() fails
+    app = Celery("unprintable", set_as_current=False, broker="memory://")
+    url = f"sqlite:///{tmp_path}/dead.sqlite3"
+    app.conf.update(
+        idempotency_store_url="memory://", idempotency_dlq_url=url, result_backend="cache+memory://"
+    )
+
+    @app.task(base=IdempotentTask, shared=False)
+    def fails(mapping: dict[Any, str]) -> None:
+        raise UnprintableError()
+
+    fails.push_request(
+        id="failing-task",
+        args=({(1, 2): "x"},),
+        kwargs={},
+        headers={},
+        called_directly=False,
+        delivery_info={"routing_key": "celery", "exchange": ""},
+        retries=0,
+    )
+    # When it fails for good, then its own error goes on, and the dead letter is written
+    try:
+        with pytest.raises(UnprintableError):
+            fails({(1, 2): "x"})
+    finally:
+        fails.pop_request()
+    queue = DeadLetterQueue(url)
+    [row] = queue.items()
+    queue.dispose()
+    assert (row.task_id, row.args) == ("failing-task", ["{(1, 2): 'x'}"])
+    assert row.error_message == "<UnprintableError; str() failed>"
