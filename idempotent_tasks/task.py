@@ -578,9 +578,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
         # A broker redelivery of the owner's own message is no duplicate caller, nor is an owner
-        # taken over while its body ran: dropping or failing either could lose the task (or
-        # fail a task id whose body succeeded), so they always wait.
-        superseded = bool(request_header(self.request, SUPERSEDED_HEADER))
+        # taken over while its body ran, nor the retry of a call whose key another call took
+        # meanwhile: dropping or failing one could lose the task (or fail a task id whose body
+        # succeeded), so they always wait.
+        superseded = bool(request_header(self.request, SUPERSEDED_HEADER)) or (
+            request_header(self.request, PREVIOUS_OWNER_HEADER) is not None
+        )
         own = superseded or record.task_id == self.request.id
         mode = "wait" if own else self.on_duplicate
         if mode == "skip" and (self.request.group or self.request.chord):

@@ -11,7 +11,7 @@ from celery.exceptions import Ignore, Retry
 
 from idempotent_tasks import IdempotencyConflict, IdempotentTask
 from idempotent_tasks.app_store import store_for
-from idempotent_tasks.task import KEY_HEADER, SUPERSEDED_HEADER
+from idempotent_tasks.task import _REPUBLISH, KEY_HEADER, PREVIOUS_OWNER_HEADER, SUPERSEDED_HEADER
 
 
 @pytest.fixture()
@@ -55,3 +55,21 @@ def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
     # Then it waits (a Retry), where a plain duplicate is handled per on_duplicate
     with pytest.raises(Ignore if on_duplicate == "skip" else IdempotencyConflict):
         _deliver(charge, "key-1", {})
+
+
+@pytest.mark.parametrize("on_duplicate", ["skip", "raise"])
+def test_a_retry_whose_key_another_call_took_meanwhile_waits_whatever_on_duplicate(
+    app: Celery, on_duplicate: str
+) -> None:
+    @app.task(base=IdempotentTask, on_duplicate=on_duplicate, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a call that retried, its key freed, and another call that claimed it meanwhile
+    other = charge._claim_request("key-2", ("k",), {}, "task-of-the-other-call", owner="other")
+    assert store_for(app).claim(other).outcome.value == "acquired"
+    # When the retry arrives (naming the owner it retried from), then it waits for the value
+    with pytest.raises(Retry) as waited:
+        _deliver(charge, "key-2", {PREVIOUS_OWNER_HEADER: "first-owner"})
+    # And keeps waiting on its next delivery
+    assert waited.value.sig.options[_REPUBLISH][SUPERSEDED_HEADER] is True
