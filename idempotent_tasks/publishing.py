@@ -19,6 +19,7 @@ from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from .keys import MAX_TASK_ID_CHARS, derive_key, fitted, validate_key
 from .pickups import make_pickup, republish_taken, seconds_until
 from .records import ClaimRequest, Outcome, Record, Status
+from .replacements import is_replaced
 
 if TYPE_CHECKING:
     from .task import IdempotentTask
@@ -136,6 +137,8 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
         signals.duplicate_suppressed.send(
             task_name=task.name, where="publish", outcome=Outcome.COMPLETED
         )
+        if is_replaced(value):
+            return task.AsyncResult(record.task_id)  # the replacement's result, in Celery's
         return EagerResult(record.task_id, value, states.SUCCESS, name=task.name)
     if record.lease_expires_at > record.store_time():
         task_id: str | None = record.task_id  # its message is on its way, or its owner alive

@@ -55,6 +55,7 @@ from .errors import (
 from .keys import MAX_TASK_ID_CHARS, KeySource, check_task_id, derive_key, fingerprint, storage_key
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
+from .replacements import REPLACED, is_replaced
 from .settings import app_setting, resolve
 from .worker_request import (
     ISSUED_BY,
@@ -293,6 +294,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         if claim.outcome is Outcome.COMPLETED:
             value = attempt.cached_value(record)
+            if is_replaced(value):
+                replacement = self.AsyncResult(record.task_id)
+                if not replacement.ready():
+                    return self._on_in_progress(key, record)  # its replacement still runs
+                value = replacement.get(disable_sync_subtasks=False)  # ready: no waiting
             self._dead_letter_succeeded()
             return value
         return self._on_in_progress(key, record)
@@ -320,7 +326,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 attempt.release_quietly()
             raise
         except (Ignore, Reject):
-            attempt.release_quietly()
+            if getattr(self.request, "idempotency_replaced", False):
+                # Its work is done and its replacement sent: the key stays done.
+                attempt.finish(REPLACED, attempt.request.lease_seconds)
+            else:
+                attempt.release_quietly()
             raise
         except Exception as exc:
             attempt.release_quietly()
@@ -346,6 +356,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         self._dead_letter_succeeded()
         return value
+
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's replacement of this call by ``sig``, under its task id.
+
+        A keyed call's key then counts as completed: its body does not run again, and its
+        duplicates are answered with the replacement's result.
+        """
+        self.request.idempotency_replaced = True
+        return super().on_replace(sig)
 
     def retry(
         self,

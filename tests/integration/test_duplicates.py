@@ -141,6 +141,25 @@ def test_a_group_and_a_chord_collect_a_completed_keys_cached_value() -> None:
     assert ledger_events(order, "start") == 1
 
 
+def test_a_call_that_replaced_itself_keeps_its_key_and_duplicates_get_the_replacements_value() -> (
+    None
+):
+    # Given a keyed call whose body did its work and replaced itself (Task.replace)
+    name, key = fresh("replacing"), fresh("key")
+    first = worker_app.replaces_itself.apply_async((name,), idempotency_key=key)
+    assert first.get(timeout=30) == len(name)
+    # When the key is called again, at publish time or as a message the worker gets
+    again = worker_app.replaces_itself.apply_async((name,), idempotency_key=key)
+    sent = worker_app.app.send_task(
+        worker_app.replaces_itself.name, (name,), headers={"idempotency_key": key}
+    )
+    # Then the body does not run again, and every caller gets the replacement's value
+    assert again.id == first.id
+    assert again.get(timeout=30) == len(name)
+    assert sent.get(timeout=30) == len(name)
+    assert ledger_events(name, "start") == 1
+
+
 def test_a_linked_call_of_a_key_in_progress_waits_for_the_owner_then_runs_its_link() -> None:
     order, key = fresh("order"), fresh("key")
     owner = charge.apply_async((order, 10), {"sleep": 2.0}, idempotency_key=key)

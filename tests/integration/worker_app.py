@@ -270,6 +270,13 @@ def replaced_by_ledgered(self: Any, name: str, key: str) -> None:
     raise self.replace(ledgered.si(name).set(idempotency_key=key))
 
 
+@app.task(base=IdempotentTask, bind=True)
+def replaces_itself(self: Any, name: str) -> None:
+    """Does its work, then hands over to ``plain(len(name))`` (Celery's ``Task.replace``)."""
+    note("start", name)
+    raise self.replace(plain.si(len(name)))
+
+
 @app.task
 def noted_callback(value: Any, name: str) -> None:
     """A link: records in the ledger of ``name`` that it ran."""
