@@ -9,6 +9,7 @@ from typing import Any
 from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
+from kombu.exceptions import OperationalError
 
 from . import defaults, signals
 from .app_store import dlq_for, store_for
@@ -149,6 +150,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         framework="celery",
         batch=batch,
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
+        unreachable=(OperationalError,),
     )
     _count_rows(queue)
     return published

@@ -23,20 +23,30 @@ def resend_due(
     framework: str,
     batch: int,
     retry_delay: float,
+    unreachable: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
 
     An item ``resend`` refuses with :class:`CannotResend` counts as a failed retry (so it gives
     up at its limit, with the reason as its error). An item that could not be sent for another
     reason (a broker down, say) is due again ``retry_delay`` seconds later, with no retry used:
-    later sweeps try it again, and this one, not taking it again, ends.
+    later sweeps try it again, and this one, not taking it again, ends. An error of the
+    ``unreachable`` types (the broker cannot be reached) ends the sweep at once, the rest of
+    the batch handed back untried, so a long outage does not cost a publish timeout per row.
     """
     sent = 0
     while True:
         items = queue.take_due(batch, framework=framework)
-        for item in items:
+        for index, item in enumerate(items):
             try:
                 resend(item)
+            except unreachable as exc:
+                logger.error(
+                    "could not send dead letters again (due again in %ss): %s", retry_delay, exc
+                )
+                for untried in items[index:]:
+                    queue.unclaim(untried.id, delay=retry_delay)
+                return sent
             except CannotResend as exc:
                 logger.error("dead letter %s cannot be sent again: %s", item.id, exc)
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)

@@ -25,6 +25,8 @@ from datetime import timedelta
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus, get_current_job
 from rq.queue import Queue
@@ -106,6 +108,7 @@ def _sweep(
         framework=FRAMEWORK,
         batch=batch,
         retry_delay=defaults.DLQ_POLL_INTERVAL,
+        unreachable=(RedisConnectionError, RedisTimeoutError),
     )
 
 

@@ -93,21 +93,35 @@ def app(dlq_url: str) -> Celery:
 
 
 def test_rows_a_down_broker_refuses_are_due_again_later_and_the_sweep_ends(
-    app: Celery, queue: DeadLetterQueue
+    app: Celery, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given more due rows than one batch, while the broker is down
     items = [queue.add(_failure()) for _ in range(3)]
-    # When a sweep runs in batches of two, then it ends, having sent nothing
+    send_task, attempts = app.send_task, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(args)
+        return send_task(*args, **kwargs)
+
+    monkeypatch.setattr(app, "send_task", counted)
+    # When a sweep runs in batches of two, then it ends, having sent nothing, at the first
+    # row the broker refused (not one publish timeout per row)
     assert app.tasks[SWEEP_TASK].run(batch=2) == 0
-    # And each row is pending again, with no retry used, due a poll interval later
+    assert len(attempts) == 1
+    # And each row is pending, with no retry used: the batch it took is due a poll interval
+    # later, the row it never took is due as it was
     now = queue.now()
+    later = 0
     for item in items:
         row = queue.get(item.id)
         assert row is not None and row.next_retry_at is not None
         assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
-        assert now + timedelta(seconds=POLL_INTERVAL - 5) < row.next_retry_at
-        assert row.next_retry_at <= now + timedelta(seconds=POLL_INTERVAL)
-    assert queue.take_due() == []
+        if row.next_retry_at > now:
+            assert now + timedelta(seconds=POLL_INTERVAL - 5) < row.next_retry_at
+            assert row.next_retry_at <= now + timedelta(seconds=POLL_INTERVAL)
+            later += 1
+    assert later == 2
+    assert len(queue.take_due()) == 1
 
 
 def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
@@ -213,3 +227,18 @@ def test_an_rq_row_whose_job_rq_dropped_is_enqueued_with_its_key_scope_and_timeo
         assert again.timeout == 600
     finally:
         Queue(shop.name, connection=connection).delete(delete_jobs=True)
+
+
+def test_rq_rows_a_down_redis_refuses_are_due_again_later_and_the_sweep_ends(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given due RQ rows, while the queue's Redis does not answer (nothing listens on port 1)
+    connection = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
+    items = [queue.add(_failure(RQ_FRAMEWORK, row_options("sweep-down"))) for _ in range(3)]
+    # When the sweep runs, then it ends, having enqueued nothing and used no retry
+    assert rq_retry_dead_letters(connection, dlq_url, batch=2) == 0
+    rows = [queue.get(item.id) for item in items]
+    assert all(row is not None and row.status is DeadLetterStatus.PENDING for row in rows)
+    assert all(row is not None and row.retry_count == 0 for row in rows)
+    # And the row it never took (the batch after the refused one) is still due
+    assert len(queue.take_due(framework=RQ_FRAMEWORK)) == 1
