@@ -43,9 +43,25 @@ def store_for(app: Any) -> Store:
 
     def build() -> Store:
         prefix = app_setting(app.conf, "idempotency_key_prefix") or defaults.KEY_PREFIX
+        params = _backend_connection_params(app)
+        if params is not None:
+            from .stores.redis import RedisStore
+
+            return RedisStore.from_connection_params(params, prefix)
         return store_from_url(store_url(app), prefix=prefix)
 
     return _per_process(app, _STORE, build)
+
+
+def _backend_connection_params(app: Any) -> dict[str, Any] | None:
+    """The connection parameters of the Redis result backend the store defaults to, if it
+    does: its URL alone would drop ``redis_backend_use_ssl``, ``redis_password`` and the like."""
+    if app_setting(app.conf, "idempotency_store_url"):
+        return None
+    if urlsplit(str(app.conf.result_backend or "")).scheme not in ("redis", "rediss"):
+        return None
+    params = getattr(app.backend, "connparams", None)
+    return dict(params) if isinstance(params, dict) else None
 
 
 def dlq_for(app: Any) -> DeadLetterQueue:

@@ -67,6 +67,17 @@ _DEFAULT_PORT, _DEFAULT_DB = 6379, 0
 _MAX_MS = 2**50
 
 
+def _connection_options() -> dict[str, Any]:
+    """The store's own timeouts, health checks and reconnect-and-retry, for a new client."""
+    return {
+        "socket_connect_timeout": 2,
+        "socket_timeout": 5,
+        "health_check_interval": 15,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=4),
+        "retry_on_error": _RETRIED_ERRORS,
+    }
+
+
 def _lua(name: str) -> str:
     """The text of a script, after the helpers every script may use (``lua/prelude.lua``)."""
     folder = resources.files(__package__).joinpath("lua")
@@ -98,15 +109,17 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, prefix: str) -> RedisStore:
         """Connect lazily to ``redis://`` or ``rediss://`` ``url``."""
-        client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=2,
-            socket_timeout=5,
-            health_check_interval=15,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=4),
-            retry_on_error=_RETRIED_ERRORS,
-        )
-        return cls(client, prefix)
+        return cls(redis.Redis.from_url(url, **_connection_options()), prefix)
+
+    @classmethod
+    def from_connection_params(cls, params: dict[str, Any], prefix: str) -> RedisStore:
+        """Connect lazily with a redis-py connection pool's ``params``: those Celery's Redis
+        result backend built (its TLS settings, credentials, credential provider), so the
+        default store reaches the backend's server as the backend does. The store's own
+        timeouts and retries replace the backend's."""
+        kept = {name: value for name, value in params.items() if name != "retry_on_timeout"}
+        pool = redis.ConnectionPool(**{**kept, **_connection_options()})
+        return cls(redis.Redis(connection_pool=pool), prefix)
 
     def names(self, storage_key: str) -> list[str]:
         """Redis names of a key's record, its fencing counter and its shard's due index (one
@@ -438,6 +451,10 @@ def _translated_errors() -> Iterator[None]:
             raise CorruptRecord(f"Redis key holds something else than a record: {exc}") from exc
         # A script that failed on what it found: a record edited into something unreadable.
         raise CorruptRecord(f"Redis could not run the store's script on the record: {exc}") from exc
+    except redis.RedisError as exc:
+        # The client cannot even connect as configured (a TLS option redis-py refuses, say):
+        # failing closed keeps the task to try again once that is mended.
+        raise StoreUnavailable(f"Redis store cannot be used: {exc}") from exc
 
 
 def _address(client: redis.Redis) -> tuple[Any, ...]:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import ssl
 import warnings
 from pathlib import Path
 
 import pytest
 from celery import Celery
+from redis.connection import SSLConnection
 
-from idempotent_tasks import IdempotentTask
+from idempotent_tasks import IdempotentTask, StoreUnavailable
 from idempotent_tasks.app_store import store_for, store_url
 from idempotent_tasks.stores import MemoryStore
+from idempotent_tasks.stores.redis import RedisStore
 from idempotent_tasks.stores.sql import SqlStore
 
 
@@ -122,3 +125,30 @@ def test_a_task_name_the_tables_cannot_keep_is_refused_when_the_task_is_made() -
     assert app.task(base=IdempotentTask, name="n" * 255, shared=False)(body).name == "n" * 255
     with pytest.raises(ValueError, match="256 characters long; an IdempotentTask's may have"):
         _ = app.task(base=IdempotentTask, name="n" * 256, shared=False)(body).name
+
+
+def test_the_default_store_connects_as_the_redis_backend_does() -> None:
+    # Given a Redis result backend reached over TLS, as a user, with settings beside its URL
+    app = _app(
+        result_backend="rediss://backend.example:6380/3?ssl_cert_reqs=CERT_REQUIRED",
+        redis_username="shop",
+        redis_password="secret",
+    )
+    # Then the store it defaults to uses them too, with its own timeouts
+    store = store_for(app)
+    assert isinstance(store, RedisStore)
+    settings = store.client.connection_pool.connection_kwargs
+    assert (settings["host"], settings["port"], settings["db"]) == ("backend.example", 6380, 3)
+    assert (settings["username"], settings["password"]) == ("shop", "secret")
+    assert store.client.connection_pool.connection_class is SSLConnection
+    assert settings["ssl_cert_reqs"] == ssl.CERT_REQUIRED
+    assert settings["socket_timeout"] == 5
+
+
+def test_a_redis_store_redis_py_cannot_connect_as_configured_is_unavailable() -> None:
+    # redis-py refuses the flag Celery's own message asks for in a URL, when it connects
+    store = RedisStore.from_url(
+        "rediss://127.0.0.1:6379/0?ssl_cert_reqs=CERT_REQUIRED", prefix="tls"
+    )
+    with pytest.raises(StoreUnavailable, match="cannot be used"):
+        store.get("k")
