@@ -71,6 +71,7 @@ from .sql_statements import (
     bump_pickup,
     delete_claim,
     delete_expired,
+    delete_expired_pickups,
     delete_pickup,
     delete_pickup_if_unchanged,
     forget_claim,
@@ -264,7 +265,7 @@ class SqlStore:
                 if found["task_id"] == request.task_id:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
             swap = replace_if_unchanged(claim_id, found, values)
-            if self._rowcount(swap) == 1:
+            if self._replaced(swap, claim_id, ended=not is_live(found, now)):
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
 
@@ -398,8 +399,23 @@ class SqlStore:
         return found is not None and is_live(found, now)
 
     def cleanup(self, older_than: float = 0.0) -> int:
-        """Delete rows that expired more than ``older_than`` seconds ago; how many."""
-        return self._rowcount(delete_expired(self._clock() - older_than))
+        """Delete rows that expired more than ``older_than`` seconds ago, and their pickups;
+        how many rows."""
+        before = self._clock() - older_than
+        with self._begin() as connection:
+            connection.execute(delete_expired_pickups(before))
+            return _count(connection, delete_expired(before))
+
+    def _replaced(self, swap: Update, claim_id: str, *, ended: bool) -> bool:
+        """Run a claim's compare-and-set; whether it wrote. A row it replaced that had ended
+        (expired, released) takes its pickup along: that is another call's message, whose
+        arguments the guard must never publish under this claim's task id."""
+        with self._begin() as connection:
+            if _count(connection, swap) != 1:
+                return False
+            if ended:
+                connection.execute(delete_pickup(claim_id))
+            return True
 
     def close(self) -> None:
         self.engine.dispose()

@@ -93,6 +93,12 @@ def delete_expired(before: float) -> Delete:
     return delete(claims).where(claims.c.expires_at < before)
 
 
+def delete_expired_pickups(before: float) -> Delete:
+    """Delete the pickups of rows whose expiry passed before ``before``."""
+    expired = select(claims.c.id).where(claims.c.expires_at < before)
+    return delete(pickups).where(pickups.c.id.in_(expired))
+
+
 def _live_queued(claim_id: str, task_id: str, now: float) -> Any:
     return (
         (claims.c.id == claim_id)

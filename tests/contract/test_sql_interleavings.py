@@ -120,3 +120,38 @@ def test_new_reservation_during_a_claim_of_an_expired_row_is_not_overwritten(
     record = store.get(second.storage_key)
     assert record is not None
     assert (record.status, record.task_id, record.fingerprint) == (Status.QUEUED, "task-2", "fp-2")
+
+
+def test_a_claim_replacing_an_ended_row_leaves_no_pickup_of_another_call(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    # Given a reservation whose row expired unclaimed (its pickup row still there)
+    store, clock = clocked_store
+    pickup = Pickup(envelope=b'{"args": ["first"]}', due_in=5.0, timeout=5.0)
+    first = request_for(make_request, owner="", ttl_seconds=1.0)
+    assert store.reserve(first, pickup) is None
+    clock.now += 7
+    # When another call, with other arguments and no reservation, claims the key, then dies
+    second = request_for(make_request, task_id="task-2", fingerprint="fp-2", lease_seconds=1.0)
+    assert store.claim(second).outcome is Outcome.ACQUIRED
+    clock.now += 1 + 5 + 1
+    # Then the guard has nothing to publish under its task id: the pickup was the first call's
+    assert store.take(second.storage_key) is None
+    assert store.take_due(10) == []
+
+
+def test_cleanup_takes_the_pickups_of_expired_rows_along(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    # Given a reservation whose row expired unclaimed, removed by the cleanup
+    store, clock = clocked_store
+    pickup = Pickup(envelope=b'{"args": ["first"]}', due_in=5.0, timeout=5.0)
+    assert store.reserve(request_for(make_request, owner="", ttl_seconds=1.0), pickup) is None
+    clock.now += 7
+    assert store.cleanup() == 1
+    # When another call claims the key afresh, then dies
+    second = request_for(make_request, task_id="task-2", fingerprint="fp-2", lease_seconds=1.0)
+    assert store.claim(second).outcome is Outcome.ACQUIRED
+    clock.now += 1 + 5 + 1
+    # Then the guard has nothing of the first call's to publish under its task id
+    assert store.take(second.storage_key) is None
