@@ -101,16 +101,50 @@ def fingerprint(
 
     ``f(1, b=2)``, ``f(a=1, b=2)`` and ``f(1, 2)`` give the same fingerprint.
     """
-    canonical = _CANONICAL.encode([task_name, bind_arguments(signature, args, kwargs)])
+    bound = [task_name, bind_arguments(signature, args, kwargs)]
+    try:
+        canonical = _CANONICAL.encode(bound)
+    except TypeError:
+        # Keys JSON cannot sort together (``{1: "a", "b": 2}``) or hold (a tuple): each key
+        # as the text JSON gives it, which is also what the worker gets after the trip.
+        canonical = _CANONICAL.encode(_with_text_keys(bound))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _with_text_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {_key_text(key): _with_text_keys(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_with_text_keys(item) for item in value]
+    return value
+
+
+def _key_text(key: Any) -> str:
+    """A dict key as JSON writes it (``1`` → ``"1"``, ``None`` → ``"null"``), else its repr."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool | int | float):
+        return json.dumps(key)
+    return repr(key)
+
+
 def _canonical_default(value: Any) -> Any:
-    """JSON stand-in for values JSON cannot hold (tuples are lists already; sets get sorted)."""
+    """JSON stand-in for values JSON cannot hold (tuples are lists already; sets get sorted).
+
+    An object without a ``__repr__`` of its own stands for its type and attributes, not for
+    ``object.__repr__``'s memory address, which differs for equal arguments of each call.
+    """
     if isinstance(value, set | frozenset):
         return sorted(value, key=repr)
     if isinstance(value, bytes):
         return {"__bytes__": value.hex()}
+    kind = type(value)
+    if kind.__repr__ is object.__repr__:  # type: ignore[comparison-overlap]
+        state = getattr(value, "__dict__", None)
+        if state is None:
+            slots = [name for cls in kind.__mro__ for name in getattr(cls, "__slots__", ())]
+            state = {name: getattr(value, name, None) for name in slots}
+        return {"__object__": f"{kind.__module__}.{kind.__qualname__}", "state": state}
     return {"__repr__": repr(value)}
 
 

@@ -85,6 +85,36 @@ def test_fingerprint_of_values_json_cannot_hold_is_stable() -> None:
     assert fingerprint("t", None, call, {}) == fingerprint("t", None, ({3, 2, 1}, b"\x00"), {})
 
 
+class Plain:
+    """An object without a __repr__ of its own (pickle-serialized tasks carry such)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class Slotted:
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_fingerprint_of_objects_without_a_repr_of_their_own_is_their_state() -> None:
+    assert fingerprint("t", None, (Plain(1),), {}) == fingerprint("t", None, (Plain(1),), {})
+    assert fingerprint("t", None, (Plain(1),), {}) != fingerprint("t", None, (Plain(2),), {})
+    assert fingerprint("t", None, (Slotted(1),), {}) == fingerprint("t", None, (Slotted(1),), {})
+    assert fingerprint("t", None, (Slotted(1),), {}) != fingerprint("t", None, (Slotted(2),), {})
+
+
+def test_fingerprint_of_dicts_whose_keys_json_cannot_sort_or_hold() -> None:
+    mixed = fingerprint("t", None, ({1: "a", "b": 2, None: 3},), {})
+    # As the worker gets them back from JSON: every key text
+    assert mixed == fingerprint("t", None, ({"1": "a", "b": 2, "null": 3},), {})
+    assert fingerprint("t", None, ({(1, 2): "x"},), {}) != fingerprint(
+        "t", None, ({(1, 3): "x"},), {}
+    )
+
+
 def test_short_keys_are_stored_readably_and_scoped_by_task() -> None:
     assert storage_key("shop.charge", "order-42") == "shop.charge:order-42"
     assert storage_key("shop.refund", "order-42") != storage_key("shop.charge", "order-42")
