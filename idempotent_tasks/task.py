@@ -289,9 +289,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # called again, corrected): its row records the failure, or it stays retrying.
                 self.on_final_failure(mismatch, key, args, kwargs)
             raise mismatch
-        signals.duplicate_suppressed.send(
-            task_name=self.name, where="worker", outcome=claim.outcome
-        )
+        if not request_header(request, WAITS_HEADER):  # once per duplicate, not per look
+            signals.duplicate_suppressed.send(
+                task_name=self.name, where="worker", outcome=claim.outcome
+            )
         if claim.outcome is Outcome.COMPLETED:
             value = attempt.cached_value(record)
             if is_replaced(value):

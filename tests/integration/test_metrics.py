@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,12 @@ def fails() -> None:
     raise RuntimeError("fails for good")
 
 
+@app.task(base=IdempotentTask, name="metrics.slow", shared=False)
+def slow(order_id: int) -> int:
+    time.sleep(1.5)
+    return order_id
+
+
 @pytest.fixture(scope="module")
 def registry() -> Iterator[CollectorRegistry]:
     registry = CollectorRegistry()
@@ -76,6 +83,22 @@ def test_claims_and_duplicates_are_counted_after_a_run(registry: CollectorRegist
         value(registry, "idempotent_tasks_duplicates_suppressed_total", task=task, where="publish")
         == 1
     )
+
+
+def test_a_duplicate_waiting_for_its_owner_is_counted_once(registry: CollectorRegistry) -> None:
+    # Given a duplicate that reaches the worker while its owner runs, and waits for it
+    owner = app.send_task("metrics.slow", (8,), headers={"idempotency_key": "order-8"})
+    time.sleep(0.3)
+    duplicate = app.send_task("metrics.slow", (8,), headers={"idempotency_key": "order-8"})
+    assert owner.get(timeout=10) == duplicate.get(timeout=10) == 8
+    # Then it counts as one duplicate suppressed, however often it looked at the key
+    suppressed = value(
+        registry,
+        "idempotent_tasks_duplicates_suppressed_total",
+        task="metrics.slow",
+        where="worker",
+    )
+    assert suppressed == 1
 
 
 def test_result_not_cached_is_counted(registry: CollectorRegistry) -> None:
