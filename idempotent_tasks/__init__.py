@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import metrics  # noqa: F401  (its in-process counters listen from the first call)
 from .errors import (
     CorruptRecord,
     DeadLettered,
