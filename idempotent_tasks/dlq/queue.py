@@ -262,11 +262,17 @@ class DeadLetterQueue:
         return bool(result.rowcount)
 
     def purge(
-        self, status: str | DeadLetterStatus | None = None, older_than: timedelta | None = None
+        self,
+        status: str | DeadLetterStatus | None = None,
+        older_than: timedelta | float | datetime | None = None,
     ) -> int:
-        """Delete items of ``status`` and/or not updated for ``older_than``; how many."""
+        """Delete items of ``status`` and/or not updated for ``older_than``; how many.
+
+        ``older_than`` is an age (a ``timedelta``, or seconds), or a moment (a ``datetime``;
+        naive ones are UTC): items last updated before it go. Neither given: every item goes.
+        """
         status_value = DeadLetterStatus(status).value if status is not None else None
-        cutoff = self._db(self._clock() - older_than) if older_than is not None else None
+        cutoff = self._db(self._cutoff(older_than)) if older_than is not None else None
         with self._begin() as connection:
             result = connection.execute(queries.purge(status_value, cutoff))
         return int(result.rowcount)
@@ -280,6 +286,21 @@ class DeadLetterQueue:
         self.engine.dispose()
 
     # -- plumbing -----------------------------------------------------------------------------
+
+    def _cutoff(self, older_than: timedelta | float | datetime) -> datetime:
+        """The moment ``purge``'s ``older_than`` names."""
+        if isinstance(older_than, datetime):
+            if older_than.tzinfo is None:
+                return older_than.replace(tzinfo=timezone.utc)
+            return older_than.astimezone(timezone.utc)
+        if isinstance(older_than, bool) or not isinstance(older_than, timedelta | int | float):
+            raise TypeError(
+                f"older_than must be a timedelta, seconds or a datetime, not {older_than!r}"
+            )
+        age = older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
+        if age < timedelta(0):
+            raise ValueError(f"older_than must not be negative, not {older_than!r}")
+        return self._clock() - age
 
     def _db(self, moment: datetime) -> datetime:
         return to_db_time(self.engine, moment)

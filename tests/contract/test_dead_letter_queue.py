@@ -811,6 +811,27 @@ def test_purge_by_status_and_age(dlq: DeadLetterQueue, clock: Clock) -> None:
     assert dlq.stats()["total"] == 1
 
 
+def test_purge_takes_an_age_in_seconds_or_a_moment(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # Given items updated two hours, an hour and a half, and no time ago
+    oldest = _add_at(dlq, clock, T0)
+    older = _add_at(dlq, clock, T0 + timedelta(minutes=30))
+    clock.now = T0 + timedelta(hours=2)
+    fresh = dlq.add(_failure())
+    # When purging by a number of seconds, then that is the age
+    assert dlq.purge(older_than=3 * 3600) == 0
+    assert dlq.purge(older_than=100 * 60.0) == 1
+    assert dlq.get(oldest.id) is None and dlq.get(older.id) is not None
+    # When purging by a moment (naive: UTC), then items updated before it go
+    assert dlq.purge(older_than=(T0 + timedelta(hours=1)).replace(tzinfo=None)) == 1
+    assert [item.id for item in dlq.items()] == [fresh.id]
+    # And what is neither is refused, deleting nothing
+    with pytest.raises(TypeError, match="older_than"):
+        dlq.purge(older_than="1h")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative"):
+        dlq.purge(older_than=-1)
+    assert dlq.stats()["total"] == 1
+
+
 # -- several processes --------------------------------------------------------------------------
 
 
