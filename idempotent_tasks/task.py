@@ -48,6 +48,7 @@ from .errors import (
     CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
+    IdempotencyError,
     IdempotencyKeyMismatch,
     SchemaVersionError,
     StoreUnavailable,
@@ -349,7 +350,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         elif attempt.side_write_refused:
             # Redis will not take it (a cluster proxy, an ACL): Celery writes, from now on.
             self.__dict__["_completion_writes_result"] = False
-        if attempt.superseded:
+        if attempt.superseded and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
             self._republish_self(
@@ -588,6 +589,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
         if dead_letter_id is None or mark_succeeded(self.app, dead_letter_id):
             return
+        if self.request.is_eager:
+            return  # nothing to send a copy to: the row's retrying timeout brings it back
         # Left `retrying`, the row would come back after its timeout and run a call without a
         # key again: a quiet copy of the message marks it later, running no body.
         delay = float(app_setting(self.app.conf, "idempotency_dlq_write_retry_delay"))
@@ -635,6 +638,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         already, with ``Ignore``, and the message published with ``ignore_result``: neither
         run stores any state over that failure (RETRY, STARTED).
         """
+        if self.request.is_eager:
+            # Task.apply would run a Retry's copy again at once, in this very call, and send
+            # one copy to the broker per round: an eager call ends with the error instead.
+            raise (
+                exc
+                if exc is not None
+                else IdempotencyError(
+                    f"{self.name} cannot wait for another execution when called eagerly"
+                )
+            )
         if quiet:
             signature = self._quiet_copy(countdown, headers or {})
         else:
