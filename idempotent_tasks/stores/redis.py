@@ -275,8 +275,8 @@ class RedisStore:
         return _address(self.client) == _address(client)
 
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
-        record, _, index = self.names(request.storage_key)
-        keys = [record, index]
+        record, fence, index = self.names(request.storage_key)
+        keys = [record, index, fence]
         args: list[Any] = [request.owner, token]
         if pickup is None:
             args += ["", "", "", "", "", ""]

@@ -196,6 +196,21 @@ def test_release_frees_the_key_and_tokens_keep_growing(store: Store, make_reques
     assert again.token == token + 1
 
 
+def test_tokens_keep_growing_past_a_retry_whose_queued_record_outlives_the_claim(
+    store: Store, make_request: Make
+) -> None:
+    # Given a short claim released for a retry due well after the claim would have ended
+    first = make_request(lease_seconds=0.1, ttl_seconds=0.1)
+    token = store.claim(first).token
+    pickup = Pickup(envelope=b"{}", due_in=5.0, timeout=5.0)
+    assert store.release(first, token, pickup) is True
+    time.sleep(1.5)
+    # When the retry claims the key, then its token is still the next one
+    again = store.claim(first)
+    assert again.outcome is Outcome.ACQUIRED
+    assert again.token == token + 1
+
+
 def test_release_by_a_stranger_is_refused(store: Store, make_request: Make) -> None:
     owner = make_request()
     token = store.claim(owner).token

@@ -1,6 +1,7 @@
 -- Give up a processing claim, only if this owner still holds it with this token: delete it,
 -- or, when a pickup is given (a retry is being published), make the key queued for it.
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
+-- KEYS[3]  fencing counter (kept at least as long as the queued record, so tokens only grow)
 -- ARGV[1]  owner id          ARGV[2]  fencing token
 -- ARGV[3]  due in, ms ("" for no pickup)    ARGV[4]  re-publication timeout, ms
 -- ARGV[5]  ttl, ms           ARGV[6]  envelope    ARGV[7]  task id    ARGV[8]  storage key
@@ -23,5 +24,9 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', ARGV[7],
   'lease_expires_at', due_at, 'updated_at', int(now), 'expires_at', int(now + due_in + ttl),
   'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', '0', 'due_at', due_at)
 redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
+local fence_ttl = redis.call('PTTL', KEYS[3])
+if fence_ttl >= 0 and fence_ttl < due_in + ttl + 1000 then
+  redis.call('PEXPIRE', KEYS[3], int(due_in + ttl + 1000))
+end
 redis.call('ZADD', KEYS[2], due_at, ARGV[8])
 return 1
