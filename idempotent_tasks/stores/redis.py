@@ -177,6 +177,10 @@ class RedisStore:
                 # One unreadable key must not stop the sweep for every other one.
                 logger.warning("skipping key %r in the sweep: %s", storage_key, exc)
                 continue
+            except StoreUnavailable:
+                if not taken:
+                    raise
+                break  # those taken already are moved on: they must go out
             if due is not None:
                 taken.append(due)
                 if len(taken) == limit:

@@ -187,6 +187,10 @@ class SqlStore:
                     # One unreadable row must not stop the sweep for every other key.
                     logger.error("skipping the unreadable pickup of %r: %s", row["id"], exc)
                     continue
+                except StoreUnavailable:
+                    if not taken:
+                        raise
+                    return taken  # those taken already are moved on: they must go out
                 if due is not None:
                     taken.append(due)
             if len(rows) < wanted:

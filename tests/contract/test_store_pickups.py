@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
+from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.records import (
     ClaimRequest,
     CompleteOutcome,
@@ -404,6 +405,34 @@ def test_take_due_respects_its_limit(store: Store, make_request: Make) -> None:
     assert [len(batch) for batch in batches] == [2, 2, 1, 0]
     taken = [key for batch in batches for key in batch]
     assert sorted(taken) == sorted(f"tasks.charge:{name}" for name in names)
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
+def test_take_due_hands_out_what_it_took_when_the_store_fails_half_way(
+    kind: str, request: pytest.FixtureRequest, make_request: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two due keys, and a store that goes away after the first is taken
+    store = open_store(kind, store_url(kind, request))
+    try:
+        for name in ("k1", "k2"):
+            store.reserve(request_for(make_request, name), make_pickup(due_in=0.0))
+        time.sleep(0.05)
+        take_one = "take" if kind == "redis" else "_take"
+        original, calls = getattr(store, take_one), []
+
+        def then_fail(*args: object) -> object:
+            calls.append(args)
+            if len(calls) > 1:
+                raise StoreUnavailable("gone")
+            return original(*args)
+
+        monkeypatch.setattr(store, take_one, then_fail)
+        # When the sweep takes them, then the key already taken (moved on to its next due
+        # time) is handed out, to be published, not dropped until that time
+        assert len(store.take_due(10)) == 1
+        monkeypatch.undo()
+    finally:
+        store.close()
 
 
 def test_claimed_keys_do_not_hide_due_ones_for_good(store: Store, make_request: Make) -> None:
