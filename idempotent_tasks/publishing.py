@@ -124,7 +124,10 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
 
     Leases are judged by the store's clock, which wrote them, not by this host's.
     """
-    if task.idempotency_validate and record.fingerprint != request.fingerprint:
+    # A record of this very task id is this call (a replacement, a retry with other
+    # arguments): no mismatch, as the stores judge it.
+    same_call = record.task_id == request.task_id
+    if task.idempotency_validate and record.fingerprint != request.fingerprint and not same_call:
         raise IdempotencyKeyMismatch(
             request.key, task.name, record.fingerprint, request.fingerprint
         )

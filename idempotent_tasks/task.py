@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import time
 import warnings
 from functools import cached_property
 from traceback import format_exception
@@ -56,7 +57,7 @@ from .errors import (
 from .keys import MAX_TASK_ID_CHARS, KeySource, check_task_id, derive_key, fingerprint, storage_key
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
-from .replacements import REPLACED, is_replaced
+from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
 from .settings import app_setting, resolve
 from .worker_request import (
     ISSUED_BY,
@@ -297,10 +298,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if claim.outcome is Outcome.COMPLETED:
             value = attempt.cached_value(record)
             if is_replaced(value):
-                replacement = self.AsyncResult(record.task_id)
-                if not replacement.ready():
-                    return self._on_in_progress(key, record)  # its replacement still runs
-                value = replacement.get(disable_sync_subtasks=False)  # ready: no waiting
+                value = self._replacement_value(record, attempt.request.lease_seconds)
             self._dead_letter_succeeded()
             return value
         return self._on_in_progress(key, record)
@@ -331,6 +329,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if getattr(self.request, "idempotency_replaced", False):
                 # Its work is done and its replacement sent: the key stays done.
                 attempt.finish(REPLACED, attempt.request.lease_seconds)
+                self._dead_letter_succeeded()
             else:
                 attempt.release_quietly()
             raise
@@ -350,7 +349,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         elif attempt.side_write_refused:
             # Redis will not take it (a cluster proxy, an ACL): Celery writes, from now on.
             self.__dict__["_completion_writes_result"] = False
-        if attempt.superseded and not self.request.is_eager:
+        if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
             self._republish_self(
@@ -363,10 +362,32 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Celery's replacement of this call by ``sig``, under its task id.
 
         A keyed call's key then counts as completed: its body does not run again, and its
-        duplicates are answered with the replacement's result.
+        duplicates are answered with the replacement's result. A call replaced by its own task
+        (a polling loop) releases its key instead, for the replacement to claim.
         """
-        self.request.idempotency_replaced = True
+        self.request.idempotency_replaced = getattr(sig, "task", None) != self.name
         return super().on_replace(sig)
+
+    def _replacement_value(self, record: Record, lease_seconds: float) -> Any:
+        """A duplicate's answer for a key whose call replaced itself: the replacement's result
+        from Celery's backend, waited for (re-published with a growing countdown) for at most
+        the lease; ``None`` when the backend cannot tell (none, ``rpc://``, unreachable) or
+        the result does not come (a replacement with ``ignore_result``)."""
+        replacement = self.AsyncResult(record.task_id)
+        try:
+            ready = replacement.ready()
+        except Exception as exc:  # no backend (it raises AttributeError), rpc://, unreachable
+            logger.warning("the replacement's result of %s cannot be read: %s", record.task_id, exc)
+            return None
+        if ready:  # the replacement's value, or its error (as its own caller gets it)
+            return replacement.get(disable_sync_subtasks=False, propagate=True)
+        waits = int(request_header(self.request, WAITS_HEADER) or 0)
+        since = float(request_header(self.request, WAIT_SINCE_HEADER) or time.time())
+        if time.time() - since > lease_seconds or self.request.is_eager:
+            logger.warning("no result from the replacement of %s; answering None", record.task_id)
+            return None
+        delay = min(defaults.WAIT_INITIAL_DELAY * 2.0 ** min(waits, 32), defaults.WAIT_MAX_DELAY)
+        self._republish_self(delay, None, {WAITS_HEADER: waits + 1, WAIT_SINCE_HEADER: since})
 
     def retry(
         self,

@@ -160,6 +160,28 @@ def test_a_call_that_replaced_itself_keeps_its_key_and_duplicates_get_the_replac
     assert ledger_events(name, "start") == 1
 
 
+def test_a_duplicate_of_a_call_whose_replacement_still_runs_waits_for_its_value() -> None:
+    # Given a keyed call that replaced itself with a task still running
+    name, key = fresh("replacing"), fresh("key")
+    first = worker_app.replaces_itself.apply_async((name, 2.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 30, "the call's start")
+    time.sleep(0.5)
+    # When a duplicate reaches a worker meanwhile, then it waits for the replacement's value
+    sent = worker_app.app.send_task(
+        worker_app.replaces_itself.name, (name, 2.0), headers={"idempotency_key": key}
+    )
+    assert sent.get(timeout=30) == first.get(timeout=30) == len(name)
+    assert ledger_events(name, "start") == 1
+
+
+def test_a_task_that_replaces_itself_under_its_own_key_runs_each_replacement() -> None:
+    # A polling loop: each replacement is the same task, its key derived the same
+    name = fresh("countdown")
+    result = worker_app.counts_down.apply_async((name, 2))
+    assert result.get(timeout=30) == name
+    assert ledger_events(name, "start") == 3
+
+
 def test_a_linked_call_of_a_key_in_progress_waits_for_the_owner_then_runs_its_link() -> None:
     order, key = fresh("order"), fresh("key")
     owner = charge.apply_async((order, 10), {"sleep": 2.0}, idempotency_key=key)

@@ -271,10 +271,26 @@ def replaced_by_ledgered(self: Any, name: str, key: str) -> None:
 
 
 @app.task(base=IdempotentTask, bind=True)
-def replaces_itself(self: Any, name: str) -> None:
-    """Does its work, then hands over to ``plain(len(name))`` (Celery's ``Task.replace``)."""
+def replaces_itself(self: Any, name: str, sleep: float = 0.0) -> None:
+    """Does its work, then hands over to a plain task that sleeps ``sleep`` s and returns
+    ``len(name)`` (Celery's ``Task.replace``)."""
     note("start", name)
-    raise self.replace(plain.si(len(name)))
+    raise self.replace(slept.si(len(name), sleep))
+
+
+@app.task
+def slept(x: int, sleep: float) -> int:
+    time.sleep(sleep)
+    return x
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_key="countdown:{name}")
+def counts_down(self: Any, name: str, left: int) -> str:
+    """Replaces itself with itself, ``left`` times (a polling loop), under one derived key."""
+    note("start", name)
+    if left > 0:
+        raise self.replace(counts_down.si(name, left - 1))
+    return name
 
 
 @app.task

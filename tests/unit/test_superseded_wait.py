@@ -3,6 +3,7 @@ the task's ``on_duplicate``: it is no duplicate caller, and its body succeeded."
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -11,7 +12,14 @@ from celery.exceptions import Ignore, Retry
 
 from idempotent_tasks import IdempotencyConflict, IdempotentTask
 from idempotent_tasks.app_store import store_for
-from idempotent_tasks.task import _REPUBLISH, KEY_HEADER, PREVIOUS_OWNER_HEADER, SUPERSEDED_HEADER
+from idempotent_tasks.replacements import REPLACED, WAIT_SINCE_HEADER
+from idempotent_tasks.task import (
+    _REPUBLISH,
+    KEY_HEADER,
+    PREVIOUS_OWNER_HEADER,
+    SUPERSEDED_HEADER,
+    WAITS_HEADER,
+)
 
 
 @pytest.fixture()
@@ -73,3 +81,36 @@ def test_a_retry_whose_key_another_call_took_meanwhile_waits_whatever_on_duplica
         _deliver(charge, "key-2", {PREVIOUS_OWNER_HEADER: "first-owner"})
     # And keeps waiting on its next delivery
     assert waited.value.sig.options[_REPUBLISH][SUPERSEDED_HEADER] is True
+
+
+def _replaced_key(task: Any, key: str) -> None:
+    """Make ``key`` completed by a call that replaced itself (its task id ``replaced-call``)."""
+    call = task._claim_request(key, ("k",), {}, "replaced-call", owner="replaced")
+    store = store_for(task.app)
+    token = store.claim(call).token
+    encoded, _ = task._codec.encode(REPLACED)
+    assert store.complete(call, token, encoded).value == "stored"
+
+
+@pytest.mark.parametrize("backend", [None, "cache+memory://"])
+def test_a_duplicate_of_a_replaced_call_waits_at_most_its_lease_for_the_result(
+    backend: str | None,
+) -> None:
+    app = Celery("replaced", set_as_current=False, broker="memory://", backend=backend)
+    app.conf.update(idempotency_store_url="memory://", idempotency_lease=60)
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    _replaced_key(charge, "key-3")
+    if backend is None:
+        # No result backend to read the replacement's result from: answered with None
+        assert _deliver(charge, "key-3", {}) is None
+        return
+    # The replacement's result not there yet: it waits (a Retry, a growing countdown) ...
+    with pytest.raises(Retry) as waited:
+        _deliver(charge, "key-3", {})
+    assert waited.value.sig.options[_REPUBLISH][WAITS_HEADER] == 1
+    # ... but not past the lease: then it is answered with None, rather than wait for ever
+    assert _deliver(charge, "key-3", {WAIT_SINCE_HEADER: time.time() - 61}) is None
