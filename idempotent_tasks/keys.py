@@ -101,14 +101,23 @@ def fingerprint(
 
     ``f(1, b=2)``, ``f(a=1, b=2)`` and ``f(1, 2)`` give the same fingerprint.
     """
-    bound = [task_name, bind_arguments(signature, args, kwargs)]
+    arguments = bind_arguments(signature, args, kwargs)
     try:
-        canonical = _CANONICAL.encode(bound)
-    except TypeError:
-        # Keys JSON cannot sort together (``{1: "a", "b": 2}``) or hold (a tuple): each key
-        # as the text JSON gives it, which is also what the worker gets after the trip.
-        canonical = _CANONICAL.encode(_with_text_keys(bound))
+        # Dict keys as the text JSON gives them, which is what the worker gets after the trip:
+        # ``{2: "a", 10: "b"}`` then sorts as the worker's ``{"2": "a", "10": "b"}`` does.
+        canonical = _CANONICAL.encode([task_name, _with_text_keys(arguments)])
+    except (TypeError, ValueError, RecursionError):
+        # What the stand-ins cannot encode (an object graph with a cycle, or too deep): its
+        # repr, stable enough for the values that reach here.
+        canonical = _CANONICAL.encode([task_name, {"__repr__": _repr(arguments)}])
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
 
 
 def _with_text_keys(value: Any) -> Any:
@@ -142,10 +151,20 @@ def _canonical_default(value: Any) -> Any:
     if kind.__repr__ is object.__repr__:  # type: ignore[comparison-overlap]
         state = getattr(value, "__dict__", None)
         if state is None:
-            slots = [name for cls in kind.__mro__ for name in getattr(cls, "__slots__", ())]
-            state = {name: getattr(value, name, None) for name in slots}
+            state = {name: getattr(value, name, None) for name in _slot_names(kind)}
         return {"__object__": f"{kind.__module__}.{kind.__qualname__}", "state": state}
     return {"__repr__": repr(value)}
+
+
+def _slot_names(kind: type) -> list[str]:
+    """The data slots of a class and its bases (``__slots__`` may be one string)."""
+    names: list[str] = []
+    for cls in kind.__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__weakref__", "__dict__"):
+                names.append(name)
+    return names
 
 
 # Built once: json.dumps with options builds an encoder per call, which costs about as much as

@@ -115,6 +115,39 @@ def test_fingerprint_of_dicts_whose_keys_json_cannot_sort_or_hold() -> None:
     )
 
 
+class Node:
+    """Objects that point at each other (a parent and its children)."""
+
+    def __init__(self) -> None:
+        self.children: list[Node] = []
+        self.parent: Node | None = None
+
+
+class OneSlot:
+    __slots__ = "value"
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_fingerprint_never_fails_on_arguments_pickle_carries() -> None:
+    parent, child = Node(), Node()
+    parent.children.append(child)
+    child.parent = parent
+    assert len(fingerprint("t", None, (parent,), {})) == 64
+    deep: list[Any] = []
+    for _ in range(5000):
+        deep = [deep]
+    assert len(fingerprint("t", None, (deep,), {})) == 64
+    assert fingerprint("t", None, (OneSlot(1),), {}) != fingerprint("t", None, (OneSlot(2),), {})
+
+
+def test_fingerprint_sorts_int_keys_as_the_worker_gets_them_back_from_json() -> None:
+    assert fingerprint("t", None, ({2: "a", 10: "b"},), {}) == fingerprint(
+        "t", None, ({"2": "a", "10": "b"},), {}
+    )
+
+
 def test_short_keys_are_stored_readably_and_scoped_by_task() -> None:
     assert storage_key("shop.charge", "order-42") == "shop.charge:order-42"
     assert storage_key("shop.refund", "order-42") != storage_key("shop.charge", "order-42")
