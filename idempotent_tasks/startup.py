@@ -27,15 +27,22 @@ def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
         return
-    checks: dict[str, Callable[[], None]] = {"dead-letter database": dlq_for(app).ensure_schema}
-    store_check = getattr(store_for(app), "ensure_schema", None)
+    dlq, store = dlq_for(app), store_for(app)
+    checks: dict[str, Callable[[], None]] = {"dead-letter database": dlq.ensure_schema}
+    store_check = getattr(store, "ensure_schema", None)
     if store_check is not None:
         checks["claim store"] = store_check
-    for what, check in checks.items():
-        try:
-            check()
-        except SchemaVersionError as exc:
-            logger.critical("worker refuses to start: %s", exc)
-            raise SystemExit(f"idempotent_tasks: {exc}") from exc
-        except StoreUnavailable as exc:
-            logger.warning("%s not reachable as the worker starts: %s", what, exc)
+    try:
+        for what, check in checks.items():
+            try:
+                check()
+            except SchemaVersionError as exc:
+                logger.critical("worker refuses to start: %s", exc)
+                raise SystemExit(f"idempotent_tasks: {exc}") from exc
+            except StoreUnavailable as exc:
+                logger.warning("%s not reachable as the worker starts: %s", what, exc)
+    finally:
+        # No pooled connection is left for the pool processes forked next to inherit.
+        dlq.dispose()
+        if store_check is not None:
+            store.close()

@@ -587,6 +587,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             write_failure(self.app, failure, dead_letter_id, sweep_id)
         except (StoreUnavailable, SchemaVersionError) as exc:
+            if self.request.is_eager:
+                # Nothing to send a copy to: the eager caller gets the task's own error.
+                logger.error("could not write its dead letter: %s", exc)
+                return
             delay = float(app_setting(self.app.conf, "idempotency_dlq_write_retry_delay"))
             logger.error(
                 "could not write its dead letter (%s); will write it in %ss",

@@ -71,7 +71,7 @@ from .sql_statements import (
     bump_pickup,
     delete_claim,
     delete_expired,
-    delete_expired_pickups,
+    delete_orphan_pickups,
     delete_pickup,
     delete_pickup_if_unchanged,
     forget_claim,
@@ -407,8 +407,9 @@ class SqlStore:
         how many rows."""
         before = self._clock() - older_than
         with self._begin() as connection:
-            connection.execute(delete_expired_pickups(before))
-            return _count(connection, delete_expired(before))
+            deleted = _count(connection, delete_expired(before))
+            connection.execute(delete_orphan_pickups(before))
+            return deleted
 
     def _replaced(self, swap: Update, claim_id: str, *, ended: bool) -> bool:
         """Run a claim's compare-and-set; whether it wrote. A row it replaced that had ended

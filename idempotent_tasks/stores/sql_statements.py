@@ -93,10 +93,14 @@ def delete_expired(before: float) -> Delete:
     return delete(claims).where(claims.c.expires_at < before)
 
 
-def delete_expired_pickups(before: float) -> Delete:
-    """Delete the pickups of rows whose expiry passed before ``before``."""
-    expired = select(claims.c.id).where(claims.c.expires_at < before)
-    return delete(pickups).where(pickups.c.id.in_(expired))
+def delete_orphan_pickups(before: float) -> Delete:
+    """Delete pickups due before ``before`` whose claim row is gone (the cleanup deleted it).
+
+    The due time is checked on the pickup row itself, so a reservation that writes the row
+    anew meanwhile (due later) is never deleted by a statement that read the claims before.
+    """
+    claimed = select(claims.c.id).where(claims.c.id == pickups.c.id).exists()
+    return delete(pickups).where((pickups.c.due_at < before) & ~claimed)
 
 
 def _live_queued(claim_id: str, task_id: str, now: float) -> Any:

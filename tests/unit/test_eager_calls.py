@@ -51,3 +51,24 @@ def test_an_eager_call_meeting_a_store_down_fails_and_publishes_nothing(
     assert isinstance(result.result, StoreUnavailable)
     assert runs == []
     assert published == []
+
+
+def test_an_eager_call_failing_while_the_dead_letter_database_is_down_raises_its_own_error(
+    tmp_path: Any, published: list[Any]
+) -> None:
+    app = Celery("eager-dlq", set_as_current=False, broker="memory://")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        result_backend="cache+memory://",
+        # A directory where the SQLite file should be: the database cannot be opened
+        idempotency_dlq_url=f"sqlite:///{tmp_path}",
+    )
+
+    @app.task(base=IdempotentTask, shared=False)
+    def declines(order: str) -> None:
+        raise LookupError(f"{order} declined")
+
+    result = declines.apply(("o-2",), headers={KEY_HEADER: "k"})
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, LookupError)
+    assert published == []
