@@ -218,8 +218,9 @@ def republish_taken(
 def hand_to_guard(
     store: Any, storage_key: str, task_id: str, republished: int | None = None
 ) -> None:
-    """Make the queued key of a message the broker could not take due at once, for the guard
-    to publish as soon as it can (``republished``: the count of re-publications to set back,
+    """Make the queued key of a message the broker could not take (or a dead owner's key whose
+    lost message it could not take again) due at once, for the guard to publish as soon as it
+    can (``republished``: the count of re-publications to set back,
     for a take whose publish failed); a store error is logged (it is then due after its
     backoff)."""
     try:

@@ -48,8 +48,10 @@ class Store(Protocol):
         """Make the ``queued`` record of ``task_id`` due at once: its message could not be
         published (the broker was unreachable), and the pickup guard publishes it when it next
         looks (a sweep, or a publish of the key). ``republished``, when given, sets the count
-        of re-publications back (a take whose publish failed does not count). Whether there
-        was one with a pickup."""
+        of re-publications back (a take whose publish failed does not count). A ``processing``
+        record of ``task_id`` whose lease ended (a dead owner's key, taken for its lost
+        message) has its pickup made due; one whose owner is alive is left alone. Whether
+        there was one with a pickup."""
         ...
 
     def take_due(self, limit: int) -> list[DuePickup]:

@@ -74,13 +74,14 @@ class MemoryStore:
             now = self._clock()
             found = self._live(storage_key, now)
             pending = self._pending.get(storage_key)
-            if found is None or found.status is not Status.QUEUED or pending is None:
+            if found is None or pending is None or found.task_id != task_id:
                 return False
-            if found.task_id != task_id:
-                return False
-            self._records[storage_key] = dataclasses.replace(
-                found, lease_expires_at=now, updated_at=now
-            )
+            if found.status is Status.QUEUED:
+                self._records[storage_key] = dataclasses.replace(
+                    found, lease_expires_at=now, updated_at=now
+                )
+            elif found.status is not Status.PROCESSING or found.lease_expires_at > now:
+                return False  # completed, or its owner alive
             pending.due_at = now
             if republished is not None:
                 pending.republished = republished

@@ -80,6 +80,7 @@ from .sql_statements import (
     replace_if_unchanged,
     retime_pickup,
     retime_queued,
+    select_abandoned,
     select_claim,
     select_due,
     select_pickup,
@@ -164,9 +165,15 @@ class SqlStore:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
-            if _count(connection, retime_queued(claim_id, task_id, now, now)) == 0:
+            if _count(connection, retime_queued(claim_id, task_id, now, now)) == 1:
+                mine = retime_pickup(claim_id, now, republished, task_id=task_id)
+            elif connection.execute(select_abandoned(claim_id, task_id, now)).first() is not None:
+                # A dead owner's key: its pickup (of the message it took over) is due; the
+                # owner's lease still decides when the message counts as lost.
+                mine = retime_pickup(claim_id, now, republished)
+            else:
                 return False
-            if _count(connection, retime_pickup(claim_id, task_id, now, republished)) == 0:
+            if _count(connection, mine) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
                 return False
             return True

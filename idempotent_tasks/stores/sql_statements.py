@@ -124,12 +124,25 @@ def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Upd
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
+def select_abandoned(claim_id: str, task_id: str, now: float) -> Select[Any]:
+    """The ``processing`` row of ``task_id`` whose owner's lease ended, if there is one."""
+    return select(claims.c.id).where(
+        (claims.c.id == claim_id)
+        & (claims.c.status == PROCESSING)
+        & (claims.c.task_id == task_id)
+        & (claims.c.lease_expires_at <= now)
+        & (claims.c.expires_at > now)
+    )
+
+
 def retime_pickup(
-    claim_id: str, task_id: str, due_at: float, republished: int | None = None
+    claim_id: str, due_at: float, republished: int | None = None, *, task_id: str | None = None
 ) -> Update:
-    """Move the due time of the pickup row of ``task_id``'s message (and set its count of
-    re-publications, when given)."""
-    mine = (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
+    """Move the due time of a key's pickup row (only that of ``task_id``'s message, when
+    given), and set its count of re-publications, when given."""
+    mine = pickups.c.id == claim_id
+    if task_id is not None:
+        mine = mine & (pickups.c.task_id == task_id)
     values: dict[str, Any] = {"due_at": due_at}
     if republished is not None:
         values["republished"] = republished

@@ -586,6 +586,27 @@ def test_a_claimed_key_is_never_made_due(store: Store, make_request: Make) -> No
     assert store.take_due(10) == []
 
 
+def test_a_dead_owners_key_whose_republish_failed_is_handed_back_at_once(
+    store: Store, make_request: Make
+) -> None:
+    # Given a reserved key claimed by an owner that died, taken by the guard for its message
+    owner = make_request(task_id="task-1", lease_seconds=0.1)
+    assert store.reserve(owner, make_pickup(envelope=b"lost")) is None
+    assert store.claim(owner).outcome is Outcome.ACQUIRED
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    [due] = store.take_due(10)
+    assert (due.task_id, due.republished) == ("task-1", 1)
+    # When its publish fails (the broker unreachable) and it is handed back, count set back
+    assert store.make_reservation_due(owner.storage_key, "task-1", 0) is True
+    # Then the guard takes it again at once, not a backoff later; the owner's claim stays
+    [again] = store.take_due(10)
+    assert (again.task_id, again.envelope, again.republished) == ("task-1", b"lost", 1)
+    record = store.get(owner.storage_key)
+    assert record is not None and record.status is Status.PROCESSING
+    # And another task id cannot do it
+    assert store.make_reservation_due(owner.storage_key, "task-2", 0) is False
+
+
 def test_cancel_reservation_leaves_a_claimed_key_alone(store: Store, make_request: Make) -> None:
     request = make_request(task_id="task-1")
     store.reserve(request, make_pickup())

@@ -1,16 +1,25 @@
 -- Make the queued record reserved for this task id due at once: its message could not be
--- published, and the pickup guard is to publish it when it next looks.
+-- published, and the pickup guard is to publish it when it next looks. A processing record of
+-- this task id (a dead owner's, taken for its lost message) has only its pickup made due: its
+-- owner's lease still decides, in take.lua, when the message counts as lost.
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  task id           ARGV[2]  storage key (index member)
 -- ARGV[3]  count of re-publications to set back to ("" to leave it)
 -- Returns  1 if made due, else 0
-local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope')
-if found[1] ~= 'queued' or found[2] ~= ARGV[1] or not found[3] then
+local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope', 'lease_expires_at')
+if (found[1] ~= 'queued' and found[1] ~= 'processing') or found[2] ~= ARGV[1]
+    or not found[3] then
   return 0
 end
 local clock = redis.call('TIME')
 local now = int(tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000))
-redis.call('HSET', KEYS[1], 'lease_expires_at', now, 'due_at', now, 'updated_at', now)
+if found[1] == 'processing' and (tonumber(found[4]) or 0) > tonumber(now) then
+  return 0  -- its owner is alive
+end
+redis.call('HSET', KEYS[1], 'due_at', now, 'updated_at', now)
+if found[1] == 'queued' then
+  redis.call('HSET', KEYS[1], 'lease_expires_at', now)
+end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'republished', ARGV[3])
 end
