@@ -11,6 +11,11 @@ from .queue import DeadLetterQueue
 logger = logging.getLogger(__name__)
 
 
+class AlreadySucceeded(Exception):
+    """A dead letter whose last retry succeeded, its row left unmarked (the database was down
+    then): the sweep marks it ``succeeded`` rather than send it again."""
+
+
 class CannotResend(Exception):
     """A dead letter that cannot be sent again as it is kept (its arguments are kept only as
     text, say): sending it would run the task with the wrong values."""
@@ -47,6 +52,9 @@ def resend_due(
                 for untried in items[index:]:
                     queue.unclaim(untried.id, delay=retry_delay)
                 return sent
+            except AlreadySucceeded:
+                logger.warning("dead letter %s had succeeded: marked so, not sent again", item.id)
+                queue.mark_succeeded(item.id)
             except CannotResend as exc:
                 logger.error("dead letter %s cannot be sent again: %s", item.id, exc)
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)

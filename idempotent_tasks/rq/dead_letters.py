@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import signals
+from redis import Redis
+
+from .. import defaults, signals
 from ..dlq import DeadLetter, DeadLetterQueue, Failure
 from ..dlq.items import ARGS_LOSSY
 from ..errors import StoreUnavailable
@@ -13,6 +15,9 @@ from .options import FRAMEWORK
 
 logger = logging.getLogger(__name__)
 
+#: How long a success whose row could not be marked is remembered: past the sweep's timeout
+#: for rows stuck ``retrying`` (after which the row would be due again), with a margin.
+UNMARKED_SUCCESS_SECONDS = 2 * defaults.DLQ_RETRYING_TIMEOUT
 #: Bounds of what a dead letter keeps of an error.
 MAX_ERROR_MESSAGE_CHARS = 10_000
 MAX_TRACEBACK_CHARS = 60_000
@@ -58,13 +63,27 @@ def write_failure(
     return item.id
 
 
-def mark_succeeded(queue: DeadLetterQueue, dead_letter_id: str) -> None:
-    """A re-enqueued dead letter succeeded; a database error is only logged (the row returns
-    to ``pending`` after the sweep's timeout, and its key then answers from the cache)."""
+def mark_succeeded(queue: DeadLetterQueue, dead_letter_id: str, connection: Redis) -> None:
+    """A re-enqueued dead letter succeeded: mark its row.
+
+    With the database down, the success is noted in RQ's Redis instead (see
+    :func:`succeeded_unmarked`), for the sweep to mark the row rather than enqueue it again
+    once it is due again (a job without a key would run again).
+    """
     try:
         queue.mark_succeeded(dead_letter_id)
     except StoreUnavailable as exc:
         logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
+        connection.set(_unmarked_name(dead_letter_id), 1, ex=UNMARKED_SUCCESS_SECONDS)
+
+
+def succeeded_unmarked(connection: Redis, dead_letter_id: str) -> bool:
+    """Whether the row's last re-enqueued job succeeded while its mark could not be written."""
+    return bool(connection.exists(_unmarked_name(dead_letter_id)))
+
+
+def _unmarked_name(dead_letter_id: str) -> str:
+    return f"idempotent_tasks:rq:dead_letter_succeeded:{dead_letter_id}"
 
 
 def _log_item(job_id: str, item: DeadLetter) -> None:

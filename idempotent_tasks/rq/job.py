@@ -500,7 +500,8 @@ class IdempotentJob(Job):
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
         dead_letter_id = state.get("dead_letter_id")
         if dead_letter_id:
-            mark_succeeded(dead_letter_queue(state.get("dlq_url")), str(dead_letter_id))
+            queue = dead_letter_queue(state.get("dlq_url"))
+            mark_succeeded(queue, str(dead_letter_id), self.connection)
 
     # -- small things -------------------------------------------------------------------------
 

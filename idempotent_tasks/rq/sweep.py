@@ -36,7 +36,8 @@ from ..dlq import DeadLetter, DeadLetterQueue
 from ..dlq.arguments import restored_arguments
 from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
-from ..dlq.sweep import CannotResend, resend_due
+from ..dlq.sweep import AlreadySucceeded, CannotResend, resend_due
+from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob
 from .options import FRAMEWORK, META_KEY
 from .resources import dlq_url_for
@@ -116,6 +117,8 @@ def _enqueue(
     connection: Redis, item: DeadLetter, dlq_url: str | None, store_url: str | None
 ) -> None:
     """Send a dead letter's job again, under its original id."""
+    if succeeded_unmarked(connection, item.id):
+        raise AlreadySucceeded(item.id)
     original = _failed_original(connection, item.task_id)
     if original is not None:
         state = _fresh_state(original.meta.get(META_KEY))

@@ -23,7 +23,7 @@ from idempotent_tasks.dead_letters import SWEEP_TASK
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
-from idempotent_tasks.rq.dead_letters import row_options
+from idempotent_tasks.rq.dead_letters import mark_succeeded, row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
 from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
@@ -242,3 +242,24 @@ def test_rq_rows_a_down_redis_refuses_are_due_again_later_and_the_sweep_ends(
     assert all(row is not None and row.retry_count == 0 for row in rows)
     # And the row it never took (the batch after the refused one) is still due
     assert len(queue.take_due(framework=RQ_FRAMEWORK)) == 1
+
+
+def test_an_rq_row_whose_retry_succeeded_while_the_database_was_down_is_marked_not_resent(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, tmp_path: Path
+) -> None:
+    # Given an RQ row taken by a sweep, whose re-enqueued job succeeded while the database
+    # was down (its mark not written)
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    queue_name = f"sweep-{uuid.uuid4().hex[:8]}"
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(queue_name)))
+    [taken] = queue.take_due(framework=RQ_FRAMEWORK)
+    down = DeadLetterQueue(f"sqlite:///{tmp_path}")  # a directory: the database cannot open
+    mark_succeeded(down, taken.id, connection)
+    down.dispose()
+    # When the row comes back as stuck in retrying, and the sweep runs
+    assert queue.recover_stuck(timedelta(0)) == 1
+    assert rq_retry_dead_letters(connection, dlq_url) == 0
+    # Then it is marked succeeded, and nothing was enqueued to run again
+    row = queue.get(item.id)
+    assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
+    assert Queue(queue_name, connection=connection).count == 0
