@@ -18,7 +18,7 @@ from . import cli_format, defaults
 from .app_store import dlq_for, store_for, store_url
 from .codec import ResultCodec
 from .dead_letters import SWEEP_TASK
-from .dlq import DeadLetterQueue, DeadLetterStatus
+from .dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
 from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from .keys import storage_key
 from .records import Record, Status
@@ -190,12 +190,14 @@ def dlq_show(ctx: click.Context, item_id: str, as_json: bool) -> None:
 
 @dlq.command(name="retry")
 @click.argument("item_id", metavar="ID")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask before retrying a succeeded item.")
 @click.pass_context
-def dlq_retry(ctx: click.Context, item_id: str) -> None:
+def dlq_retry(ctx: click.Context, item_id: str, yes: bool) -> None:
     """Make a dead letter due now: the next sweep re-publishes its task.
 
     Works on an item of any status but retrying (a sweep has it right now); a
-    permanent_failure or succeeded item becomes pending again.
+    permanent_failure or succeeded item becomes pending again (a succeeded one only once
+    confirmed: its task runs again).
     """
     queue = _queue(ctx)
     with _reaching("dead-letter database", queue.url):
@@ -204,6 +206,12 @@ def dlq_retry(ctx: click.Context, item_id: str) -> None:
             raise click.ClickException(f"no dead letter with id {item_id!r}")
         if item.status is DeadLetterStatus.RETRYING:
             raise click.ClickException(_being_retried(item_id))
+        if item.status is DeadLetterStatus.SUCCEEDED and not yes:
+            click.confirm(
+                f"Dead letter {item.id} ({item.task_name}) succeeded already: retrying it runs "
+                "its task again (a call without a key runs its body again). Retry it?",
+                abort=True,
+            )
         if not queue.retry_now(item_id):
             # Between the read and the write, a sweep took it or someone purged it.
             now = queue.get(item_id)
@@ -213,8 +221,15 @@ def dlq_retry(ctx: click.Context, item_id: str) -> None:
     click.echo(
         f"Dead letter {item.id} ({item.task_name}) is pending and due now "
         f"(was {item.status.value}, retries {item.retry_count}/{item.max_retries}); "
-        f"the next sweep ({SWEEP_TASK}, sent by celery beat) re-publishes it."
+        f"the next sweep ({_sweep_of(item)}) re-publishes it."
     )
+
+
+def _sweep_of(item: DeadLetter) -> str:
+    """Which sweep sends an item again."""
+    if item.framework == "rq":
+        return "idempotent-tasks rq retry-dead-letters"
+    return f"{SWEEP_TASK}, sent by celery beat"
 
 
 def _being_retried(item_id: str) -> str:

@@ -334,6 +334,34 @@ def test_retry_makes_a_given_up_item_pending_and_due_now(
     assert now.next_retry_at <= datetime.now(timezone.utc)
 
 
+def test_retry_of_a_succeeded_item_asks_first_as_its_task_runs_again(
+    run: Run, queue: DeadLetterQueue
+) -> None:
+    # Given an item whose retry succeeded
+    item = queue.add(failure(21))
+    assert queue.retry_now(item.id)
+    [taken] = queue.take_due()
+    queue.mark_succeeded(taken.id)
+
+    declined = run("dlq", "retry", item.id, input="n\n")
+    forced = run("dlq", "retry", item.id, "--yes")
+
+    assert declined.exit_code == 1 and "succeeded already" in declined.output
+    assert "Aborted" in declined.output
+    assert forced.exit_code == 0, forced.output
+    now = queue.get(item.id)
+    assert now is not None and now.status is DeadLetterStatus.PENDING
+
+
+def test_retry_of_an_rq_item_names_the_rq_sweep(run: Run, queue: DeadLetterQueue) -> None:
+    item = queue.add(failure(22, max_retries=0, framework="rq"))
+
+    result = run("dlq", "retry", item.id)
+
+    assert result.exit_code == 0, result.output
+    assert "the next sweep (idempotent-tasks rq retry-dead-letters)" in result.stdout
+
+
 def test_retry_refuses_an_item_a_sweep_is_retrying(
     run: Run, queue: DeadLetterQueue, clock: Clock
 ) -> None:
