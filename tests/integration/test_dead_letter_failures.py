@@ -41,6 +41,15 @@ def _failure(name: str) -> Failure:
     )
 
 
+def _dead_letter_database(name: str) -> str:
+    """A fresh PostgreSQL database holding the dead-letter tables; its URL."""
+    url = fresh_pg_database(name)
+    queue = DeadLetterQueue(url)
+    queue.ensure_schema()
+    queue.dispose()
+    return url
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("database", ["postgresql", "mariadb"])
 def test_four_sweeps_at_once_republish_each_row_exactly_once(
@@ -73,10 +82,7 @@ def test_database_down_at_failure_time_loses_nothing(
     it_env: dict[str, str], worker_app: Any, tmp_path: Path
 ) -> None:
     # Given a dead-letter database that is offline when a task fails for good
-    url = fresh_pg_database("it_dlq_down")
-    queue = DeadLetterQueue(url)
-    queue.ensure_schema()
-    queue.dispose()
+    url = _dead_letter_database("it_dlq_down")
     worker = WorkerProcess("down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
     try:
         set_pg_database_online("it_dlq_down", False)
@@ -143,10 +149,7 @@ def test_a_worker_refuses_to_start_on_a_dead_letter_database_newer_than_its_code
     it_env: dict[str, str], worker_app: Any, tmp_path: Path
 ) -> None:
     # Given a dead-letter database an upgrade moved to a newer schema
-    url = fresh_pg_database("it_dlq_newer")
-    queue = DeadLetterQueue(url)
-    queue.ensure_schema()
-    queue.dispose()
+    url = _dead_letter_database("it_dlq_newer")
     set_schema_version(url, COMPONENT, SCHEMA_VERSION + 1)
     # When a worker starts on it, then it refuses, naming both versions
     with pytest.raises(RuntimeError, match="exited") as refused:
