@@ -141,7 +141,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     _clean_expired_claims(app)
     queue = dlq_for(app)
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
-    recovered = queue.recover_stuck(timedelta(seconds=timeout))
+    recovered = queue.recover_stuck(timedelta(seconds=timeout), framework="celery")
     if recovered:
         logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
     published = resend_due(

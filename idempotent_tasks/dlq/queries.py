@@ -67,11 +67,15 @@ def select_swept(sweep_id: str) -> Select[Any]:
     )
 
 
-def recover_stuck(stuck_before: datetime, now: datetime) -> Update:
-    """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due now."""
+def recover_stuck(stuck_before: datetime, now: datetime, framework: str | None) -> Update:
+    """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due now (only
+    ``framework``'s, when given: each sweep judges its own rows by its own timeout)."""
+    stuck = (dead_letters.c.status == RETRYING) & (dead_letters.c.updated_at < stuck_before)
+    if framework is not None:
+        stuck = stuck & (dead_letters.c.framework == framework)
     return (
         update(dead_letters)
-        .where(dead_letters.c.status == RETRYING, dead_letters.c.updated_at < stuck_before)
+        .where(stuck)
         .values(status=PENDING, next_retry_at=now, sweep_id=None, updated_at=now)
     )
 
@@ -94,11 +98,24 @@ def mark_succeeded(item_id: str, now: datetime) -> Update:
     )
 
 
-def record_retry_failure(item_id: str, values: dict[str, Any]) -> Update:
-    """Write the outcome of a failed re-publication of a ``retrying`` item."""
+def record_retry_failure(
+    item_id: str, values: dict[str, Any], read_sweep_id: str | None, read_retry_count: int
+) -> Update:
+    """Write the outcome of a failed re-publication of a ``retrying`` item, only if it is
+    still as it was read (the same sweep holds it, at the same count)."""
+    same_sweep = (
+        dead_letters.c.sweep_id.is_(None)
+        if read_sweep_id is None
+        else dead_letters.c.sweep_id == read_sweep_id
+    )
     return (
         update(dead_letters)
-        .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
+        .where(
+            dead_letters.c.id == item_id,
+            dead_letters.c.status == RETRYING,
+            same_sweep,
+            dead_letters.c.retry_count == read_retry_count,
+        )
         .values(**values)
     )
 

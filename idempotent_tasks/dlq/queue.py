@@ -155,12 +155,13 @@ class DeadLetterQueue:
             # Another sweep took every row this one picked (SQLite, no row locks): pick again.
         return []
 
-    def recover_stuck(self, timeout: timedelta) -> int:
-        """Return items ``retrying`` for longer than ``timeout`` to ``pending``; how many."""
+    def recover_stuck(self, timeout: timedelta, framework: str | None = None) -> int:
+        """Return items ``retrying`` for longer than ``timeout`` to ``pending`` (only those of
+        ``framework``, when given); how many."""
         now = self._clock()
         with self._begin() as connection:
             result = connection.execute(
-                queries.recover_stuck(self._db(now - timeout), self._db(now))
+                queries.recover_stuck(self._db(now - timeout), self._db(now), framework)
             )
         return int(result.rowcount)
 
@@ -221,7 +222,9 @@ class DeadLetterQueue:
                     if exhausted
                     else self._db(next_retry_at(now, retry_count, self.base_delay, self._rng)),
                 }
-                connection.execute(queries.record_retry_failure(item_id, values))
+                connection.execute(
+                    queries.record_retry_failure(item_id, values, item.sweep_id, item.retry_count)
+                )
             found = connection.execute(queries.select_by_id(item_id)).one()
         return _item(found._mapping)
 

@@ -79,7 +79,9 @@ def retry_dead_letters(
     url = dlq_url_for(dlq_url)
     queue = DeadLetterQueue(url)
     try:
-        recovered = queue.recover_stuck(timedelta(seconds=defaults.DLQ_RETRYING_TIMEOUT))
+        recovered = queue.recover_stuck(
+            timedelta(seconds=defaults.DLQ_RETRYING_TIMEOUT), framework=FRAMEWORK
+        )
         if recovered:
             logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
         return _sweep(connection, queue, url, store_url, batch)

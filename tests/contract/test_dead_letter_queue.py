@@ -728,6 +728,65 @@ def test_recover_stuck_touches_no_other_status(dlq: DeadLetterQueue, clock: Cloc
     }
 
 
+def test_recover_stuck_of_one_framework_leaves_the_others_rows(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a Celery row and an RQ row, both taken by their sweeps long ago
+    celery_row = dlq.add(_failure())
+    rq_row = dlq.add(_failure(framework="rq"))
+    clock.advance(days=1)
+    assert len(dlq.take_due(framework="celery")) == 1
+    assert len(dlq.take_due(framework="rq")) == 1
+    clock.advance(hours=2)
+    # When RQ's sweep recovers its stuck rows, then only its own go back
+    assert dlq.recover_stuck(timedelta(hours=1), framework="rq") == 1
+    celery_now, rq_now = dlq.get(celery_row.id), dlq.get(rq_row.id)
+    assert celery_now is not None and celery_now.status is Statuses.RETRYING
+    assert rq_now is not None and rq_now.status is Statuses.PENDING
+
+
+class _Interleaving(random.Random):
+    """A jitter source that, once ``between`` is set, runs it before its next draw: inside
+    ``record_retry_failure``, between its read of the row and its write."""
+
+    def __init__(self) -> None:
+        super().__init__(SEED)
+        self.between: Callable[[], None] | None = None
+
+    def uniform(self, a: float, b: float) -> float:
+        if self.between is not None:
+            between, self.between = self.between, None
+            between()
+        return super().uniform(a, b)
+
+
+def test_a_stale_retry_failure_report_does_not_overwrite_a_later_sweeps_claim(
+    make_queue: MakeQueue, clock: Clock
+) -> None:
+    # Given a row the first sweep took, whose report of a failed retry is on its way
+    other = make_queue()
+    later_sweep: list[DeadLetter] = []
+
+    def recovered_and_taken_again() -> None:
+        assert other.recover_stuck(timedelta(0)) == 1
+        later_sweep.extend(other.take_due())
+
+    interleaving = _Interleaving()
+    reporting = make_queue(rng=interleaving)
+    item = reporting.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    [first_sweep] = reporting.take_due()
+    clock.advance(seconds=1)
+    interleaving.between = recovered_and_taken_again
+    # When, between its read and its write, the row is recovered and a later sweep takes it
+    reporting.record_retry_failure(item.id, "E", "late", None, first_sweep.sweep_id)
+    # Then the later sweep still holds it, no retry counted
+    [second] = later_sweep
+    row = reporting.get(item.id)
+    assert row is not None
+    assert (row.status, row.sweep_id, row.retry_count) == (Statuses.RETRYING, second.sweep_id, 0)
+
+
 # -- the operator's API -------------------------------------------------------------------------
 
 

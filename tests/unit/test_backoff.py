@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from idempotent_tasks.dlq.backoff import JITTER_FRACTION, next_retry_at, retry_delay
+from idempotent_tasks.dlq.backoff import JITTER_FRACTION, MAX_DELAY, next_retry_at, retry_delay
 
 NOW = datetime(2024, 5, 17, 12, 30, 45, 123456, tzinfo=timezone.utc)
 BASE = 60.0
@@ -86,3 +86,10 @@ def test_one_generator_gives_a_fresh_draw_each_call() -> None:
 def test_without_a_generator_the_delay_is_still_in_bounds() -> None:
     delays = [retry_delay(1, BASE) for _ in range(200)]
     assert all(2 * BASE <= delay <= 2.5 * BASE for delay in delays)
+
+
+@pytest.mark.parametrize("retry_count", [31, 32, 40, 1100, 10**6])
+def test_delay_is_capped_so_high_retry_counts_still_give_a_moment(retry_count: int) -> None:
+    delay = retry_delay(retry_count, BASE, random.Random(1))
+    assert 0 < delay <= MAX_DELAY
+    assert next_retry_at(NOW, retry_count, 3600.0, random.Random(1)) > NOW
