@@ -16,16 +16,20 @@ def stored_arguments(
 
     Values Celery's JSON carries (datetimes, dates, times, decimals, UUIDs, bytes) are kept in
     kombu's typed form and come back as themselves from :func:`restored_arguments`. Anything
-    else (a pickle-serialized task's objects, an RQ job's) is kept as its ``repr``: such a row
-    cannot be retried from the table, only read.
+    else (a pickle-serialized task's objects, an RQ job's, a NaN or an infinity, which
+    database JSON refuses) is kept as its ``repr``: such a row cannot be retried from the
+    table, only read.
     """
     try:
         kept = json.loads(kombu_json.dumps([list(args), dict(kwargs)]))  # type: ignore[no-untyped-call]
+        # Database JSON (PostgreSQL's, MariaDB's check) holds no NaN or Infinity.
+        json.dumps(kept, allow_nan=False)
         return list(kept[0]), dict(kept[1]), True
     except (TypeError, ValueError):
         pass
     try:
-        kept = json.loads(json.dumps([list(args), dict(kwargs)], default=safe_repr))
+        text = json.dumps([list(args), dict(kwargs)], default=safe_repr, allow_nan=False)
+        kept = json.loads(text)
         return list(kept[0]), dict(kept[1]), False
     except (TypeError, ValueError):
         # Keys JSON cannot have (a tuple), or a value that holds itself: each argument whole.

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -103,9 +103,9 @@ class DeadLetterQueue:
             "args": list(failure.args),
             "kwargs": dict(failure.kwargs),
             "options": options,
-            "error_type": failure.error_type,
-            "error_message": failure.error_message,
-            "traceback": failure.traceback,
+            "error_type": _storable(failure.error_type),
+            "error_message": _storable(failure.error_message),
+            "traceback": _storable(failure.traceback),
             "retry_count": 0,
             "max_retries": failure.max_retries,
             # With no retries allowed, a dead letter is kept but never retried by itself.
@@ -208,9 +208,9 @@ class DeadLetterQueue:
                 exhausted = retry_count >= item.max_retries
                 values: dict[str, Any] = {
                     "retry_count": retry_count,
-                    "error_type": error_type,
-                    "error_message": error_message,
-                    "traceback": traceback,
+                    "error_type": _storable(error_type),
+                    "error_message": _storable(error_message),
+                    "traceback": _storable(traceback),
                     "sweep_id": None,
                     "updated_at": self._db(now),
                     "status": (
@@ -335,6 +335,16 @@ class DeadLetterQueue:
                 migrations=DEAD_LETTER_MIGRATIONS,
             )
             self._schema_ready = True
+
+
+@overload
+def _storable(text: str) -> str: ...
+@overload
+def _storable(text: None) -> None: ...
+def _storable(text: str | None) -> str | None:
+    """Text every database takes: PostgreSQL refuses NUL in text columns (a ``DataError`` that
+    no later try would get past), so it is written out as ``\\x00``."""
+    return None if text is None else text.replace("\x00", "\\x00")
 
 
 def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> str:

@@ -728,6 +728,26 @@ def test_recover_stuck_touches_no_other_status(dlq: DeadLetterQueue, clock: Cloc
     }
 
 
+def test_text_with_nul_characters_is_stored(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # PostgreSQL refuses NUL in text columns: a row it refused would be written again forever
+    item = dlq.add(
+        _failure(
+            args=["frame\x00data"],
+            max_retries=3,
+            error_message="bad frame \x00 here",
+            traceback="line \x00",
+        )
+    )
+    row = dlq.get(item.id)
+    assert row is not None
+    assert row.error_message == "bad frame \\x00 here"
+    assert row.args == ["frame\x00data"]
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    failed = dlq.record_retry_failure(taken.id, "E", "again \x00", "tb \x00", taken.sweep_id)
+    assert failed is not None and failed.error_message == "again \\x00"
+
+
 def test_recover_stuck_of_one_framework_leaves_the_others_rows(
     dlq: DeadLetterQueue, clock: Clock
 ) -> None:

@@ -95,3 +95,13 @@ def test_a_failure_whose_arguments_and_error_defy_text_is_still_dead_lettered(
     queue.dispose()
     assert (row.task_id, row.args) == ("failing-task", ["{(1, 2): 'x'}"])
     assert row.error_message == "<UnprintableError; str() failed>"
+
+
+def test_nan_and_infinity_which_database_json_refuses_are_kept_as_text() -> None:
+    kept_args, kept_kwargs, faithful = stored_arguments(
+        (1.5, float("nan")), {"limit": float("inf")}
+    )
+    assert not faithful
+    # The database's JSON takes it
+    json.dumps([kept_args, kept_kwargs], allow_nan=False)
+    assert (kept_args, kept_kwargs) == (["1.5", "nan"], {"limit": "inf"})
