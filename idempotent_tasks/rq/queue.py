@@ -88,7 +88,8 @@ class IdempotentQueue(Queue):
     (fetched from Redis) and enqueues nothing. Otherwise the job is enqueued carrying the key
     and its argument fingerprint in ``job.meta["idempotency"]``. ``enqueue_at`` and
     ``enqueue_in`` take the key too (without the look-up); ``enqueue_many`` takes none
-    (``@idempotent`` keys still apply in the worker).
+    (``@idempotent`` keys still apply in the worker, under this queue's prefix, store and
+    dead-letter table, which every job it makes carries).
 
     Workers must run ``IdempotentJob`` (``rq worker --queue-class
     idempotent_tasks.rq.IdempotentQueue --job-class idempotent_tasks.rq.IdempotentJob``).
@@ -188,6 +189,22 @@ class IdempotentQueue(Queue):
         kwargs["meta"] = {**(parsed.meta or {}), META_KEY: carried}
         job: Job = super().enqueue_at(datetime, f, *args, **kwargs)
         return job
+
+    def create_job(
+        self, func: Any, args: Any = None, kwargs: Any = None, *more: Any, **options: Any
+    ) -> Job:
+        """RQ's ``create_job``, for every way a job is made (``enqueue_many`` ...): one that
+        does not carry this queue's idempotency settings yet gets them, so its worker claims
+        the key the function derives under this queue's prefix and store, and writes its dead
+        letter to this queue's table. (Only ``enqueue`` looks at the key before enqueuing.)"""
+        meta = options.get("meta")
+        if not more and (not isinstance(meta, dict) or META_KEY not in meta):
+            call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
+            _, _, carried = self._carried(func, call_args, call_kwargs, None)
+            if carried.get("key") is not None:
+                check_task_id(options.get("job_id"))
+            options["meta"] = {**(meta or {}), META_KEY: carried}
+        return super().create_job(func, args, kwargs, *more, **options)
 
     def close(self) -> None:
         """Close the claim store this queue opened from ``store_url`` (the RQ connection is

@@ -262,3 +262,19 @@ def test_the_sweep_leaves_other_frameworks_rows_alone(rq_env: RQEnv) -> None:
     assert job.return_value() == 0
     item = rq_env.dlq.get(celery_row.id)
     assert item is not None and item.status is DeadLetterStatus.PENDING
+
+
+def test_a_job_enqueued_many_at_a_time_carries_the_queues_scope(rq_env: RQEnv) -> None:
+    # Given a queue with its own key prefix, whose call of a keyed function completed
+    name = fresh("many")
+    scoped = IdempotentQueue(
+        fresh("scoped"), connection=rq_env.connection, key_prefix=fresh("prefix"), is_async=False
+    )
+    assert scoped.enqueue(rq_jobs.record_keyed, name, 1).return_value()["value"] == 1
+    # When the same call comes through enqueue_many, and a worker runs it
+    idle = IdempotentQueue(scoped.name, connection=rq_env.connection, key_prefix=scoped.key_prefix)
+    [job] = idle.enqueue_many([Queue.prepare_data(rq_jobs.record_keyed, (name, 1))])
+    SimpleWorker([idle], connection=rq_env.connection, job_class=IdempotentJob).work(burst=True)
+    # Then its worker claims under the queue's prefix: the key answers, the body ran once
+    assert IdempotentJob.fetch(job.id, connection=rq_env.connection).return_value()["value"] == 1
+    assert rq_jobs.starts(name) == 1
