@@ -170,12 +170,15 @@ class IdempotentJob(Job):
         at once rather than wait for the lease to end.
         """
         super()._handle_failure(exc_string, pipeline, *args, **kwargs)
-        if self._idempotency_settled or self.get_status(refresh=False) == JobStatus.STOPPED:
+        if self._idempotency_settled:
             return
         try:
-            self._settle_lost_run(exc_string, kwargs.get("execution_id"))
+            if self.get_status(refresh=False) == JobStatus.STOPPED:
+                self._release_stopped_run()
+            else:
+                self._settle_lost_run(exc_string, kwargs.get("execution_id"))
         except Exception:
-            logger.exception("could not dead-letter job %s, which failed for good", self.id)
+            logger.exception("could not settle job %s, which ended for good", self.id)
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -462,6 +465,24 @@ class IdempotentJob(Job):
             max_retries=options.dlq_max_retries,
             framework=FRAMEWORK,
         )
+
+    def _release_stopped_run(self) -> None:
+        """A job stopped on purpose (``send_stop_job_command``): not dead-lettered, but its
+        work horse's claim is released, so a new call of the key runs at once rather than
+        wait out the lease (or be answered with this stopped job)."""
+        try:
+            func = self.func
+        except Exception:
+            return
+        found = self.meta.get(META_KEY)
+        state: dict[str, Any] = found if isinstance(found, dict) else {}
+        options = options_of(func)
+        if options is None and not state:
+            return
+        options = options or DEFAULT_OPTIONS
+        key = self._job_key(func, options, state)
+        if key is not None:
+            self._attempt(func, key, options, state).release_dead_owner()
 
     def _settle_lost_run(self, exc_string: str, execution_id: str | None) -> None:
         """Dead-letter a run that failed for good out of our code's sight, then, if it was this

@@ -295,6 +295,8 @@ class IdempotentQueue(Queue):
                 )
             except NoSuchJobError:
                 return None
+            if owner.get_status(refresh=False) in _ENDED:
+                return None  # stopped, failed or cancelled: the worker's claim decides
             signals.duplicate_suppressed.send(
                 task_name=task_name, where="publish", outcome=Outcome.IN_PROGRESS
             )
@@ -325,6 +327,10 @@ class IdempotentQueue(Queue):
             task_name=record.task_name, where="publish", outcome=Outcome.COMPLETED
         )
         return job
+
+
+#: Statuses of an owner's job that will not run (again) by itself.
+_ENDED = frozenset({JobStatus.STOPPED, JobStatus.FAILED, JobStatus.CANCELED})
 
 
 def _importable(func: Any) -> Any:

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from rq.command import send_stop_job_command
 from rq.registry import StartedJobRegistry
 
 from idempotent_tasks.dlq import DeadLetterStatus
@@ -192,3 +193,29 @@ def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
         assert worker.process.poll() is None
     finally:
         worker.stop()
+
+
+def test_a_stopped_job_frees_its_key_and_a_new_enqueue_runs(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"stopped-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-stop-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
+    )
+    workers = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-stop"))
+    try:
+        # Given a keyed job running long
+        first = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to start")
+        # When it is stopped on purpose
+        send_stop_job_command(rq_env.connection, first.id)
+        wait_until(lambda: status(first).value == "stopped", 10, "the job to stop")
+        # Then its key is freed (not dead-lettered), and the call enqueued again runs
+        wait_until(lambda: queue.store.get(storage_key(SLOW_FIRST, key)) is None, 10, "the release")
+        again = queue.enqueue(rq_jobs.slow_first, name, 0, idempotency_key=key)
+        assert again.id != first.id
+        assert wait_value(again)["run"] == 2
+        assert rq_env.rows_of(first.id) == []
+    finally:
+        for worker in workers:
+            worker.stop()

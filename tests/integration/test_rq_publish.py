@@ -215,6 +215,12 @@ def test_a_key_in_progress_returns_the_owners_job_and_enqueues_nothing(
     assert again.id == owner.id
     assert isinstance(again, IdempotentJob)
     assert idle.count == 1
+    # And once the owner's job has ended without finishing (stopped, failed, cancelled), the
+    # call is enqueued: the worker's claim waits for the lease, not the caller for nothing
+    owner.set_status(JobStatus.STOPPED)
+    later = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    assert later.id != owner.id
+    assert idle.count == 2
 
 
 def test_the_queue_runs_jobs_as_idempotent_jobs(rq_env: RQEnv) -> None:
