@@ -121,6 +121,13 @@ def _enqueue(
     """Send a dead letter's job again, under its original id."""
     if succeeded_unmarked(connection, item.id):
         raise AlreadySucceeded(item.id)
+    current = _job_status(connection, item.task_id)
+    if current == JobStatus.FINISHED:
+        raise AlreadySucceeded(item.id)  # run again since (requeued by hand), and succeeded
+    if current in _LIVE:
+        # Requeued by hand and not run yet (or running): sending it again would put its id in
+        # a queue twice. The row is due again a poll interval later.
+        raise JobStillLive(f"job {item.task_id} is {current.value} already")
     original = _failed_original(connection, item.task_id)
     if original is not None:
         state = _fresh_state(original.meta.get(META_KEY))
@@ -166,6 +173,22 @@ def _enqueue(
         meta={META_KEY: state},
         timeout=item.options.get("timeout"),
     )
+
+
+class JobStillLive(Exception):
+    """The dead letter's job is queued or running again already."""
+
+
+#: Statuses of a job that will run (or runs) by itself.
+_LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
+
+
+def _job_status(connection: Redis, job_id: str) -> JobStatus | None:
+    """The status RQ holds for a job id, if it still holds the job."""
+    try:
+        return IdempotentJob.fetch(job_id, connection=connection).get_status(refresh=False)
+    except (NoSuchJobError, ValueError):
+        return None
 
 
 def _failed_original(connection: Redis, job_id: str) -> IdempotentJob | None:

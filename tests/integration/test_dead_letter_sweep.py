@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 from rq.job import JobStatus
 from rq.queue import Queue
+from rq.worker import SimpleWorker
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.dead_letters import SWEEP_TASK
@@ -263,3 +264,28 @@ def test_an_rq_row_whose_retry_succeeded_while_the_database_was_down_is_marked_n
     row = queue.get(item.id)
     assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
     assert Queue(queue_name, connection=connection).count == 0
+
+
+def test_an_rq_row_whose_job_was_requeued_by_hand_is_not_sent_twice(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given an RQ row whose job an operator requeued by hand: first still queued, then finished
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(f"sweep-{uuid.uuid4().hex[:8]}", connection=connection)
+    name = f"requeued-{uuid.uuid4().hex[:8]}"
+    job = rq_queue.enqueue(rq_jobs.record, name, 1)
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    assert queue.retry_now(item.id)
+    # When the sweep runs while the job is queued, then it does not push its id again
+    assert rq_retry_dead_letters(connection, dlq_url) == 0
+    assert rq_queue.count == 1
+    row = queue.get(item.id)
+    assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+    # And once that run has succeeded, the row is marked succeeded, not run again
+    SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(burst=True)
+    assert rq_jobs.starts(name) == 1
+    assert queue.retry_now(item.id)
+    assert rq_retry_dead_letters(connection, dlq_url) == 0
+    row = queue.get(item.id)
+    assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
+    assert rq_queue.count == 0
