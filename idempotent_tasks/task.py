@@ -237,6 +237,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers = signature.options.get("headers") or {}
         headers.pop(ISSUED_OWNER, None)
         headers.pop(ISSUED_BY, None)
+        if request is self.request and getattr(request, "idempotency_retrying", None):
+            self._release_for_retry(signature)  # Celery's retry() made this message
         return signature
 
     # -- running ----------------------------------------------------------------------------
@@ -412,21 +414,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             will_publish = not self.request.is_eager and (
                 limit is None or self.request.retries < limit
             )
-            pickup = None
             if will_publish:
+                # Released with the guard's copy of the retry as Celery makes it (its merged
+                # arguments, its queue): see signature_from_request.
                 wait = seconds_until(
                     self.default_retry_delay if countdown is None and eta is None else countdown,
                     eta,
                 )
-                pickup = self._message_pickup(
-                    attempt.request.key,
-                    args,
-                    kwargs,
-                    wait,
-                    retries=self.request.retries + 1,
-                    previous_owner=attempt.request.owner,
-                )
-            attempt.release_quietly(pickup)
+                self.request.idempotency_retrying = (attempt, wait)
+            else:
+                attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
@@ -436,6 +433,32 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if rejected.requeue:
                 raise
             raise Reject(rejected.reason, requeue=True) from rejected
+        finally:
+            unreleased = getattr(self.request, "idempotency_retrying", None)
+            if unreleased is not None:  # Celery made no retry message after all
+                self.request.idempotency_retrying = None
+                unreleased[0].release_quietly()
+
+    def _release_for_retry(self, signature: Any) -> None:
+        """Release a retrying attempt's claim, before its retry message (``signature``) is
+        published, keeping that very message for the pickup guard."""
+        attempt, wait = self.request.idempotency_retrying
+        self.request.idempotency_retrying = None
+        routing = {
+            name: signature.options[name]
+            for name in ("queue", "routing_key", "exchange", "priority")
+            if signature.options.get(name) is not None
+        }
+        pickup = self._message_pickup(
+            attempt.request.key,
+            signature.args,
+            signature.kwargs,
+            wait,
+            retries=self.request.retries + 1,
+            previous_owner=attempt.request.owner,
+            routing=routing,
+        )
+        attempt.release_quietly(pickup)
 
     def _message_pickup(
         self,
@@ -446,9 +469,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         *,
         retries: int,
         previous_owner: str | None = None,
+        routing: dict[str, Any] | None = None,
     ) -> Any:
         """This call's next message (a retry, a requeue) as the pickup guard keeps it, so it
-        runs even if that message is lost."""
+        runs even if that message is lost; ``routing``: where it goes, if not back where this
+        one came from."""
         request = self.request
         headers = {KEY_HEADER: key}
         if previous_owner is not None:
@@ -460,6 +485,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
             **routing_options(request.delivery_info),
+            **(routing or {}),
             "headers": headers,
             "retries": retries,
             "link": request.callbacks,

@@ -111,16 +111,22 @@ def test_a_lost_message_is_published_again_and_runs_once(worker_and_beat: Any) -
 
 
 @pytest.mark.usefixtures("short_pickup")
-def test_a_lost_retry_is_published_again(worker_and_beat: Any) -> None:
-    # Given a task whose retry message goes where no worker ever reads it
+def test_a_lost_retry_is_published_again_to_its_own_queue(worker_and_beat: Any) -> None:
+    # Given a task whose retry message goes to a queue of its own (retry(queue=...)), where
+    # no worker reads it, and is lost there
     name, key = fresh("lost-retry"), fresh("key")
     worker_and_beat()
     result = worker_app.retries_into_the_void.apply_async((name,), idempotency_key=key)
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    wait_until(lambda: _messages_of("nowhere", result.id) == 1, 30, "the retry message")
+    broker.delete("nowhere")
 
-    # Then the key stays queued for the retry, is published again where it came from, and ends
-    assert result.get(timeout=30) == f"{name} done"
-    assert ledger_events(name, "start") == 2
-    redis.Redis.from_url(app.conf.broker_url).delete("nowhere")
+    # Then the key stays queued for the retry, and the guard publishes it again, as Celery
+    # sent it: to that queue
+    assert _status(worker_app.retries_into_the_void, key) is Status.QUEUED
+    wait_until(lambda: _messages_of("nowhere", result.id) == 1, 30, "the guard's copy")
+    assert ledger_events(name, "start") == 1
+    broker.delete("nowhere")
 
 
 @pytest.mark.usefixtures("short_pickup")

@@ -242,7 +242,7 @@ def fails_once_and_for_all(name: str, amount: int = 0) -> None:
 
 @app.task(base=IdempotentTask, bind=True, max_retries=3)
 def retries_into_the_void(self: Any, name: str) -> str:
-    """Its first run retries into a queue no worker reads: the retry message is as good as lost."""
+    """Its first run retries into a queue no worker reads (its retry message stays there)."""
     if note("start", name) == 1:
         raise self.retry(queue="nowhere", countdown=0)
     return f"{name} done"

@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import Retry
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 
 from idempotent_tasks import IdempotentTask
+from idempotent_tasks.app_store import store_for
+from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import (
     REPUBLISHED_HEADER,
     envelope,
@@ -23,8 +26,9 @@ from idempotent_tasks.pickups import (
     republish_lost,
     seconds_until,
 )
-from idempotent_tasks.records import ClaimRequest
+from idempotent_tasks.records import ClaimRequest, Status
 from idempotent_tasks.stores import MemoryStore
+from idempotent_tasks.task import KEY_HEADER
 
 
 def _app(**conf: Any) -> Celery:
@@ -235,3 +239,47 @@ def test_a_sweep_that_meets_an_unreachable_broker_ends_and_hands_every_key_back_
     )
     assert republish_lost(app, store, batch=3) == 5
     assert sent == {f"task-{index}": 1 for index in range(5)}
+
+
+@pytest.mark.parametrize(
+    ("explicit", "extra"),
+    [({"kwargs": {"amount": 991}}, {}), ({}, {"queue": "slow", "priority": 3})],
+)
+def test_a_retrys_pickup_is_the_message_celery_sends(
+    explicit: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, bind=True, shared=False)
+    def charge(self: Any, order: int, amount: int) -> int:
+        raise self.retry(countdown=60, **explicit, **extra)
+
+    sent: list[Any] = []
+    charge.push_request(
+        id="t-2",
+        args=[42, 990],
+        kwargs={},
+        retries=0,
+        headers={KEY_HEADER: "k"},
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(charge, "apply_async", lambda *a, **kw: sent.append((a, kw)))
+            with pytest.raises(Retry) as retried:
+                charge(42, 990)
+    finally:
+        charge.pop_request()
+    # The key is queued for the retry, and the guard's copy is the retry Celery made
+    record = store_for(app).get(storage_key(charge.name, "k"))
+    assert record is not None and record.status is Status.QUEUED
+    store = store_for(app)
+    assert isinstance(store, MemoryStore)
+    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
+    assert (message["args"], message["kwargs"]) == (
+        list(retried.value.sig.args),
+        dict(retried.value.sig.kwargs),
+    )
+    for name, value in extra.items():
+        assert message["options"][name] == value
