@@ -18,6 +18,7 @@ from .app_store import dlq_for, store_for
 from .core import Attempt
 from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER
 from .errors import CorruptRecord, StoreUnavailable
+from .keys import storage_key
 from .records import Status
 from .worker_request import request_header
 
@@ -74,17 +75,35 @@ def _record_on_dead_letter(task: IdempotentTask, request: Any) -> None:
         logger.warning("could not record the revoke on dead letter %s: %s", dead_letter_id, exc)
 
 
+def end_terminated_call(task: IdempotentTask, request: Any) -> None:
+    """End a keyed call terminated while it ran (``revoke(terminate=True)``).
+
+    Its claim stays until its lease ends (its process may not be gone yet), but the copy of
+    its message kept for the pickup guard is dropped: published again after the worker forgot
+    the revoke (three hours, a restart), it would run.
+    """
+    args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+    key = task._call_key(request, args, kwargs)
+    if key is None:
+        return
+    try:
+        store_for(task.app).drop_pickup(storage_key(task.name, key), request.id)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("could not drop the pickup of terminated call %s: %s", request.id, exc)
+
+
 @task_revoked.connect  # type: ignore[untyped-decorator]
 def _on_task_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
     from .task import IdempotentTask  # here: the task module imports this one
 
-    # A call terminated while it ran keeps its claim until its lease ends (its process may not
-    # be gone yet): the guard's copy of it, revoked in turn, releases it then.
-    if request is None or terminated or not isinstance(sender, IdempotentTask):
+    if request is None or not isinstance(sender, IdempotentTask):
         return
     try:
-        end_revoked_call(sender, request)
+        if terminated:
+            end_terminated_call(sender, request)
+        else:
+            end_revoked_call(sender, request)
     except Exception:
         logger.exception("could not end the revoked call %s", getattr(request, "id", None))

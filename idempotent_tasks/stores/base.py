@@ -54,6 +54,12 @@ class Store(Protocol):
         there was one with a pickup."""
         ...
 
+    def drop_pickup(self, storage_key: str, task_id: str) -> bool:
+        """Forget the pickup of the ``processing`` record of ``task_id``: that call was
+        terminated on purpose (a revoke), and the guard must never publish its message again.
+        The claim stays until its lease ends. Whether there was such a record."""
+        ...
+
     def take_due(self, limit: int) -> list[DuePickup]:
         """Up to ``limit`` queued keys whose message counts as lost, for re-publication.
 

@@ -87,6 +87,14 @@ class MemoryStore:
                 pending.republished = republished
             return True
 
+    def drop_pickup(self, storage_key: str, task_id: str) -> bool:
+        with self._lock:
+            found = self._live(storage_key, self._clock())
+            if found is None or found.status is not Status.PROCESSING or found.task_id != task_id:
+                return False
+            self._pending.pop(storage_key, None)
+            return True
+
     def take_due(self, limit: int) -> list[DuePickup]:
         with self._lock:
             now = self._clock()

@@ -49,6 +49,7 @@ _SCRIPTS = (
     "read",
     "cancel",
     "make_due",
+    "drop",
     "due",
     "take",
     "claim",
@@ -161,6 +162,10 @@ class RedisStore:
         record, _, index = self.names(storage_key)
         count = "" if republished is None else republished
         return bool(self._run("make_due", [record, index], [task_id, storage_key, count]))
+
+    def drop_pickup(self, storage_key: str, task_id: str) -> bool:
+        record, _, index = self.names(storage_key)
+        return bool(self._run("drop", [record, index], [task_id, storage_key]))
 
     def take_due(self, limit: int) -> list[DuePickup]:
         indexes = [f"{self.prefix}:{{{shard:02x}}}:due" for shard in range(SHARDS)]

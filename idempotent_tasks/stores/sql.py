@@ -84,6 +84,7 @@ from .sql_statements import (
     select_claim,
     select_due,
     select_pickup,
+    select_processing,
     update_held,
     upsert_pickup,
 )
@@ -176,6 +177,15 @@ class SqlStore:
             if _count(connection, mine) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
                 return False
+            return True
+
+    def drop_pickup(self, storage_key: str, task_id: str) -> bool:
+        claim_id = self.claim_id(storage_key)
+        now = self._clock()  # before the transaction: a measurement takes a connection too
+        with self._begin() as connection:
+            if connection.execute(select_processing(claim_id, task_id, now)).first() is None:
+                return False
+            connection.execute(delete_pickup(claim_id))
             return True
 
     def take_due(self, limit: int) -> list[DuePickup]:

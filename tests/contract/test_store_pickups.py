@@ -607,6 +607,27 @@ def test_a_dead_owners_key_whose_republish_failed_is_handed_back_at_once(
     assert store.make_reservation_due(owner.storage_key, "task-2", 0) is False
 
 
+def test_a_terminated_calls_pickup_is_dropped_and_its_claim_kept(
+    store: Store, make_request: Make
+) -> None:
+    # Given a reserved key whose call runs (a 0.1 s lease: it is about to count as dead)
+    owner = make_request(task_id="task-1", lease_seconds=0.1)
+    assert store.reserve(owner, make_pickup(envelope=b"terminated")) is None
+    token = store.claim(owner).token
+    # When the call is terminated on purpose (only its own task id can say so)
+    assert store.drop_pickup(owner.storage_key, "task-2") is False
+    assert store.drop_pickup(owner.storage_key, "task-1") is True
+    # Then its claim stays, but nothing is ever published again for it
+    record = store.get(owner.storage_key)
+    assert record is not None and (record.status, record.token) == (Status.PROCESSING, token)
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    assert store.take_due(10) == []
+    assert store.take(owner.storage_key) is None
+    # And once its lease has ended, another call takes the key over
+    other = make_request(storage_key=owner.storage_key, task_id="task-3")
+    assert store.claim(other).outcome is Outcome.ACQUIRED
+
+
 def test_cancel_reservation_leaves_a_claimed_key_alone(store: Store, make_request: Make) -> None:
     request = make_request(task_id="task-1")
     store.reserve(request, make_pickup())

@@ -1,0 +1,45 @@
+"""A keyed call revoked with ``terminate=True`` while it runs: its claim stays until its lease
+ends, but the pickup guard never publishes its message again."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from celery.app.task import Context
+from celery.signals import task_revoked
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.app_store import _STORE
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.pickups import make_pickup, republish_lost
+from idempotent_tasks.records import Outcome
+from idempotent_tasks.stores import MemoryStore
+
+
+def test_a_terminated_calls_message_is_not_published_again() -> None:
+    app = Celery("terminated", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    setattr(app, _STORE, (os.getpid(), store))
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a keyed call that was published, then claimed and running
+    reservation = charge._claim_request("k", ("o",), {}, "task-1", owner="")
+    pickup = make_pickup(("o",), {}, {}, 60.0, 0.0)
+    assert pickup is not None
+    assert store.reserve(reservation, pickup) is None
+    running = charge._claim_request("k", ("o",), {}, "task-1", owner="pool-process")
+    assert store.claim(running).outcome is Outcome.ACQUIRED
+    # When it is revoked with terminate=True
+    request = Context(id="task-1", args=["o"], kwargs={}, idempotency_key="k")
+    task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+    # Then, long after its lease and the pickup timeout, the guard publishes nothing
+    now[0] += running.lease_seconds + 3600
+    assert republish_lost(app, store) == 0
+    record = store.get(storage_key(charge.name, "k"))
+    assert record is not None and record.task_id == "task-1"
