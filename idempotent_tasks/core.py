@@ -79,6 +79,9 @@ class Attempt:
     side_written: bool = False
     #: Set when the store refused that side write (the completion was made without it).
     side_write_refused: bool = False
+    #: Set once this attempt gives the key up (a retry, a failure): a renewal the heartbeat
+    #: makes after that finds the claim gone, which is no takeover.
+    given_up: bool = False
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
@@ -252,9 +255,12 @@ class Attempt:
         """
         if not self.token:
             return False
+        self.given_up = True
         return self.store.release(self.request, self.token, pickup)
 
     def _renew(self) -> bool:
+        if self.given_up:
+            return True  # nothing to renew, and nothing lost
         try:
             return self.store.extend(self.request, self.token)
         except StoreUnavailable as exc:
@@ -262,6 +268,8 @@ class Attempt:
             return True  # unknown: keep trying until the store answers
 
     def _on_lease_lost(self) -> None:
+        if self.given_up:
+            return  # released on purpose while the renewal was on its way
         self.lost = True
         logger.warning(
             "lease of key %r of %s was taken over while its body still runs",

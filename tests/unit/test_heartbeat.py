@@ -7,7 +7,12 @@ import signal
 import threading
 import time
 
+from idempotent_tasks import signals
+from idempotent_tasks.codec import ResultCodec
+from idempotent_tasks.core import Attempt
 from idempotent_tasks.heartbeat import LeaseKeeper
+from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.stores import MemoryStore
 
 
 def test_every_registered_lease_is_renewed_until_removed() -> None:
@@ -128,3 +133,38 @@ def test_a_forked_child_renews_its_own_leases_only_even_if_the_lock_was_held() -
     os.close(read)
     assert answer == b"ok"
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_an_attempt_that_gave_its_key_up_while_its_body_runs_reports_no_lost_lease() -> None:
+    # Given a running attempt (0.3 s lease: renewed every 0.1 s) that releases its key for a
+    # retry while still inside its body (as retry() does before Celery publishes)
+    store = MemoryStore()
+    request = ClaimRequest(
+        storage_key="t:k",
+        key="k",
+        task_name="t",
+        task_id="task-1",
+        owner="owner-1",
+        fingerprint="fp",
+        lease_seconds=0.3,
+        ttl_seconds=60.0,
+    )
+    attempt = Attempt(
+        store=store, request=request, codec=ResultCodec(serializer="json", max_bytes=1024)
+    )
+    assert attempt.claim().outcome is Outcome.ACQUIRED
+    lost: list[object] = []
+
+    def count(**message: object) -> None:
+        lost.append(message)
+
+    signals.lease_lost.connect(count)
+    try:
+        with attempt.heartbeat():
+            assert attempt.release() is True
+            time.sleep(0.35)  # renewals come due, and find the claim gone
+    finally:
+        signals.lease_lost.disconnect(count)
+    # Then that is no takeover: nothing is reported lost
+    assert lost == []
+    assert attempt.lost is False
