@@ -327,11 +327,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if getattr(self.request, "idempotency_attempt", None) is attempt:
                 attempt.release_quietly()
             raise
-        except (Ignore, Reject):
+        except (Ignore, Reject) as ended:
             if getattr(self.request, "idempotency_replaced", False):
                 # Its work is done and its replacement sent: the key stays done.
                 attempt.finish(REPLACED, attempt.request.lease_seconds)
                 self._dead_letter_succeeded()
+            elif isinstance(ended, Reject) and ended.requeue:
+                attempt.release_quietly(self._requeued_pickup(attempt, args, kwargs))
             else:
                 attempt.release_quietly()
             raise
@@ -339,9 +341,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             self.on_final_failure(exc, attempt.request.key, args, kwargs)
             raise
-        except BaseException:
-            # Worker shutdown and the like: the message is redelivered (acks_late).
-            attempt.release_quietly()
+        except BaseException as ended:
+            if isinstance(ended, SystemExit | KeyboardInterrupt):
+                # Worker shutdown: the message is redelivered (acks_late), guarded on its way.
+                attempt.release_quietly(self._requeued_pickup(attempt, args, kwargs))
+            else:
+                # A green pool's hard time limit and the like: the call ends failed.
+                attempt.release_quietly()
             raise
         side_write = self._celery_result(value)
         value = attempt.finish(value, attempt.request.lease_seconds, side_write)
@@ -359,6 +365,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         self._dead_letter_succeeded()
         return value
+
+    def _requeued_pickup(
+        self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The guard's copy of this very message, handed back to the broker: the key stays
+        queued for it, so it runs even if the broker loses it on the way back."""
+        return self._message_pickup(
+            attempt.request.key, args, kwargs, 0.0, retries=self.request.retries
+        )
 
     def on_replace(self, sig: Any) -> Any:
         """Celery's replacement of this call by ``sig``, under its task id.

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.exceptions import Retry
+from celery.exceptions import Reject, Retry
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 
@@ -283,3 +283,29 @@ def test_a_retrys_pickup_is_the_message_celery_sends(
     )
     for name, value in extra.items():
         assert message["options"][name] == value
+
+
+def test_a_call_that_hands_its_message_back_keeps_its_key_queued_for_it() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        raise Reject("not now", requeue=True)
+
+    charge.push_request(
+        id="t-3",
+        args=["o"],
+        kwargs={},
+        retries=0,
+        headers={KEY_HEADER: "k"},
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )
+    try:
+        with pytest.raises(Reject):
+            charge("o")
+    finally:
+        charge.pop_request()
+    # The key is queued for the very message going back to the broker, guarded on its way
+    record = store_for(app).get(storage_key(charge.name, "k"))
+    assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-3")
