@@ -135,16 +135,32 @@ def make_pickup(
     options: dict[str, Any],
     timeout: float,
     wait: float,
+    serializer: str = "json",
 ) -> Pickup | None:
     """The pickup of a message that runs ``wait`` seconds from now, with the re-publication
     ``timeout`` of :func:`pickup_timeout`; ``None`` when that is 0 (the guard is off: no
-    envelope is built) or the message cannot be kept (see :func:`envelope`)."""
+    envelope is built) or the message cannot be kept (see :func:`envelope`).
+
+    The envelope is JSON. A message of another ``serializer`` (pickle, yaml, msgpack) is kept
+    only if JSON gives its arguments back exactly: ``{1: 100}`` or a tuple would come back
+    as ``{"1": 100}`` or a list, and run with other values than the caller's.
+    """
     if timeout <= 0:
         return None
-    body = envelope(args, kwargs, options)
+    arguments = [list(args), kwargs]
+    if serializer != "json" and not _json_faithful(arguments):
+        return None
+    body = envelope(arguments[0], kwargs, options)
     if body is None:
         return None
     return Pickup(envelope=body, due_in=wait + timeout, timeout=timeout)
+
+
+def _json_faithful(value: Any) -> bool:
+    try:
+        return bool(loads(dumps(value)) == value)
+    except (TypeError, ValueError):
+        return False
 
 
 def republish(app: Any, due: DuePickup) -> None:

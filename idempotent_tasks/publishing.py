@@ -82,7 +82,8 @@ def reserve(
     """
     request = task._claim_request(key, args, kwargs, task_id, owner="")
     wait = seconds_until(options.get("countdown"), options.get("eta"))
-    pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait)
+    serializer = options.get("serializer") or task.serializer
+    pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
     store = store_for(task.app)
     try:
         if pickup is None:

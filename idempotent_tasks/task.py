@@ -523,6 +523,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             options,
             self._pickup_timeout,
             wait,
+            self.serializer,
         )
 
     def on_final_failure(

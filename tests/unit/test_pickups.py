@@ -309,3 +309,13 @@ def test_a_call_that_hands_its_message_back_keeps_its_key_queued_for_it() -> Non
     # The key is queued for the very message going back to the broker, guarded on its way
     record = store_for(app).get(storage_key(charge.name, "k"))
     assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-3")
+
+
+def test_a_pickle_message_json_would_change_is_not_kept_for_the_guard() -> None:
+    changed = make_pickup((42, {1: (3, 4)}), {}, {}, 60.0, 0.0, serializer="pickle")
+    kept = make_pickup((42, {"1": [3, 4]}), {}, {}, 60.0, 0.0, serializer="pickle")
+    as_json = make_pickup((42, {1: (3, 4)}), {}, {}, 60.0, 0.0)
+    assert changed is None
+    # Arguments JSON gives back as they are are kept; and a JSON task's message is as Celery's
+    # own JSON carries it anyway
+    assert kept is not None and as_json is not None
