@@ -55,6 +55,7 @@ CARRIED_OPTIONS = (
     "parent_id",
     "headers",
     "retries",
+    "reply_to",
 )
 #: Header of a message the guard published again: how many times it was (1 the first time).
 REPUBLISHED_HEADER = "idempotency_pickup_republished"
@@ -173,6 +174,7 @@ def republish(app: Any, due: DuePickup) -> None:
         args=message["args"],
         kwargs=message["kwargs"],
         task_id=due.task_id,
+        add_to_parent=False,  # published by the sweep task, but no child of it
         **options,
     )
 

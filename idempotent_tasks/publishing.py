@@ -83,6 +83,8 @@ def reserve(
     request = task._claim_request(key, args, kwargs, task_id, owner="")
     wait = seconds_until(options.get("countdown"), options.get("eta"))
     serializer = options.get("serializer") or task.serializer
+    # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes.
+    options = {**options, "reply_to": options.get("reply_to") or task.app.thread_oid}
     pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
     store = store_for(task.app)
     try:

@@ -513,6 +513,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "parent_id": request.parent_id,
             "shadow": request.shadow,
             "ignore_result": get_actual_ignore_result(self, request) or None,
+            "reply_to": request.reply_to,
             "expires": request.expires,
             "time_limit": time_limit,
             "soft_time_limit": soft_time_limit,

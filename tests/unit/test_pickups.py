@@ -185,6 +185,7 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
         timelimit=(30, 20),
         shadow="charge (shadow)",
         ignore_result=True,
+        reply_to="caller-oid",
     )
     try:
         pickup = charge._message_pickup("k", None, None, 0.0, retries=1)
@@ -198,6 +199,7 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
     assert (options["group_id"], options["group_index"]) == ("g-1", 2)
     assert options["expires"] == "2030-01-02T03:04:05+00:00"
     assert (options["time_limit"], options["soft_time_limit"]) == (30, 20)
+    assert options["reply_to"] == "caller-oid"
     assert options["ignore_result"] is True
     assert (options["shadow"], options["queue"], options["retries"]) == (
         "charge (shadow)",
@@ -319,3 +321,20 @@ def test_a_pickle_message_json_would_change_is_not_kept_for_the_guard() -> None:
     # Arguments JSON gives back as they are are kept; and a JSON task's message is as Celery's
     # own JSON carries it anyway
     assert kept is not None and as_json is not None
+
+
+def test_a_published_calls_copy_replies_to_the_caller() -> None:
+    # rpc:// sends a result to the publishing thread's reply queue: the guard's copy must too
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app, "send_task", lambda *args, **kwargs: None)
+        charge.apply_async(("o",), idempotency_key="k", task_id="t-4")
+    store = store_for(app)
+    assert isinstance(store, MemoryStore)
+    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
+    assert message["options"]["reply_to"] == app.thread_oid
