@@ -83,8 +83,13 @@ def reserve(
     request = task._claim_request(key, args, kwargs, task_id, owner="")
     wait = seconds_until(options.get("countdown"), options.get("eta"))
     serializer = options.get("serializer") or task.serializer
-    # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes.
-    options = {**options, "reply_to": options.get("reply_to") or task.app.thread_oid}
+    # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes. A
+    # task's own expiry is counted from this publish, not from the copy's (kept as a moment).
+    options = {
+        **options,
+        "reply_to": options.get("reply_to") or task.app.thread_oid,
+        "expires": options.get("expires") if options.get("expires") is not None else task.expires,
+    }
     pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
     store = store_for(task.app)
     try:

@@ -338,3 +338,22 @@ def test_a_published_calls_copy_replies_to_the_caller() -> None:
     assert isinstance(store, MemoryStore)
     message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
     assert message["options"]["reply_to"] == app.thread_oid
+
+
+def test_a_tasks_own_expiry_is_kept_as_the_moment_it_ends() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False, expires=60)
+    def charge(order: str) -> str:
+        return order
+
+    before = datetime.now(timezone.utc)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app, "send_task", lambda *args, **kwargs: None)
+        charge.apply_async(("o",), idempotency_key="k", task_id="t-5")
+    store = store_for(app)
+    assert isinstance(store, MemoryStore)
+    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
+    # A copy published an hour later expires when the call did, not 60 s after the copy
+    expires = datetime.fromisoformat(message["options"]["expires"])
+    assert before + timedelta(seconds=59) < expires < before + timedelta(seconds=62)
