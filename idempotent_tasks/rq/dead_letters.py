@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from redis import Redis
+from rq.serializers import PickleSerializer
 
 from .. import defaults, signals
 from ..dlq import DeadLetter, DeadLetterQueue, Failure
@@ -33,6 +34,18 @@ def row_options(queue_name: str, args_lossy: bool = False) -> dict[str, Any]:
     if args_lossy:
         options[ARGS_LOSSY] = True
     return options
+
+
+def serializer_name(serializer: Any) -> str | None:
+    """How a row names its job's RQ serializer, for the sweep to read and write the job with
+    it (``rq.serializers.JSONSerializer``); ``None`` for RQ's default (pickle)."""
+    if serializer is None or serializer is PickleSerializer:
+        return None
+    module = getattr(serializer, "__module__", None)
+    name = getattr(serializer, "__qualname__", None)
+    if module is None or name is None:  # an instance: named by its class
+        module, name = type(serializer).__module__, type(serializer).__qualname__
+    return f"{module}.{name}"
 
 
 def write_failure(

@@ -43,6 +43,7 @@ from .dead_letters import (
     MAX_TRACEBACK_CHARS,
     mark_succeeded,
     row_options,
+    serializer_name,
     write_failure,
 )
 from .options import (
@@ -451,6 +452,9 @@ class IdempotentJob(Job):
                 kept_options[name] = state[name]
         if self.timeout:
             kept_options["timeout"] = self.timeout
+        serializer = serializer_name(self.serializer)
+        if serializer is not None:
+            kept_options["serializer"] = serializer  # the sweep reads and writes the job so
         return Failure(
             failure_id=f"{self.id}:{attempt_id}",
             task_name=self.func_name or "",

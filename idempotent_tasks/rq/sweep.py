@@ -121,14 +121,15 @@ def _enqueue(
     """Send a dead letter's job again, under its original id."""
     if succeeded_unmarked(connection, item.id):
         raise AlreadySucceeded(item.id)
-    current = _job_status(connection, item.task_id)
+    serializer = item.options.get("serializer")  # the job's own, when not RQ's default
+    current = _job_status(connection, item.task_id, serializer)
     if current == JobStatus.FINISHED:
         raise AlreadySucceeded(item.id)  # run again since (requeued by hand), and succeeded
     if current in _LIVE:
         # Requeued by hand and not run yet (or running): sending it again would put its id in
         # a queue twice. The row is due again a poll interval later.
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
-    original = _failed_original(connection, item.task_id)
+    original = _failed_original(connection, item.task_id, serializer)
     if original is not None:
         state = _fresh_state(original.meta.get(META_KEY))
         state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
@@ -139,9 +140,12 @@ def _enqueue(
             # No longer in the failed registry (a requeue cut short half-way): enqueue it anew,
             # as it is when only it has the arguments, else below from the row.
             if item.options.get(ARGS_LOSSY):
-                Queue(original.origin, connection=connection, job_class=IdempotentJob).enqueue_job(
-                    original
-                )
+                Queue(
+                    original.origin,
+                    connection=connection,
+                    job_class=IdempotentJob,
+                    serializer=serializer,
+                ).enqueue_job(original)
                 return
         else:
             return
@@ -163,6 +167,7 @@ def _enqueue(
         str(item.options.get("queue") or "default"),
         connection=connection,
         job_class=IdempotentJob,
+        serializer=serializer,
     )
     args, kwargs = restored_arguments(item.args, item.kwargs)
     rq_queue.enqueue_call(
@@ -183,18 +188,21 @@ class JobStillLive(Exception):
 _LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
 
 
-def _job_status(connection: Redis, job_id: str) -> JobStatus | None:
+def _job_status(connection: Redis, job_id: str, serializer: str | None) -> JobStatus | None:
     """The status RQ holds for a job id, if it still holds the job."""
     try:
-        return IdempotentJob.fetch(job_id, connection=connection).get_status(refresh=False)
+        job = IdempotentJob.fetch(job_id, connection=connection, serializer=serializer)
     except (NoSuchJobError, ValueError):
         return None
+    return job.get_status(refresh=False)
 
 
-def _failed_original(connection: Redis, job_id: str) -> IdempotentJob | None:
+def _failed_original(
+    connection: Redis, job_id: str, serializer: str | None
+) -> IdempotentJob | None:
     """The original job, while RQ keeps it as failed (or stopped)."""
     try:
-        job = IdempotentJob.fetch(job_id, connection=connection)
+        job = IdempotentJob.fetch(job_id, connection=connection, serializer=serializer)
     except (NoSuchJobError, ValueError):
         return None
     if not isinstance(job, IdempotentJob):  # pragma: no cover - fetch builds its own class

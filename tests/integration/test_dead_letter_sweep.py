@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 from rq.job import JobStatus
 from rq.queue import Queue
+from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from idempotent_tasks import IdempotentTask
@@ -289,3 +290,30 @@ def test_an_rq_row_whose_job_was_requeued_by_hand_is_not_sent_twice(
     row = queue.get(item.id)
     assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
     assert rq_queue.count == 0
+
+
+def test_an_rq_row_of_a_job_with_its_own_serializer_is_requeued_readable(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a keyed job of a JSON-serializer queue that failed for good and was dead-lettered
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    name, key = f"json-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    rq_queue = IdempotentQueue(
+        f"sweep-{uuid.uuid4().hex[:8]}",
+        connection=connection,
+        dlq_url=dlq_url,
+        serializer=JSONSerializer,
+    )
+    job = rq_queue.enqueue(rq_jobs.flaky, name, 99, idempotency_key=key)
+    SimpleWorker(
+        [rq_queue], connection=connection, job_class=IdempotentJob, serializer=JSONSerializer
+    ).work(burst=True)
+    [row] = [item for item in queue.items() if item.task_id == job.id]
+    assert row.options["serializer"] == "rq.serializers.JSONSerializer"
+    # When the sweep sends it again
+    assert queue.retry_now(row.id)
+    assert rq_retry_dead_letters(connection, dlq_url) == 1
+    # Then the job a JSON worker reads still carries its key and its row
+    again = IdempotentJob.fetch(job.id, connection=connection, serializer=JSONSerializer)
+    state = again.meta[META_KEY]
+    assert (state["key"], state["dead_letter_id"]) == (key, row.id)
