@@ -88,7 +88,8 @@ def reserve(
     options = {
         **options,
         "reply_to": options.get("reply_to") or task.app.thread_oid,
-        "expires": options.get("expires") if options.get("expires") is not None else task.expires,
+        # An explicit expires=None clears the task's own, as in Celery.
+        "expires": options["expires"] if "expires" in options else task.expires,
     }
     pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
     store = store_for(task.app)

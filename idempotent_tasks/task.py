@@ -332,7 +332,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # Its work is done and its replacement sent: the key stays done.
                 attempt.finish(REPLACED, attempt.request.lease_seconds)
                 self._dead_letter_succeeded()
-            elif isinstance(ended, Reject) and ended.requeue:
+            elif self._requeued(ended):
                 attempt.release_quietly(self._requeued_pickup(attempt, args, kwargs))
             else:
                 attempt.release_quietly()
@@ -341,13 +341,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             self.on_final_failure(exc, attempt.request.key, args, kwargs)
             raise
-        except BaseException as ended:
-            if isinstance(ended, SystemExit | KeyboardInterrupt):
-                # Worker shutdown: the message is redelivered (acks_late), guarded on its way.
-                attempt.release_quietly(self._requeued_pickup(attempt, args, kwargs))
-            else:
-                # A green pool's hard time limit and the like: the call ends failed.
-                attempt.release_quietly()
+        except BaseException:
+            # Worker shutdown, a terminating revoke (SIGTERM is SystemExit in the pool process),
+            # a green pool's hard time limit: whether the message comes back is Celery's to say.
+            attempt.release_quietly()
             raise
         side_write = self._celery_result(value)
         value = attempt.finish(value, attempt.request.lease_seconds, side_write)
@@ -365,6 +362,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         self._dead_letter_succeeded()
         return value
+
+    def _requeued(self, ended: Exception) -> bool:
+        """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,
+        with the message not acknowledged yet (late acks), outside an eager call."""
+        return (
+            isinstance(ended, Reject)
+            and bool(ended.requeue)
+            and bool(self.acks_late)
+            and not self.request.is_eager
+        )
 
     def _requeued_pickup(
         self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -464,6 +471,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             for name in ("queue", "routing_key", "exchange", "priority")
             if signature.options.get(name) is not None
         }
+        if "queue" in routing:
+            # A queue of its own: not this delivery's exchange and routing key, which Celery
+            # would prefer over it.
+            routing.setdefault("exchange", None)
+            routing.setdefault("routing_key", None)
         pickup = self._message_pickup(
             attempt.request.key,
             signature.args,

@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import Reject
 from celery.signals import after_task_publish
 
 from idempotent_tasks import IdempotentTask, StoreUnavailable
+from idempotent_tasks.app_store import store_for
 from idempotent_tasks.core import Attempt
+from idempotent_tasks.keys import storage_key
 from idempotent_tasks.task import KEY_HEADER
 
 
@@ -72,3 +75,36 @@ def test_an_eager_call_failing_while_the_dead_letter_database_is_down_raises_its
     assert result.state == "FAILURE"
     assert isinstance(result.result, LookupError)
     assert published == []
+
+
+@pytest.mark.parametrize("acks_late", [True, False])
+def test_a_call_that_rejects_with_requeue_leaves_no_queued_key_unless_its_message_goes_back(
+    acks_late: bool,
+) -> None:
+    app = Celery("eager-reject", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+
+    @app.task(base=IdempotentTask, shared=False, acks_late=acks_late)
+    def rejects(order: str) -> None:
+        raise Reject("not now", requeue=True)
+
+    # Eagerly there is no broker to hand the message back to: the key is free again
+    rejects.apply(("o-3",), headers={KEY_HEADER: "k"})
+    assert store_for(app).get(storage_key(rejects.name, "k")) is None
+    # In a worker, the message goes back only when it was not acknowledged yet (late acks)
+    rejects.push_request(
+        id="t-r",
+        args=["o-3"],
+        kwargs={},
+        headers={KEY_HEADER: "k"},
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+        retries=0,
+    )
+    try:
+        with pytest.raises(Reject):
+            rejects("o-3")
+    finally:
+        rejects.pop_request()
+    record = store_for(app).get(storage_key(rejects.name, "k"))
+    assert (record is not None) is acks_late

@@ -357,3 +357,52 @@ def test_a_tasks_own_expiry_is_kept_as_the_moment_it_ends() -> None:
     # A copy published an hour later expires when the call did, not 60 s after the copy
     expires = datetime.fromisoformat(message["options"]["expires"])
     assert before + timedelta(seconds=59) < expires < before + timedelta(seconds=62)
+
+
+def test_a_retry_to_a_queue_of_its_own_is_kept_for_that_queue_alone() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, bind=True, shared=False)
+    def charge(self: Any, order: str) -> str:
+        raise self.retry(countdown=60, queue="slow")
+
+    charge.push_request(
+        id="t-6",
+        args=["o"],
+        kwargs={},
+        retries=0,
+        headers={KEY_HEADER: "k"},
+        called_directly=False,
+        delivery_info={"exchange": "payments", "routing_key": "charge"},
+    )
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(charge, "apply_async", lambda *a, **kw: None)
+            with pytest.raises(Retry):
+                charge("o")
+    finally:
+        charge.pop_request()
+    store = store_for(app)
+    assert isinstance(store, MemoryStore)
+    options = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())[
+        "options"
+    ]
+    # Not the delivery's exchange and routing key, which send_task would prefer to the queue
+    assert options["queue"] == "slow"
+    assert "exchange" not in options and "routing_key" not in options
+
+
+def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False, expires=60)
+    def charge(order: str) -> str:
+        return order
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app, "send_task", lambda *args, **kwargs: None)
+        charge.apply_async(("o",), idempotency_key="k", task_id="t-7", expires=None)
+    store = store_for(app)
+    assert isinstance(store, MemoryStore)
+    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
+    assert "expires" not in message["options"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from celery import Celery
 from celery.app.task import Context
 from celery.signals import task_revoked
@@ -43,3 +44,40 @@ def test_a_terminated_calls_message_is_not_published_again() -> None:
     assert republish_lost(app, store) == 0
     record = store.get(storage_key(charge.name, "k"))
     assert record is not None and record.task_id == "task-1"
+
+
+def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_publish() -> None:
+    # SIGTERM, Celery's way to terminate a running call, is SystemExit in the pool process
+    app = Celery("terminated-exit", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    setattr(app, _STORE, (os.getpid(), store))
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        # The main process handles the revoke while the body still runs
+        request = Context(id="task-9", args=["o"], kwargs={}, idempotency_key="k")
+        task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+        raise SystemExit(15)
+
+    reservation = charge._claim_request("k", ("o",), {}, "task-9", owner="")
+    pickup = make_pickup(("o",), {}, {}, 60.0, 0.0)
+    assert pickup is not None
+    assert store.reserve(reservation, pickup) is None
+    charge.push_request(
+        id="task-9",
+        args=["o"],
+        kwargs={},
+        headers={"idempotency_key": "k"},
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+        retries=0,
+    )
+    try:
+        with pytest.raises(SystemExit):
+            charge("o")
+    finally:
+        charge.pop_request()
+    now[0] += 3600 + 600
+    assert republish_lost(app, store) == 0
