@@ -16,11 +16,14 @@ KeySource = str | Callable[[tuple[Any, ...], dict[str, Any]], str]
 
 
 def validate_key(key: object) -> str:
-    """Return ``key`` if it is a non-empty ``str``; raise ``ValueError`` otherwise."""
+    """Return ``key`` if it is a non-empty ``str`` without NUL; raise ``ValueError`` otherwise."""
     if not isinstance(key, str):
         raise ValueError(f"idempotency_key must be a non-empty str, not {type(key).__name__}")
     if not key.strip():
         raise ValueError("idempotency_key must be a non-empty str, not an empty or blank one")
+    if "\x00" in key:
+        # No SQL store or dead-letter table could keep it (PostgreSQL refuses NUL in text).
+        raise ValueError("idempotency_key must not contain NUL characters")
     return key
 
 

@@ -6,9 +6,10 @@ import logging
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import RedisError
 from rq.serializers import PickleSerializer
 
-from .. import defaults, signals
+from .. import signals
 from ..dlq import DeadLetter, DeadLetterQueue, Failure
 from ..dlq.items import ARGS_LOSSY
 from ..errors import StoreUnavailable
@@ -16,9 +17,10 @@ from .options import FRAMEWORK
 
 logger = logging.getLogger(__name__)
 
-#: How long a success whose row could not be marked is remembered: past the sweep's timeout
-#: for rows stuck ``retrying`` (after which the row would be due again), with a margin.
-UNMARKED_SUCCESS_SECONDS = 2 * defaults.DLQ_RETRYING_TIMEOUT
+#: How long a success whose row could not be marked is remembered: well past the sweep's
+#: timeout for rows stuck ``retrying`` (after which the row is due again), however seldom the
+#: sweep runs (one small key per such row).
+UNMARKED_SUCCESS_SECONDS = 30 * 86400
 #: Bounds of what a dead letter keeps of an error.
 MAX_ERROR_MESSAGE_CHARS = 10_000
 MAX_TRACEBACK_CHARS = 60_000
@@ -87,7 +89,11 @@ def mark_succeeded(queue: DeadLetterQueue, dead_letter_id: str, connection: Redi
         queue.mark_succeeded(dead_letter_id)
     except StoreUnavailable as exc:
         logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
-        connection.set(_unmarked_name(dead_letter_id), 1, ex=UNMARKED_SUCCESS_SECONDS)
+        try:
+            connection.set(_unmarked_name(dead_letter_id), 1, ex=UNMARKED_SUCCESS_SECONDS)
+        except RedisError as note_error:
+            # The job succeeded all the same: its row comes back, and runs it once more.
+            logger.error("could not note dead letter %s succeeded: %s", dead_letter_id, note_error)
 
 
 def succeeded_unmarked(connection: Redis, dead_letter_id: str) -> bool:

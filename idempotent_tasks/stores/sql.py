@@ -74,6 +74,7 @@ from .sql_statements import (
     delete_orphan_pickups,
     delete_pickup,
     delete_pickup_if_unchanged,
+    delete_pickup_of_processing,
     forget_claim,
     insert_if_absent,
     release_queued,
@@ -84,7 +85,6 @@ from .sql_statements import (
     select_claim,
     select_due,
     select_pickup,
-    select_processing,
     update_held,
     upsert_pickup,
 )
@@ -182,11 +182,7 @@ class SqlStore:
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
-        with self._begin() as connection:
-            if connection.execute(select_processing(claim_id, task_id, now)).first() is None:
-                return False
-            connection.execute(delete_pickup(claim_id))
-            return True
+        return self._rowcount(delete_pickup_of_processing(claim_id, task_id, now)) > 0
 
     def take_due(self, limit: int) -> list[DuePickup]:
         taken: list[DuePickup] = []

@@ -317,3 +317,17 @@ def test_an_rq_row_of_a_job_with_its_own_serializer_is_requeued_readable(
     again = IdempotentJob.fetch(job.id, connection=connection, serializer=JSONSerializer)
     state = again.meta[META_KEY]
     assert (state["key"], state["dead_letter_id"]) == (key, row.id)
+
+
+def test_an_rq_success_that_can_be_neither_marked_nor_noted_still_ends_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The job succeeded: neither a database nor a Redis that are down make that a failure
+    down = DeadLetterQueue(f"sqlite:///{tmp_path}")  # a directory: the database cannot open
+    unreachable = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
+    row_id = str(uuid.uuid4())
+    try:
+        mark_succeeded(down, row_id, unreachable)  # raises nothing
+    finally:
+        down.dispose()
+    assert f"could not note dead letter {row_id} succeeded" in caplog.text

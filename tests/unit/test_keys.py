@@ -23,6 +23,11 @@ def test_non_str_keys_are_refused(bad: object) -> None:
         validate_key(bad)
 
 
+def test_keys_with_nul_characters_are_refused() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        validate_key("order\x0042")
+
+
 @pytest.mark.parametrize("blank", ["", "   ", "\n"])
 def test_empty_keys_are_refused(blank: str) -> None:
     with pytest.raises(ValueError, match="empty"):
