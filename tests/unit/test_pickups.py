@@ -243,6 +243,45 @@ def test_a_sweep_that_meets_an_unreachable_broker_ends_and_hands_every_key_back_
     assert sent == {f"task-{index}": 1 for index in range(5)}
 
 
+def _kept_message(task: Any, key: str = "k") -> dict[str, Any]:
+    """The message the pickup guard keeps for ``key`` of ``task`` (its memory store's)."""
+    store = store_for(task.app)
+    assert isinstance(store, MemoryStore)
+    return dict(loads(store._pending[storage_key(task.name, key)].pickup.envelope.decode()))
+
+
+def _run_delivered(
+    task: Any, args: list[Any], task_id: str, ends_with: type[BaseException], **request: Any
+) -> Any:
+    """Run ``task`` as a worker runs a delivered message of key ``k`` (publishing nothing),
+    which ends with ``ends_with``; what it raised."""
+    task.push_request(
+        id=task_id,
+        args=args,
+        kwargs={},
+        retries=0,
+        headers={KEY_HEADER: "k"},
+        called_directly=False,
+        delivery_info=request.pop("delivery_info", {"exchange": "", "routing_key": "celery"}),
+        **request,
+    )
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(task, "apply_async", lambda *a, **kw: None)
+            with pytest.raises(ends_with) as raised:
+                task(*args)
+    finally:
+        task.pop_request()
+    return raised.value
+
+
+def _publish(task: Any, task_id: str, **options: Any) -> None:
+    """A keyed publish of ``task`` under key ``k``, nothing sent to a broker."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(task.app, "send_task", lambda *args, **kwargs: None)
+        task.apply_async(("o",), idempotency_key="k", task_id=task_id, **options)
+
+
 @pytest.mark.parametrize(
     ("explicit", "extra"),
     [({"kwargs": {"amount": 991}}, {}), ({}, {"queue": "slow", "priority": 3})],
@@ -256,32 +295,14 @@ def test_a_retrys_pickup_is_the_message_celery_sends(
     def charge(self: Any, order: int, amount: int) -> int:
         raise self.retry(countdown=60, **explicit, **extra)
 
-    sent: list[Any] = []
-    charge.push_request(
-        id="t-2",
-        args=[42, 990],
-        kwargs={},
-        retries=0,
-        headers={KEY_HEADER: "k"},
-        called_directly=False,
-        delivery_info={"exchange": "", "routing_key": "celery"},
-    )
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(charge, "apply_async", lambda *a, **kw: sent.append((a, kw)))
-            with pytest.raises(Retry) as retried:
-                charge(42, 990)
-    finally:
-        charge.pop_request()
+    retried = _run_delivered(charge, [42, 990], "t-2", Retry)
     # The key is queued for the retry, and the guard's copy is the retry Celery made
     record = store_for(app).get(storage_key(charge.name, "k"))
     assert record is not None and record.status is Status.QUEUED
-    store = store_for(app)
-    assert isinstance(store, MemoryStore)
-    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
+    message = _kept_message(charge)
     assert (message["args"], message["kwargs"]) == (
-        list(retried.value.sig.args),
-        dict(retried.value.sig.kwargs),
+        list(retried.sig.args),
+        dict(retried.sig.kwargs),
     )
     for name, value in extra.items():
         assert message["options"][name] == value
@@ -294,20 +315,7 @@ def test_a_call_that_hands_its_message_back_keeps_its_key_queued_for_it() -> Non
     def charge(order: str) -> str:
         raise Reject("not now", requeue=True)
 
-    charge.push_request(
-        id="t-3",
-        args=["o"],
-        kwargs={},
-        retries=0,
-        headers={KEY_HEADER: "k"},
-        called_directly=False,
-        delivery_info={"exchange": "", "routing_key": "celery"},
-    )
-    try:
-        with pytest.raises(Reject):
-            charge("o")
-    finally:
-        charge.pop_request()
+    _run_delivered(charge, ["o"], "t-3", Reject)
     # The key is queued for the very message going back to the broker, guarded on its way
     record = store_for(app).get(storage_key(charge.name, "k"))
     assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-3")
@@ -331,13 +339,8 @@ def test_a_published_calls_copy_replies_to_the_caller() -> None:
     def charge(order: str) -> str:
         return order
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(app, "send_task", lambda *args, **kwargs: None)
-        charge.apply_async(("o",), idempotency_key="k", task_id="t-4")
-    store = store_for(app)
-    assert isinstance(store, MemoryStore)
-    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
-    assert message["options"]["reply_to"] == app.thread_oid
+    _publish(charge, "t-4")
+    assert _kept_message(charge)["options"]["reply_to"] == app.thread_oid
 
 
 def test_a_tasks_own_expiry_is_kept_as_the_moment_it_ends() -> None:
@@ -348,14 +351,9 @@ def test_a_tasks_own_expiry_is_kept_as_the_moment_it_ends() -> None:
         return order
 
     before = datetime.now(timezone.utc)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(app, "send_task", lambda *args, **kwargs: None)
-        charge.apply_async(("o",), idempotency_key="k", task_id="t-5")
-    store = store_for(app)
-    assert isinstance(store, MemoryStore)
-    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
+    _publish(charge, "t-5")
     # A copy published an hour later expires when the call did, not 60 s after the copy
-    expires = datetime.fromisoformat(message["options"]["expires"])
+    expires = datetime.fromisoformat(_kept_message(charge)["options"]["expires"])
     assert before + timedelta(seconds=59) < expires < before + timedelta(seconds=62)
 
 
@@ -366,27 +364,9 @@ def test_a_retry_to_a_queue_of_its_own_is_kept_for_that_queue_alone() -> None:
     def charge(self: Any, order: str) -> str:
         raise self.retry(countdown=60, queue="slow")
 
-    charge.push_request(
-        id="t-6",
-        args=["o"],
-        kwargs={},
-        retries=0,
-        headers={KEY_HEADER: "k"},
-        called_directly=False,
-        delivery_info={"exchange": "payments", "routing_key": "charge"},
-    )
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(charge, "apply_async", lambda *a, **kw: None)
-            with pytest.raises(Retry):
-                charge("o")
-    finally:
-        charge.pop_request()
-    store = store_for(app)
-    assert isinstance(store, MemoryStore)
-    options = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())[
-        "options"
-    ]
+    delivered_from = {"exchange": "payments", "routing_key": "charge"}
+    _run_delivered(charge, ["o"], "t-6", Retry, delivery_info=delivered_from)
+    options = _kept_message(charge)["options"]
     # Not the delivery's exchange and routing key, which send_task would prefer to the queue
     assert options["queue"] == "slow"
     assert "exchange" not in options and "routing_key" not in options
@@ -399,10 +379,5 @@ def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
     def charge(order: str) -> str:
         return order
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(app, "send_task", lambda *args, **kwargs: None)
-        charge.apply_async(("o",), idempotency_key="k", task_id="t-7", expires=None)
-    store = store_for(app)
-    assert isinstance(store, MemoryStore)
-    message = loads(store._pending[storage_key(charge.name, "k")].pickup.envelope.decode())
-    assert "expires" not in message["options"]
+    _publish(charge, "t-7", expires=None)
+    assert "expires" not in _kept_message(charge)["options"]

@@ -4,6 +4,7 @@ ends, but the pickup guard never publishes its message again."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -18,29 +19,41 @@ from idempotent_tasks.records import Outcome
 from idempotent_tasks.stores import MemoryStore
 
 
+class Clocked:
+    """An app whose claim store is a memory store on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.app = Celery("terminated", set_as_current=False, broker="memory://")
+        self.app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+        self.now = 1000.0
+        self.store = MemoryStore(clock=lambda: self.now)
+        setattr(self.app, _STORE, (os.getpid(), self.store))
+
+    def reserve(self, task: Any, task_id: str) -> None:
+        """Publish-time reservation of key ``k`` for ``task_id``, with the guard's copy."""
+        reservation = task._claim_request("k", ("o",), {}, task_id, owner="")
+        pickup = make_pickup(("o",), {}, {}, 60.0, 0.0)
+        assert pickup is not None
+        assert self.store.reserve(reservation, pickup) is None
+
+
 def test_a_terminated_calls_message_is_not_published_again() -> None:
-    app = Celery("terminated", set_as_current=False, broker="memory://")
-    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
-    now = [1000.0]
-    store = MemoryStore(clock=lambda: now[0])
-    setattr(app, _STORE, (os.getpid(), store))
+    clocked = Clocked()
+    app, store = clocked.app, clocked.store
 
     @app.task(base=IdempotentTask, shared=False)
     def charge(order: str) -> str:
         return order
 
     # Given a keyed call that was published, then claimed and running
-    reservation = charge._claim_request("k", ("o",), {}, "task-1", owner="")
-    pickup = make_pickup(("o",), {}, {}, 60.0, 0.0)
-    assert pickup is not None
-    assert store.reserve(reservation, pickup) is None
+    clocked.reserve(charge, "task-1")
     running = charge._claim_request("k", ("o",), {}, "task-1", owner="pool-process")
     assert store.claim(running).outcome is Outcome.ACQUIRED
     # When it is revoked with terminate=True
     request = Context(id="task-1", args=["o"], kwargs={}, idempotency_key="k")
     task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
     # Then, long after its lease and the pickup timeout, the guard publishes nothing
-    now[0] += running.lease_seconds + 3600
+    clocked.now += running.lease_seconds + 3600
     assert republish_lost(app, store) == 0
     record = store.get(storage_key(charge.name, "k"))
     assert record is not None and record.task_id == "task-1"
@@ -48,11 +61,8 @@ def test_a_terminated_calls_message_is_not_published_again() -> None:
 
 def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_publish() -> None:
     # SIGTERM, Celery's way to terminate a running call, is SystemExit in the pool process
-    app = Celery("terminated-exit", set_as_current=False, broker="memory://")
-    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
-    now = [1000.0]
-    store = MemoryStore(clock=lambda: now[0])
-    setattr(app, _STORE, (os.getpid(), store))
+    clocked = Clocked()
+    app, store = clocked.app, clocked.store
 
     @app.task(base=IdempotentTask, shared=False)
     def charge(order: str) -> str:
@@ -61,10 +71,7 @@ def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_pu
         task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
         raise SystemExit(15)
 
-    reservation = charge._claim_request("k", ("o",), {}, "task-9", owner="")
-    pickup = make_pickup(("o",), {}, {}, 60.0, 0.0)
-    assert pickup is not None
-    assert store.reserve(reservation, pickup) is None
+    clocked.reserve(charge, "task-9")
     charge.push_request(
         id="task-9",
         args=["o"],
@@ -79,5 +86,5 @@ def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_pu
             charge("o")
     finally:
         charge.pop_request()
-    now[0] += 3600 + 600
+    clocked.now += 3600 + 600
     assert republish_lost(app, store) == 0
