@@ -59,7 +59,11 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
         Attempt(store=store, request=claim, codec=task._codec).release_dead_owner()
 
 
-def _record_on_dead_letter(task: IdempotentTask, request: Any) -> None:
+def _record_on_dead_letter(
+    task: IdempotentTask, request: Any, how: str = "revoked before it ran"
+) -> None:
+    """A dead letter's retry that was revoked records that on its row, as a failed retry:
+    left ``retrying``, the row would be sent again once its timeout passed."""
     dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
     if dead_letter_id is None:
         return
@@ -67,7 +71,7 @@ def _record_on_dead_letter(task: IdempotentTask, request: Any) -> None:
         dlq_for(task.app).record_retry_failure(
             str(dead_letter_id),
             "TaskRevokedError",
-            "revoked before it ran",
+            how,
             None,
             request_header(request, DEAD_LETTER_SWEEP_HEADER),
         )
@@ -82,6 +86,7 @@ def end_terminated_call(task: IdempotentTask, request: Any) -> None:
     its message kept for the pickup guard is dropped: published again after the worker forgot
     the revoke (three hours, a restart), it would run.
     """
+    _record_on_dead_letter(task, request, "terminated while it ran")
     args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
     key = task._call_key(request, args, kwargs)
     if key is None:

@@ -318,7 +318,8 @@ class IdempotentJob(Job):
                 with attempt.heartbeat():
                     value = super().perform()
         except Exception as exc:
-            will_retry = super().should_retry
+            # A synchronous queue (is_async=False) never retries: its failure is final.
+            will_retry = super().should_retry and not self._is_sync
             if attempt is not None:
                 attempt.release_quietly()
                 if will_retry:
@@ -487,6 +488,22 @@ class IdempotentJob(Job):
         key = self._job_key(func, options, state)
         if key is not None:
             self._attempt(func, key, options, state).release_dead_owner()
+        dead_letter_id = state.get("dead_letter_id")
+        if dead_letter_id:
+            # A dead letter's retry stopped: a failed retry on its row, which would otherwise
+            # stay retrying and be sent again once its timeout passed.
+            try:
+                dead_letter_queue(state.get("dlq_url")).record_retry_failure(
+                    str(dead_letter_id),
+                    "StopJobCommand",
+                    "stopped while it ran",
+                    None,
+                    state.get("dead_letter_sweep"),
+                )
+            except StoreUnavailable as exc:
+                logger.warning(
+                    "could not record the stop on dead letter %s: %s", dead_letter_id, exc
+                )
 
     def _settle_lost_run(self, exc_string: str, execution_id: str | None) -> None:
         """Dead-letter a run that failed for good out of our code's sight, then, if it was this

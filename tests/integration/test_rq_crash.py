@@ -25,10 +25,11 @@ import pytest
 from rq.command import send_stop_job_command
 from rq.registry import StartedJobRegistry
 
-from idempotent_tasks.dlq import DeadLetterStatus
+from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue, retry_dead_letters
+from idempotent_tasks.rq.dead_letters import row_options
 from tests.integration import rq_jobs
 from tests.integration.databases import set_pg_database_online
 from tests.integration.rq_support import (
@@ -216,6 +217,50 @@ def test_a_stopped_job_frees_its_key_and_a_new_enqueue_runs(
         assert again.id != first.id
         assert wait_value(again)["run"] == 2
         assert rq_env.rows_of(first.id) == []
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_a_dead_letters_retry_stopped_while_it_ran_records_it_on_its_row(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"stopped-retry-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue_name = f"it-rq-stop-retry-{uuid.uuid4().hex[:8]}"
+    workers = start_workers(1, rq_env, [queue_name], tmp_path_factory.mktemp("rq-stop-retry"))
+    try:
+        # Given a dead letter of a long keyed job, re-enqueued by the sweep and running
+        job_id = str(uuid.uuid4())
+        item = rq_env.dlq.add(
+            Failure(
+                failure_id=f"{job_id}:0",
+                task_name=SLOW_FIRST,
+                task_id=job_id,
+                idempotency_key=key,
+                args=[name, 60],
+                kwargs={},
+                options=row_options(queue_name),
+                error_type="RuntimeError",
+                error_message="seeded",
+                traceback=None,
+                max_retries=3,
+                framework="rq",
+            )
+        )
+        assert rq_env.dlq.retry_now(item.id)
+        assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 1
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the retry to start")
+        # When it is stopped on purpose
+        send_stop_job_command(rq_env.connection, job_id)
+
+        # Then its row records a failed retry, rather than stay retrying to be sent again
+        def recorded() -> bool:
+            row = rq_env.dlq.get(item.id)
+            return row is not None and row.status is DeadLetterStatus.PENDING
+
+        wait_until(recorded, 10, "the stop on the row")
+        row = rq_env.dlq.get(item.id)
+        assert row is not None and (row.retry_count, row.error_type) == (1, "StopJobCommand")
     finally:
         for worker in workers:
             worker.stop()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from rq import Queue, SimpleWorker
+from rq import Queue, Retry, SimpleWorker
 from rq.job import JobStatus
 
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
@@ -132,6 +132,18 @@ def test_a_completed_key_enqueues_nothing_and_answers_with_the_cached_value(
     assert again.latest_result().return_value == again.return_value()
     assert again.is_finished
     assert idle.count == 0
+    assert rq_jobs.starts(name) == 1
+
+
+def test_a_failing_job_with_retries_on_a_synchronous_queue_is_dead_lettered(
+    sync: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # A synchronous queue never retries: the job's failure is final, whatever retry= says
+    name, key = fresh("sync-retry"), fresh("key")
+    job = sync.enqueue(rq_jobs.flaky, name, 99, idempotency_key=key, retry=Retry(max=2))
+    assert job.get_status() == JobStatus.FAILED
+    [row] = rq_env.rows_of(job.id)
+    assert (row.idempotency_key, row.error_type) == (key, "TimeoutError")
     assert rq_jobs.starts(name) == 1
 
 

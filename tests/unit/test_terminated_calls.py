@@ -4,6 +4,7 @@ ends, but the pickup guard never publishes its message again."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from celery.signals import task_revoked
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.app_store import _STORE
+from idempotent_tasks.dlq import DeadLetterQueue, Failure
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import make_pickup, republish_lost
 from idempotent_tasks.records import Outcome
@@ -88,3 +90,49 @@ def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_pu
         charge.pop_request()
     clocked.now += 3600 + 600
     assert republish_lost(app, store) == 0
+
+
+def test_a_dead_letters_retry_terminated_while_it_ran_records_it_on_its_row(
+    tmp_path: Path,
+) -> None:
+    clocked = Clocked()
+    url = f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
+    clocked.app.conf.idempotency_dlq_url = url
+
+    @clocked.app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a dead letter a sweep took and re-published, its retry running
+    queue = DeadLetterQueue(url)
+    failure = Failure(
+        failure_id="task-5:0",
+        task_name=charge.name,
+        task_id="task-5",
+        idempotency_key="k",
+        args=["o"],
+        kwargs={},
+        options={},
+        error_type="RuntimeError",
+        error_message="first",
+        traceback=None,
+        max_retries=3,
+    )
+    item = queue.add(failure)
+    assert queue.retry_now(item.id)
+    [taken] = queue.take_due()
+    # When that retry is terminated
+    request = Context(
+        id="task-5",
+        args=["o"],
+        kwargs={},
+        idempotency_key="k",
+        idempotency_dead_letter_id=item.id,
+        idempotency_dead_letter_sweep=taken.sweep_id,
+    )
+    task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+    # Then its row records a failed retry (not left retrying, to be sent again in an hour)
+    row = queue.get(item.id)
+    queue.dispose()
+    assert row is not None
+    assert (row.status.value, row.retry_count, row.error_type) == ("pending", 1, "TaskRevokedError")
