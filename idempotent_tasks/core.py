@@ -44,16 +44,21 @@ def new_owner() -> str:
     return uuid.uuid4().hex
 
 
+def wait_delay(waits: int) -> float:
+    """Seconds a waiting call waits before it looks again, after ``waits`` earlier looks:
+    doubling from ``WAIT_INITIAL_DELAY`` up to ``WAIT_MAX_DELAY``."""
+    # The exponent is capped: 2.0 ** 1024 overflows, and an owner may run for hours.
+    return min(defaults.WAIT_INITIAL_DELAY * 2.0 ** min(waits, 32), defaults.WAIT_MAX_DELAY)
+
+
 def wait_for_owner(record: Record, waits: int) -> float:
     """Seconds a duplicate waits before it looks again at a key in progress, after ``waits``
-    earlier looks: doubling up to a cap, never past the owner's lease, at least 50 ms.
+    earlier looks: :func:`wait_delay`, never past the owner's lease, at least 50 ms.
 
     The lease is judged by the store's clock, which wrote it: on a worker whose clock runs
     ahead, the local clock would see every lease as over and look again every 50 ms.
     """
-    # The exponent is capped: 2.0 ** 1024 overflows, and an owner may run for hours.
-    delay = min(defaults.WAIT_INITIAL_DELAY * 2.0 ** min(waits, 32), defaults.WAIT_MAX_DELAY)
-    return max(min(delay, record.lease_expires_at - record.store_time()), 0.05)
+    return max(min(wait_delay(waits), record.lease_expires_at - record.store_time()), 0.05)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .dlq.sweep import CannotResend, resend_due
 from .errors import StoreUnavailable
 from .pickups import republish_lost
 from .settings import app_setting
+from .worker_request import request_header
 
 logger = get_task_logger(__name__)
 module_logger = logging.getLogger(__name__)
@@ -38,6 +39,17 @@ FAILURE_REPORTED_HEADER = "idempotency_failure_reported"
 #: Header of a quiet message that only marks its dead letter succeeded (the database was down
 #: when its retry succeeded): it runs no body.
 UNWRITTEN_SUCCESS_HEADER = "idempotency_unwritten_success"
+
+
+def dead_letter_headers(request: Any) -> dict[str, Any]:
+    """The headers naming the dead letter a request retries (its row, its sweep), to carry
+    into the call's next message."""
+    headers: dict[str, Any] = {}
+    for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
+        value = request_header(request, name)
+        if value is not None:
+            headers[name] = value
+    return headers
 
 
 def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:

@@ -37,8 +37,7 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
     ``retrying``. Runs in the worker's main process, from Celery's ``task_revoked`` signal.
     """
     _record_on_dead_letter(task, request)
-    args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-    key = task._call_key(request, args, kwargs)
+    args, kwargs, key = _call_of(task, request)
     if key is None:
         return
     reservation = task._claim_request(key, args, kwargs, request.id, owner="")
@@ -57,6 +56,12 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
     ):
         claim = task._claim_request(key, args, kwargs, request.id, owner=record.owner)
         Attempt(store=store, request=claim, codec=task._codec).release_dead_owner()
+
+
+def _call_of(task: IdempotentTask, request: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """A revoked request's arguments and the key it runs under (``None``: no key)."""
+    args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+    return args, kwargs, task._call_key(request, args, kwargs)
 
 
 def _record_on_dead_letter(
@@ -87,8 +92,7 @@ def end_terminated_call(task: IdempotentTask, request: Any) -> None:
     the revoke (three hours, a restart), it would run.
     """
     _record_on_dead_letter(task, request, "terminated while it ran")
-    args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-    key = task._call_key(request, args, kwargs)
+    _, _, key = _call_of(task, request)
     if key is None:
         return
     try:

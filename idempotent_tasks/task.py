@@ -31,13 +31,14 @@ from . import (
 from .app_store import store_for
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
-from .core import Attempt, new_owner, wait_for_owner
+from .core import Attempt, new_owner, wait_delay, wait_for_owner
 from .dead_letters import (
     DEAD_LETTER_HEADER,
     DEAD_LETTER_SWEEP_HEADER,
     FAILURE_REPORTED_HEADER,
     UNWRITTEN_FAILURE_HEADER,
     UNWRITTEN_SUCCESS_HEADER,
+    dead_letter_headers,
     mark_succeeded,
     routing_options,
     write_failure,
@@ -228,10 +229,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is not None:
             extra_options.setdefault(KEY_HEADER, key)
         carried = extra_options.setdefault(_REPUBLISH, {})
-        for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
-            value = request_header(request, name)
-            if value is not None:
-                carried.setdefault(name, value)
+        for name, value in dead_letter_headers(request).items():
+            carried.setdefault(name, value)
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         # The owner this delivery was issued is its own: the next one is issued another.
         headers = signature.options.get("headers") or {}
@@ -333,7 +332,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 attempt.finish(REPLACED, attempt.request.lease_seconds)
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
-                attempt.release_quietly(self._requeued_pickup(attempt, args, kwargs))
+                attempt.release_quietly(self._requeued_pickup(attempt.request.key, args, kwargs))
             else:
                 attempt.release_quietly()
             raise
@@ -373,14 +372,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             and not self.request.is_eager
         )
 
-    def _requeued_pickup(
-        self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    def _requeued_pickup(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The guard's copy of this very message, handed back to the broker: the key stays
         queued for it, so it runs even if the broker loses it on the way back."""
-        return self._message_pickup(
-            attempt.request.key, args, kwargs, 0.0, retries=self.request.retries
-        )
+        return self._message_pickup(key, args, kwargs, 0.0, retries=self.request.retries)
 
     def on_replace(self, sig: Any) -> Any:
         """Celery's replacement of this call by ``sig``, under its task id.
@@ -410,8 +405,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if time.time() - since > lease_seconds or self.request.is_eager:
             logger.warning("no result from the replacement of %s; answering None", record.task_id)
             return None
-        delay = min(defaults.WAIT_INITIAL_DELAY * 2.0 ** min(waits, 32), defaults.WAIT_MAX_DELAY)
-        self._republish_self(delay, None, {WAITS_HEADER: waits + 1, WAIT_SINCE_HEADER: since})
+        self._republish_self(
+            wait_delay(waits), None, {WAITS_HEADER: waits + 1, WAIT_SINCE_HEADER: since}
+        )
 
     def retry(
         self,
@@ -502,13 +498,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         runs even if that message is lost; ``routing``: where it goes, if not back where this
         one came from."""
         request = self.request
-        headers = {KEY_HEADER: key}
+        headers = {KEY_HEADER: key, **dead_letter_headers(request)}
         if previous_owner is not None:
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
-        for name in (DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER):
-            value = request_header(request, name)
-            if value is not None:
-                headers[name] = value
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
             **routing_options(request.delivery_info),
@@ -619,11 +611,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # The killed process took its token with it: release under the owner id this
                 # worker issued to the delivery (not delivered by IdempotentRequest: the lease
                 # frees the key).
-                pickup = (
-                    self._message_pickup(key, args, kwargs, 0.0, retries=request.retries)
-                    if requeued
-                    else None
-                )
+                pickup = self._requeued_pickup(key, args, kwargs) if requeued else None
                 self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
         finally:
             self.pop_request()

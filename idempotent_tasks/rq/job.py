@@ -471,20 +471,29 @@ class IdempotentJob(Job):
             framework=FRAMEWORK,
         )
 
+    def _ended_run_scope(self) -> tuple[Any, IdempotencyOptions, dict[str, Any]] | None:
+        """For a run that ended out of our code's sight: its function (``None`` when it cannot
+        be imported in this process: the meta still says what it was), options and state;
+        ``None`` for a job that is none of ours (no ``@idempotent`` options, no meta)."""
+        try:
+            func = self.func
+        except Exception:
+            func = None
+        options = options_of(func)
+        found = self.meta.get(META_KEY)
+        if options is None and not isinstance(found, dict):
+            return None
+        state: dict[str, Any] = found if isinstance(found, dict) else {}
+        return func, options or DEFAULT_OPTIONS, state
+
     def _release_stopped_run(self) -> None:
         """A job stopped on purpose (``send_stop_job_command``): not dead-lettered, but its
         work horse's claim is released, so a new call of the key runs at once rather than
         wait out the lease (or be answered with this stopped job)."""
-        try:
-            func = self.func
-        except Exception:
+        scope = self._ended_run_scope()
+        if scope is None:
             return
-        found = self.meta.get(META_KEY)
-        state: dict[str, Any] = found if isinstance(found, dict) else {}
-        options = options_of(func)
-        if options is None and not state:
-            return
-        options = options or DEFAULT_OPTIONS
+        func, options, state = scope
         key = self._job_key(func, options, state)
         if key is not None:
             self._attempt(func, key, options, state).release_dead_owner()
@@ -509,16 +518,10 @@ class IdempotentJob(Job):
         """Dead-letter a run that failed for good out of our code's sight, then, if it was this
         worker's dead work horse, release its key (not when the dead letter could not be
         written: the claim then keeps the key until its lease ends)."""
-        try:
-            func = self.func
-        except Exception:
-            func = None  # not importable in this process: the meta still says what it was
-        options = options_of(func)
-        found = self.meta.get(META_KEY)
-        if options is None and not isinstance(found, dict):
+        scope = self._ended_run_scope()
+        if scope is None:
             return
-        state: dict[str, Any] = found if isinstance(found, dict) else {}
-        options = options or DEFAULT_OPTIONS
+        func, options, state = scope
         abandoned = "AbandonedJobError" in exc_string
         key = self._job_key(func, options, state)
         if options.dlq:

@@ -122,14 +122,16 @@ def _enqueue(
     if succeeded_unmarked(connection, item.id):
         raise AlreadySucceeded(item.id)
     serializer = item.options.get("serializer")  # the job's own, when not RQ's default
-    current = _job_status(connection, item.task_id, serializer)
+    held = _held_job(connection, item.task_id, serializer)
+    current = held.get_status(refresh=False) if held is not None else None
     if current == JobStatus.FINISHED:
         raise AlreadySucceeded(item.id)  # run again since (requeued by hand), and succeeded
     if current in _LIVE:
         # Requeued by hand and not run yet (or running): sending it again would put its id in
         # a queue twice. The row is due again a poll interval later.
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
-    original = _failed_original(connection, item.task_id, serializer)
+    # The original job, while RQ keeps it as failed (or stopped).
+    original = held if current in (JobStatus.FAILED, JobStatus.STOPPED) else None
     if original is not None:
         state = _fresh_state(original.meta.get(META_KEY))
         state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
@@ -188,28 +190,13 @@ class JobStillLive(Exception):
 _LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
 
 
-def _job_status(connection: Redis, job_id: str, serializer: str | None) -> JobStatus | None:
-    """The status RQ holds for a job id, if it still holds the job."""
+def _held_job(connection: Redis, job_id: str, serializer: str | None) -> IdempotentJob | None:
+    """The job RQ still holds under a dead letter's id, if any."""
     try:
         job = IdempotentJob.fetch(job_id, connection=connection, serializer=serializer)
     except (NoSuchJobError, ValueError):
         return None
-    return job.get_status(refresh=False)
-
-
-def _failed_original(
-    connection: Redis, job_id: str, serializer: str | None
-) -> IdempotentJob | None:
-    """The original job, while RQ keeps it as failed (or stopped)."""
-    try:
-        job = IdempotentJob.fetch(job_id, connection=connection, serializer=serializer)
-    except (NoSuchJobError, ValueError):
-        return None
-    if not isinstance(job, IdempotentJob):  # pragma: no cover - fetch builds its own class
-        return None
-    if job.get_status(refresh=False) not in (JobStatus.FAILED, JobStatus.STOPPED):
-        return None
-    return job
+    return job if isinstance(job, IdempotentJob) else None
 
 
 def _fresh_state(found: Any) -> dict[str, Any]:

@@ -124,31 +124,26 @@ def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Upd
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
+def _live_processing(claim_id: str, task_id: str, now: float) -> Any:
+    return (
+        (claims.c.id == claim_id)
+        & (claims.c.status == PROCESSING)
+        & (claims.c.task_id == task_id)
+        & (claims.c.expires_at > now)
+    )
+
+
 def delete_pickup_of_processing(claim_id: str, task_id: str, now: float) -> Delete:
     """Delete a key's pickup row while its live claim row is ``processing`` for ``task_id``
     (one statement: nothing can land between the check and the delete)."""
-    held = (
-        select(claims.c.id)
-        .where(
-            (claims.c.id == claim_id)
-            & (claims.c.status == PROCESSING)
-            & (claims.c.task_id == task_id)
-            & (claims.c.expires_at > now)
-        )
-        .exists()
-    )
+    held = select(claims.c.id).where(_live_processing(claim_id, task_id, now)).exists()
     return delete(pickups).where((pickups.c.id == claim_id) & held)
 
 
 def select_abandoned(claim_id: str, task_id: str, now: float) -> Select[Any]:
     """The ``processing`` row of ``task_id`` whose owner's lease ended, if there is one."""
-    return select(claims.c.id).where(
-        (claims.c.id == claim_id)
-        & (claims.c.status == PROCESSING)
-        & (claims.c.task_id == task_id)
-        & (claims.c.lease_expires_at <= now)
-        & (claims.c.expires_at > now)
-    )
+    abandoned = _live_processing(claim_id, task_id, now) & (claims.c.lease_expires_at <= now)
+    return select(claims.c.id).where(abandoned)
 
 
 def retime_pickup(
