@@ -103,10 +103,11 @@ def delete_orphan_pickups(before: float) -> Delete:
     return delete(pickups).where((pickups.c.due_at < before) & ~claimed)
 
 
-def _live_queued(claim_id: str, task_id: str, now: float) -> Any:
+def _live_row(claim_id: str, status: str, task_id: str, now: float) -> Any:
+    """The key's claim row, live, in ``status`` for ``task_id``."""
     return (
         (claims.c.id == claim_id)
-        & (claims.c.status == QUEUED)
+        & (claims.c.status == status)
         & (claims.c.task_id == task_id)
         & (claims.c.expires_at > now)
     )
@@ -114,35 +115,26 @@ def _live_queued(claim_id: str, task_id: str, now: float) -> Any:
 
 def release_queued(claim_id: str, task_id: str, now: float) -> Update:
     """Release a live ``queued`` row reserved for ``task_id``."""
-    live = _live_queued(claim_id, task_id, now)
+    live = _live_row(claim_id, QUEUED, task_id, now)
     return claims.update().where(live).values(status=RELEASED, updated_at=now)
 
 
 def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
     """Move the due time of a live ``queued`` row reserved for ``task_id``."""
-    live = _live_queued(claim_id, task_id, now)
+    live = _live_row(claim_id, QUEUED, task_id, now)
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
-
-
-def _live_processing(claim_id: str, task_id: str, now: float) -> Any:
-    return (
-        (claims.c.id == claim_id)
-        & (claims.c.status == PROCESSING)
-        & (claims.c.task_id == task_id)
-        & (claims.c.expires_at > now)
-    )
 
 
 def delete_pickup_of_processing(claim_id: str, task_id: str, now: float) -> Delete:
     """Delete a key's pickup row while its live claim row is ``processing`` for ``task_id``
     (one statement: nothing can land between the check and the delete)."""
-    held = select(claims.c.id).where(_live_processing(claim_id, task_id, now)).exists()
+    held = select(claims.c.id).where(_live_row(claim_id, PROCESSING, task_id, now)).exists()
     return delete(pickups).where((pickups.c.id == claim_id) & held)
 
 
 def select_abandoned(claim_id: str, task_id: str, now: float) -> Select[Any]:
     """The ``processing`` row of ``task_id`` whose owner's lease ended, if there is one."""
-    abandoned = _live_processing(claim_id, task_id, now) & (claims.c.lease_expires_at <= now)
+    abandoned = _live_row(claim_id, PROCESSING, task_id, now) & (claims.c.lease_expires_at <= now)
     return select(claims.c.id).where(abandoned)
 
 
