@@ -98,7 +98,9 @@ class IdempotentJob(Job):
     retry claims afresh. A final failure releases it and writes the dead-letter row; if the
     database is down, the job goes back to its queue and writes the row on its next run. A
     work horse that dies, or a job RQ finds abandoned, is dead-lettered too when RQ gives up
-    on it (through RQ's own failure handling; the key frees itself when its lease ends).
+    on it (through RQ's own failure handling), and goes back to its queue to write that row
+    when the database is down. A dead work horse's key is released by its worker; an
+    abandoned job's key frees itself when its lease ends.
 
     Jobs that neither came from an ``IdempotentQueue`` nor call an ``@idempotent`` function
     run as plain RQ jobs.
@@ -177,7 +179,7 @@ class IdempotentJob(Job):
             if self.get_status(refresh=False) == JobStatus.STOPPED:
                 self._release_stopped_run()
             else:
-                self._settle_lost_run(exc_string, kwargs.get("execution_id"))
+                self._settle_lost_run(exc_string, kwargs.get("execution_id"), pipeline)
         except Exception:
             logger.exception("could not settle job %s, which ended for good", self.id)
 
@@ -514,33 +516,63 @@ class IdempotentJob(Job):
                     "could not record the stop on dead letter %s: %s", dead_letter_id, exc
                 )
 
-    def _settle_lost_run(self, exc_string: str, execution_id: str | None) -> None:
+    def _settle_lost_run(
+        self, exc_string: str, execution_id: str | None, pipeline: Pipeline
+    ) -> None:
         """Dead-letter a run that failed for good out of our code's sight, then, if it was this
-        worker's dead work horse, release its key (not when the dead letter could not be
-        written: the claim then keeps the key until its lease ends)."""
+        worker's dead work horse, release its key.
+
+        Should the dead letter not be written (its database is down), the job goes back to its
+        queue in RQ's own ``pipeline``, carrying the failure: its next run only writes it.
+        """
         scope = self._ended_run_scope()
         if scope is None:
             return
         func, options, state = scope
         abandoned = "AbandonedJobError" in exc_string
         key = self._job_key(func, options, state)
-        if options.dlq:
-            started = self.started_at.isoformat() if self.started_at else "unknown"
-            ended_by = self._idempotency_ended_by
-            if ended_by is not None:  # a run of this process, ended by a BaseException
-                error_type, message = type(ended_by).__name__, str(ended_by)
-            else:
-                error_type = "AbandonedJobError" if abandoned else "WorkHorseKilled"
-                lines = exc_string.strip().splitlines()
-                message = lines[0] if lines else "work horse lost"
-            failure = self._build_failure(
-                f"lost:{execution_id or started}", error_type, message, None, key, options
-            )
-            dlq = dead_letter_queue(state.get("dlq_url"))
-            write_failure(dlq, failure, state.get("dead_letter_id"), state.get("dead_letter_sweep"))
         if key is not None and not abandoned:
             # The horse was forked from this very job object: it claimed under this owner id.
             self._attempt(func, key, options, state).release_dead_owner()
+        if not options.dlq:
+            return
+        started = self.started_at.isoformat() if self.started_at else "unknown"
+        ended_by = self._idempotency_ended_by
+        if ended_by is not None:  # a run of this process, ended by a BaseException
+            error_type, message = type(ended_by).__name__, str(ended_by)
+        else:
+            error_type = "AbandonedJobError" if abandoned else "WorkHorseKilled"
+            lines = exc_string.strip().splitlines()
+            message = lines[0] if lines else "work horse lost"
+        failure = self._build_failure(
+            f"lost:{execution_id or started}", error_type, message, None, key, options
+        )
+        try:
+            write_failure(
+                dead_letter_queue(state.get("dlq_url")),
+                failure,
+                state.get("dead_letter_id"),
+                state.get("dead_letter_sweep"),
+            )
+        except (StoreUnavailable, SchemaVersionError) as exc:
+            if self._is_sync:
+                raise
+            logger.error(
+                "job %s: could not write its dead letter (%s); it goes back to queue %s to "
+                "write it",
+                self.id,
+                exc,
+                self.origin,
+            )
+            state["unwritten_failure"] = dataclasses.asdict(failure)
+            self.failed_job_registry.remove(self, pipeline=pipeline)
+            queue = Queue(
+                self.origin,
+                connection=self.connection,
+                job_class=type(self),
+                serializer=self.serializer,
+            )
+            queue._enqueue_job(self, pipeline=pipeline)
 
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
         dead_letter_id = state.get("dead_letter_id")

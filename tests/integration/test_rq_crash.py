@@ -172,10 +172,7 @@ def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
         first = queue.enqueue(job_function, name, 60, idempotency_key=key)
         wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
         # When its work horse alone is killed (out of memory, say): the worker lives on
-        (horse,) = subprocess.run(
-            ["pgrep", "-P", str(worker.process.pid)], capture_output=True, text=True, check=True
-        ).stdout.split()
-        os.kill(int(horse), signal.SIGKILL)
+        _kill_work_horse(worker)
         # Then RQ fails the job, and IdempotentJob dead-letters it (unless dlq=False)
         wait_failed(first)
         if dlq:
@@ -194,6 +191,56 @@ def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
         assert worker.process.poll() is None
     finally:
         worker.stop()
+
+
+def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_later(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"horse-down-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-horse-down-{uuid.uuid4().hex[:8]}",
+        connection=rq_env.connection,
+        dlq_url=rq_env.dlq_url,
+    )
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-horse-down"))
+    try:
+        # Given a keyed job that runs for a long time
+        job = queue.enqueue(rq_jobs.slow_first, name, 60, idempotency_key=key)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
+        # When its work horse is killed while the dead-letter database refuses connections
+        set_pg_database_online(DLQ_DATABASE, False)
+        try:
+            _kill_work_horse(worker)
+            # Then the job goes back to its queue carrying the failure, rather than fail
+            # unrecorded
+            wait_until(
+                lambda: job.get_meta().get("idempotency", {}).get("unwritten_failure"),
+                10,
+                "the unwritten failure to be carried by the job",
+            )
+            assert status(job).value != "failed"
+        finally:
+            set_pg_database_online(DLQ_DATABASE, True)
+        # And once the database is back, its dead letter is written and the job fails
+        wait_failed(job, timeout=30)
+        (row,) = rq_env.rows_of(job.id)
+        assert (row.error_type, row.idempotency_key) == ("WorkHorseKilled", key)
+        assert row.status is DeadLetterStatus.PENDING
+        assert "unwritten_failure" not in job.get_meta()["idempotency"]
+        # Without running the body again, and with the key released
+        assert rq_jobs.starts(name) == 1
+        assert queue.store.get(storage_key(SLOW_FIRST, key)) is None
+        assert worker.process.poll() is None
+    finally:
+        worker.stop()
+
+
+def _kill_work_horse(worker: RQWorker) -> None:
+    """SIGKILL ``worker``'s work horse alone (out of memory, say): the worker lives on."""
+    (horse,) = subprocess.run(
+        ["pgrep", "-P", str(worker.process.pid)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    os.kill(int(horse), signal.SIGKILL)
 
 
 def test_a_stopped_job_frees_its_key_and_a_new_enqueue_runs(
