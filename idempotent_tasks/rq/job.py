@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from traceback import format_exc
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.client import Pipeline
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
+from rq.timeouts import JobTimeoutException
 
 from .. import defaults, signals
 from ..codec import ResultCodec
@@ -323,7 +325,7 @@ class IdempotentJob(Job):
             # A synchronous queue (is_async=False) never retries: its failure is final.
             will_retry = super().should_retry and not self._is_sync
             if attempt is not None:
-                attempt.release_quietly()
+                _despite_job_timeout(self.id, attempt.release_quietly)
                 if will_retry:
                     # The retry may take the key over at once even if the release was lost.
                     state["previous_owner"] = attempt.request.owner
@@ -343,7 +345,8 @@ class IdempotentJob(Job):
         if isinstance(value, Retry):
             return self._returned_retry(value, attempt, key, options, state)
         if attempt is not None:
-            value = attempt.finish(value, self._time_budget(attempt.request.lease_seconds))
+            patience = self._time_budget(attempt.request.lease_seconds)
+            value = _despite_job_timeout(self.id, lambda: attempt.finish(value, patience))
             if attempt.superseded:
                 # Taken over mid-run and the new owner is still running: wait for its value.
                 return self._requeue_later(
@@ -363,7 +366,7 @@ class IdempotentJob(Job):
         """The function returned ``Retry`` (RQ's other retry): release; dead-letter if it is
         the last one RQ allows."""
         if attempt is not None:
-            attempt.release_quietly()
+            _despite_job_timeout(self.id, attempt.release_quietly)
             state["previous_owner"] = attempt.request.owner
         if (self.number_of_retries or 0) < retry.max:
             return retry
@@ -403,12 +406,7 @@ class IdempotentJob(Job):
 
     def _write_failure(self, failure: Failure, state: dict[str, Any]) -> Requeue | None:
         try:
-            write_failure(
-                dead_letter_queue(state.get("dlq_url")),
-                failure,
-                state.get("dead_letter_id"),
-                state.get("dead_letter_sweep"),
-            )
+            self._write_dead_letter(failure, state)
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self._is_sync:
                 logger.error("job %s: could not write its dead letter: %s", self.id, exc)
@@ -423,6 +421,18 @@ class IdempotentJob(Job):
             state["unwritten_failure"] = dataclasses.asdict(failure)
             return self._requeue_later(delay, "its dead letter is still to be written")
         return None
+
+    def _write_dead_letter(self, failure: Failure, state: dict[str, Any]) -> None:
+        """Write ``failure`` as a new row, or as the next failure of the row this job retries."""
+        _despite_job_timeout(
+            self.id,
+            lambda: write_failure(
+                dead_letter_queue(state.get("dlq_url")),
+                failure,
+                state.get("dead_letter_id"),
+                state.get("dead_letter_sweep"),
+            ),
+        )
 
     def _write_unwritten(self, failure: Failure, state: dict[str, Any]) -> Any:
         """A run that only writes the dead letter an earlier run could not write."""
@@ -548,12 +558,7 @@ class IdempotentJob(Job):
             f"lost:{execution_id or started}", error_type, message, None, key, options
         )
         try:
-            write_failure(
-                dead_letter_queue(state.get("dlq_url")),
-                failure,
-                state.get("dead_letter_id"),
-                state.get("dead_letter_sweep"),
-            )
+            self._write_dead_letter(failure, state)
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self._is_sync:
                 raise
@@ -578,7 +583,9 @@ class IdempotentJob(Job):
         dead_letter_id = state.get("dead_letter_id")
         if dead_letter_id:
             queue = dead_letter_queue(state.get("dlq_url"))
-            mark_succeeded(queue, str(dead_letter_id), self.connection)
+            _despite_job_timeout(
+                self.id, lambda: mark_succeeded(queue, str(dead_letter_id), self.connection)
+            )
 
     # -- small things -------------------------------------------------------------------------
 
@@ -609,3 +616,20 @@ def _scoped_name_of(job: Job, func: Any) -> str:
     if func is not None and job.instance is not None:
         return scoped_name(func)
     return job.func_name or ""
+
+
+_T = TypeVar("_T")
+
+
+def _despite_job_timeout(job_id: str, step: Callable[[], _T]) -> _T:
+    """Run ``step`` (bookkeeping after the function) to its end even if RQ's job timeout
+    fires during it: the function's outcome must still be stored, its key released, its dead
+    letter written. The timeout fires once per run, and every such step may be run again."""
+    try:
+        return step()
+    except JobTimeoutException:
+        logger.warning(
+            "job %s: its timeout fired after its function ended; finishing its bookkeeping",
+            job_id,
+        )
+        return step()

@@ -110,6 +110,13 @@ def flaky(name: str, failures: int) -> dict[str, Any]:
     return {"name": name, "run": run}
 
 
+def fails_after(name: str, seconds: float) -> None:
+    """Take ``seconds``, then fail with ValueError."""
+    run = _start(name)
+    time.sleep(seconds)
+    raise ValueError(f"run {run} of {name} failed after {seconds} s")
+
+
 @idempotent(lease=2)
 def slow_first(name: str, seconds: float) -> dict[str, Any]:
     """Take ``seconds`` on the first start only; claims live 2 s without a heartbeat."""

@@ -22,10 +22,12 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 from rq.command import send_stop_job_command
 from rq.registry import StartedJobRegistry
 
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
+from idempotent_tasks.dlq.schema import dead_letters
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue, retry_dead_letters
@@ -232,6 +234,87 @@ def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_l
         assert queue.store.get(storage_key(SLOW_FIRST, key)) is None
         assert worker.process.poll() is None
     finally:
+        worker.stop()
+
+
+def test_a_failure_whose_dead_letter_write_outlasts_the_job_timeout_is_still_written(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-late-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
+    )
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late"))
+    rq_env.dlq.ensure_schema()
+    engine = sa.create_engine(rq_env.dlq_url)
+    try:
+        with engine.connect() as locker:
+            # Given the dead-letter table locked, so that writing a row waits
+            locker.execute(sa.text(f"LOCK TABLE {dead_letters.name} IN ACCESS EXCLUSIVE MODE"))
+            # When a keyed job fails 1 s into its 2 s timeout: RQ's death penalty fires while
+            # its dead letter is being written
+            job = queue.enqueue(rq_jobs.fails_after, name, 1.0, idempotency_key=name, job_timeout=2)
+            wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
+            time.sleep(3)
+            locker.rollback()
+        # Then the dead letter is written all the same, with the function's own error
+        wait_failed(job, timeout=20)
+        (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
+        assert (row.error_type, row.idempotency_key) == ("ValueError", name)
+        assert rq_jobs.starts(name) == 1
+    finally:
+        engine.dispose()
+        worker.stop()
+
+
+def test_a_result_stored_after_the_job_timeout_fired_still_finishes_the_job(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"late-result-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-late-result-{uuid.uuid4().hex[:8]}", connection=rq_env.connection
+    )
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late-result"))
+    try:
+        job = queue.enqueue(rq_jobs.record, name, 7, 2.0, idempotency_key=name, job_timeout=3)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
+        # Given Redis holding every write for 3.5 s: the function returns 2 s into its 3 s
+        # timeout, and storing its result waits until after RQ's death penalty fired
+        rq_env.connection.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
+        # Then the job finishes with its value, stored for duplicates, having run once
+        assert wait_value(job) == {"name": name, "value": 7, "run": 1}
+        record = queue.store.get(storage_key("tests.integration.rq_jobs.record", name))
+        assert record is not None and record.status is Status.COMPLETED
+        assert rq_jobs.starts(name) == 1
+    finally:
+        rq_env.connection.execute_command("CLIENT", "UNPAUSE")
+        worker.stop()
+
+
+def test_a_failure_whose_key_release_outlasts_the_job_timeout_is_still_dead_lettered(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"late-release-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-late-release-{uuid.uuid4().hex[:8]}",
+        connection=rq_env.connection,
+        dlq_url=rq_env.dlq_url,
+    )
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late-release"))
+    try:
+        job = queue.enqueue(rq_jobs.fails_after, name, 2.0, idempotency_key=name, job_timeout=3)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
+        # Given Redis holding every write for 3.5 s: the function fails 2 s into its 3 s
+        # timeout, and releasing its key waits until after RQ's death penalty fired
+        rq_env.connection.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
+        # Then its key is released and its dead letter written, with the function's own error
+        wait_failed(job)
+        (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
+        assert (row.error_type, row.idempotency_key) == ("ValueError", name)
+        assert queue.store.get(storage_key("tests.integration.rq_jobs.fails_after", name)) is None
+        assert rq_jobs.starts(name) == 1
+    finally:
+        rq_env.connection.execute_command("CLIENT", "UNPAUSE")
         worker.stop()
 
 
