@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import defaults, signals
 from .codec import ResultCodec
@@ -37,6 +37,25 @@ logger = logging.getLogger(__name__)
 #: lease is no longer renewed, so once the store is back, every moment waited is one in which
 #: a redelivered duplicate may take the key over and run the body again.
 MAX_COMPLETE_PAUSE = 0.5
+
+
+_T = TypeVar("_T")
+
+
+def despite_time_limit(limit: type[BaseException], step: Callable[[], _T]) -> _T:
+    """Run ``step`` (bookkeeping after the body: store its result, release its key, write its
+    dead letter) to its end even if ``limit`` is raised during it.
+
+    ``limit`` is a framework's one-shot time limit raised by a signal wherever the process is
+    (RQ's job timeout, Celery's soft time limit): it bounds the body, and landing in a slow
+    store call after the body ended it would lose the body's outcome. It fires once per run,
+    so the step is run once more; every such step may run twice.
+    """
+    try:
+        return step()
+    except limit as exc:
+        logger.warning("%s after the body ended; finishing its bookkeeping", type(exc).__name__)
+        return step()
 
 
 def new_owner() -> str:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, NoReturn
 import celery
 from celery import Task
 from celery.app.task import get_actual_ignore_result
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.log import get_task_logger
@@ -31,7 +31,7 @@ from . import (
 from .app_store import store_for
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
-from .core import Attempt, new_owner, wait_delay, wait_for_owner
+from .core import Attempt, despite_time_limit, new_owner, wait_delay, wait_for_owner
 from .dead_letters import (
     DEAD_LETTER_HEADER,
     DEAD_LETTER_SWEEP_HEADER,
@@ -329,7 +329,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except (Ignore, Reject) as ended:
             if getattr(self.request, "idempotency_replaced", False):
                 # Its work is done and its replacement sent: the key stays done.
-                attempt.finish(REPLACED, attempt.request.lease_seconds)
+                despite_time_limit(
+                    SoftTimeLimitExceeded,
+                    lambda: attempt.finish(REPLACED, attempt.request.lease_seconds),
+                )
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
                 attempt.release_quietly(self._requeued_pickup(attempt.request.key, args, kwargs))
@@ -337,7 +340,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 attempt.release_quietly()
             raise
         except Exception as exc:
-            attempt.release_quietly()
+            despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
             self.on_final_failure(exc, attempt.request.key, args, kwargs)
             raise
         except BaseException:
@@ -346,7 +349,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             raise
         side_write = self._celery_result(value)
-        value = attempt.finish(value, attempt.request.lease_seconds, side_write)
+        value = despite_time_limit(
+            SoftTimeLimitExceeded,
+            lambda: attempt.finish(value, attempt.request.lease_seconds, side_write),
+        )
         if attempt.side_written:
             # The completion wrote and published Celery's result record: Celery need not.
             self.request.ignore_result = True
@@ -628,7 +634,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
         sweep_id = request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
         try:
-            write_failure(self.app, failure, dead_letter_id, sweep_id)
+            despite_time_limit(
+                SoftTimeLimitExceeded,
+                lambda: write_failure(self.app, failure, dead_letter_id, sweep_id),
+            )
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self.request.is_eager:
                 # Nothing to send a copy to: the eager caller gets the task's own error.
@@ -655,7 +664,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _dead_letter_succeeded(self) -> None:
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
-        if dead_letter_id is None or mark_succeeded(self.app, dead_letter_id):
+        if dead_letter_id is None or despite_time_limit(
+            SoftTimeLimitExceeded, lambda: mark_succeeded(self.app, dead_letter_id)
+        ):
             return
         if self.request.is_eager:
             return  # nothing to send a copy to: the row's retrying timeout brings it back

@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from traceback import format_exc
-from typing import Any, TypeVar
+from typing import Any
 
 from redis.client import Pipeline
 from rq.job import Job, JobStatus, Retry
@@ -28,7 +27,7 @@ from rq.timeouts import JobTimeoutException
 
 from .. import defaults, signals
 from ..codec import ResultCodec
-from ..core import Attempt, new_owner, wait_for_owner
+from ..core import Attempt, despite_time_limit, new_owner, wait_for_owner
 from ..dlq import Failure
 from ..dlq.arguments import error_text, stored_arguments
 from ..errors import (
@@ -325,7 +324,7 @@ class IdempotentJob(Job):
             # A synchronous queue (is_async=False) never retries: its failure is final.
             will_retry = super().should_retry and not self._is_sync
             if attempt is not None:
-                _despite_job_timeout(self.id, attempt.release_quietly)
+                despite_time_limit(JobTimeoutException, attempt.release_quietly)
                 if will_retry:
                     # The retry may take the key over at once even if the release was lost.
                     state["previous_owner"] = attempt.request.owner
@@ -346,7 +345,7 @@ class IdempotentJob(Job):
             return self._returned_retry(value, attempt, key, options, state)
         if attempt is not None:
             patience = self._time_budget(attempt.request.lease_seconds)
-            value = _despite_job_timeout(self.id, lambda: attempt.finish(value, patience))
+            value = despite_time_limit(JobTimeoutException, lambda: attempt.finish(value, patience))
             if attempt.superseded:
                 # Taken over mid-run and the new owner is still running: wait for its value.
                 return self._requeue_later(
@@ -366,7 +365,7 @@ class IdempotentJob(Job):
         """The function returned ``Retry`` (RQ's other retry): release; dead-letter if it is
         the last one RQ allows."""
         if attempt is not None:
-            _despite_job_timeout(self.id, attempt.release_quietly)
+            despite_time_limit(JobTimeoutException, attempt.release_quietly)
             state["previous_owner"] = attempt.request.owner
         if (self.number_of_retries or 0) < retry.max:
             return retry
@@ -424,8 +423,8 @@ class IdempotentJob(Job):
 
     def _write_dead_letter(self, failure: Failure, state: dict[str, Any]) -> None:
         """Write ``failure`` as a new row, or as the next failure of the row this job retries."""
-        _despite_job_timeout(
-            self.id,
+        despite_time_limit(
+            JobTimeoutException,
             lambda: write_failure(
                 dead_letter_queue(state.get("dlq_url")),
                 failure,
@@ -583,8 +582,9 @@ class IdempotentJob(Job):
         dead_letter_id = state.get("dead_letter_id")
         if dead_letter_id:
             queue = dead_letter_queue(state.get("dlq_url"))
-            _despite_job_timeout(
-                self.id, lambda: mark_succeeded(queue, str(dead_letter_id), self.connection)
+            despite_time_limit(
+                JobTimeoutException,
+                lambda: mark_succeeded(queue, str(dead_letter_id), self.connection),
             )
 
     # -- small things -------------------------------------------------------------------------
@@ -616,20 +616,3 @@ def _scoped_name_of(job: Job, func: Any) -> str:
     if func is not None and job.instance is not None:
         return scoped_name(func)
     return job.func_name or ""
-
-
-_T = TypeVar("_T")
-
-
-def _despite_job_timeout(job_id: str, step: Callable[[], _T]) -> _T:
-    """Run ``step`` (bookkeeping after the function) to its end even if RQ's job timeout
-    fires during it: the function's outcome must still be stored, its key released, its dead
-    letter written. The timeout fires once per run, and every such step may be run again."""
-    try:
-        return step()
-    except JobTimeoutException:
-        logger.warning(
-            "job %s: its timeout fired after its function ended; finishing its bookkeeping",
-            job_id,
-        )
-        return step()

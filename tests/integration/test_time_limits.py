@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult
 
@@ -19,7 +21,8 @@ from idempotent_tasks.records import Outcome, Status
 from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER
 from tests.integration import worker_app
 from tests.integration.databases import fresh_pg_database, set_pg_database_online
-from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
+from tests.integration.redis_server import RedisServer
 from tests.integration.workers import WorkerProcess
 
 app = worker_app.app
@@ -199,3 +202,63 @@ def test_a_killed_call_whose_dead_letter_waits_for_its_database_fails_only_once(
         set_pg_database_online(database, True)
         queue.dispose()
         worker.stop()
+
+
+@pytest.fixture()
+def store_of_its_own(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> Iterator[tuple[WorkerProcess, redis.Redis]]:
+    """A worker whose store is a Redis server of its own, and a client of that server: pausing
+    the broker's instead would hold up the worker's main process, which sends soft limits."""
+    server = RedisServer(tmp_path, persistent=False)
+    worker = WorkerProcess("soft-limit", {**it_env, "IT_STORE_URL": server.url}, tmp_path)
+    client = redis.Redis.from_url(server.url)
+    try:
+        with app_store_url(worker_app.app, server.url):
+            yield worker, client
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+        client.close()
+        worker.stop()
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_result_stored_after_the_soft_time_limit_fired_still_ends_the_call(
+    worker_app: Any, store_of_its_own: tuple[WorkerProcess, redis.Redis]
+) -> None:
+    _, store_server = store_of_its_own
+    name, key = fresh("soft"), fresh("key")
+    task = worker_app.near_its_soft_limit
+    result = task.apply_async((name, 2.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 20, "the body to start")
+    # When the store holds every write for 3.5 s: the body returns 2 s into its 3 s soft time
+    # limit, and storing its result waits until after that limit fired
+    store_server.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
+    # Then the call ends with the body's value, stored for duplicates, having run once
+    assert result.get(timeout=30) == name
+    record = store_for(app).get(storage_key(task.name, key))
+    assert record is not None and record.status is Status.COMPLETED
+    assert task.apply_async((name, 2.0), idempotency_key=key).get(timeout=30) == name
+    assert ledger_events(name, "start") == 1
+
+
+@pytest.mark.slow
+def test_a_failure_released_after_the_soft_time_limit_fired_is_still_dead_lettered(
+    worker_app: Any, store_of_its_own: tuple[WorkerProcess, redis.Redis]
+) -> None:
+    _, store_server = store_of_its_own
+    name, key = fresh("soft-fail"), fresh("key")
+    task = worker_app.near_its_soft_limit
+    result = task.apply_async((name, 2.0, True), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 20, "the body to start")
+    # When the store holds every write for 3.5 s: the body fails 2 s into its 3 s soft time
+    # limit, and releasing its key waits until after that limit fired
+    store_server.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
+    # Then the caller sees the body's own error, the call is dead-lettered, its key free
+    with pytest.raises(ValueError):
+        result.get(timeout=30)
+    row = wait_until(lambda: _row_of(result.id), 10, "the dead letter")
+    assert (row.error_type, row.idempotency_key) == ("ValueError", key)
+    assert store_for(app).get(storage_key(task.name, key)) is None
+    assert ledger_events(name, "start") == 1

@@ -258,6 +258,17 @@ def overruns(name: str, sleep: float) -> str:
     return name
 
 
+@app.task(base=IdempotentTask, soft_time_limit=3, time_limit=30, dlq_max_retries=0)
+def near_its_soft_limit(name: str, sleep: float, fail: bool = False) -> str:
+    """Records its start, then after ``sleep`` s returns ``name`` (or fails with ValueError);
+    its soft time limit is 3 s."""
+    note("start", name)
+    time.sleep(sleep)
+    if fail:
+        raise ValueError(f"{name} failed")
+    return name
+
+
 @app.task
 def noted_errback(request: Any, exc: Any, traceback: Any, name: str) -> None:
     """An errback (Celery's new style): records in the ledger of ``name`` that it ran."""
