@@ -3,8 +3,8 @@
 Such a body does its work, then hands over to a new task under its own task id, whose result
 is the call's. Its key then counts as completed (its body never runs again), caching a marker
 in place of a value: a duplicate's answer is the replacement's result in Celery's backend. A
-task that replaces itself with itself (a polling loop, say) releases its key instead, for the
-replacement to claim.
+task that replaces itself with itself (a polling loop, say) hands its key on instead, queued for
+the replacement, which runs under it.
 """
 
 from __future__ import annotations

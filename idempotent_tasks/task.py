@@ -336,6 +336,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
                 attempt.release_quietly(self._requeued_pickup(attempt.request.key, args, kwargs))
+            elif (
+                replacement := getattr(self.request, "idempotency_replacement", None)
+            ) is not None:
+                # Queued for the replacement (the same task id): kept by the guard meanwhile.
+                pickup = self._message_pickup(
+                    attempt.request.key, replacement.args, replacement.kwargs, 0.0, retries=0
+                )
+                attempt.release_quietly(pickup)
             else:
                 attempt.release_quietly()
             raise
@@ -388,9 +396,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         A keyed call's key then counts as completed: its body does not run again, and its
         duplicates are answered with the replacement's result. A call replaced by its own task
-        (a polling loop) releases its key instead, for the replacement to claim.
+        (a polling loop) hands its key on instead: the replacement runs under the same key
+        (unless given one of its own), which stays queued for it meanwhile, so a duplicate
+        waits for the loop's last value rather than begin the loop anew.
         """
-        self.request.idempotency_replaced = getattr(sig, "task", None) != self.name
+        request = self.request
+        by_itself = getattr(sig, "task", None) == self.name
+        request.idempotency_replaced = not by_itself
+        key = _request_key(request)
+        if by_itself and key is not None and not request.is_eager:
+            if KEY_HEADER not in sig.options:
+                sig.set(**{KEY_HEADER: key})
+            if sig.options[KEY_HEADER] == key:
+                request.idempotency_replacement = sig
         return super().on_replace(sig)
 
     def _replacement_value(self, record: Record, lease_seconds: float) -> Any:

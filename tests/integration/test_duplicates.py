@@ -182,6 +182,21 @@ def test_a_task_that_replaces_itself_under_its_own_key_runs_each_replacement() -
     assert ledger_events(name, "start") == 3
 
 
+def test_a_call_keyed_by_its_caller_that_replaces_itself_keeps_that_key_to_its_end() -> None:
+    # Given a polling loop called with a key of its caller's (not the one its task derives)
+    name, key = fresh("countdown"), fresh("key")
+    result = worker_app.counts_down.apply_async((name, 2), idempotency_key=key)
+    assert result.get(timeout=30) == name
+    # When the call is made again with that key
+    again = worker_app.counts_down.apply_async((name, 2), idempotency_key=key)
+    # Then it is answered with the loop's last value: no run of the loop began anew
+    assert again.id == result.id
+    assert again.get(timeout=30) == name
+    assert ledger_events(name, "start") == 3
+    record = store_for(worker_app.app).get(storage_key(worker_app.counts_down.name, key))
+    assert record is not None and record.task_id == result.id
+
+
 def test_a_linked_call_of_a_key_in_progress_waits_for_the_owner_then_runs_its_link() -> None:
     order, key = fresh("order"), fresh("key")
     owner = charge.apply_async((order, 10), {"sleep": 2.0}, idempotency_key=key)
