@@ -73,6 +73,9 @@ module_logger = logging.getLogger(__name__)
 
 #: Message headers the key travels in (Celery 5 drops unknown ``apply_async`` options).
 KEY_HEADER = "idempotency_key"
+#: Seconds before a call's hard time limit at which storing its result stops waiting for an
+#: unreachable store (the limit counts from the pool's start of the call, a little earlier).
+HARD_LIMIT_MARGIN = 1.0
 PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
 WAITS_HEADER = "idempotency_waits"
 #: Header of an owner whose claim was taken over while its body ran, waiting for the new owner.
@@ -318,6 +321,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _run_claimed(self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.request.idempotency_attempt = attempt
+        started = time.monotonic()
         try:
             with attempt.heartbeat():
                 value = self.run(*args, **kwargs)
@@ -357,9 +361,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             raise
         side_write = self._celery_result(value)
+        patience = self._completion_patience(attempt.request.lease_seconds, started)
         value = despite_time_limit(
-            SoftTimeLimitExceeded,
-            lambda: attempt.finish(value, attempt.request.lease_seconds, side_write),
+            SoftTimeLimitExceeded, lambda: attempt.finish(value, patience, side_write)
         )
         if attempt.side_written:
             # The completion wrote and published Celery's result record: Celery need not.
@@ -817,6 +821,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return None
         return result_side_write(self.backend, self.request, value, self._codec.max_bytes)
 
+    def _completion_patience(self, lease: float, started: float) -> float:
+        """How long storing a result may wait for an unreachable store: the lease, but never
+        up to the call's hard time limit, whose kill would fail a body that succeeded."""
+        hard_limit = (self.request.timelimit or (None, None))[0] or self._hard_time_limit
+        if not hard_limit:
+            return lease
+        left = float(hard_limit) - (time.monotonic() - started) - HARD_LIMIT_MARGIN
+        return max(min(lease, left), 0.0)
+
     # -- per-task constants: settings are read once per task, when first needed, as Celery
     # reads its own task options (a lookup in app.conf costs more than a Redis round trip) --
 
@@ -831,6 +844,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
         return float(lease), float(ttl)
+
+    @cached_property
+    def _hard_time_limit(self) -> float | None:
+        """The task's hard time limit when its message names none (the pool's default)."""
+        limit = self.time_limit or self.app.conf.task_time_limit
+        return float(limit) if limit else None
 
     @cached_property
     def _completion_writes_result(self) -> bool:

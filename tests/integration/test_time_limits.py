@@ -207,17 +207,18 @@ def test_a_killed_call_whose_dead_letter_waits_for_its_database_fails_only_once(
 @pytest.fixture()
 def store_of_its_own(
     it_env: dict[str, str], worker_app: Any, tmp_path: Path
-) -> Iterator[tuple[WorkerProcess, redis.Redis]]:
-    """A worker whose store is a Redis server of its own, and a client of that server: pausing
-    the broker's instead would hold up the worker's main process, which sends soft limits."""
+) -> Iterator[tuple[RedisServer, redis.Redis]]:
+    """A worker whose store is a Redis server of its own, that server and a client of it:
+    pausing or stopping the broker's instead would hold up the worker's main process too."""
     server = RedisServer(tmp_path, persistent=False)
-    worker = WorkerProcess("soft-limit", {**it_env, "IT_STORE_URL": server.url}, tmp_path)
+    worker = WorkerProcess("own-store", {**it_env, "IT_STORE_URL": server.url}, tmp_path)
     client = redis.Redis.from_url(server.url)
     try:
         with app_store_url(worker_app.app, server.url):
-            yield worker, client
+            yield server, client
     finally:
-        client.execute_command("CLIENT", "UNPAUSE")
+        if server.process is not None:
+            client.execute_command("CLIENT", "UNPAUSE")
         client.close()
         worker.stop()
         server.stop()
@@ -225,7 +226,7 @@ def store_of_its_own(
 
 @pytest.mark.slow
 def test_a_result_stored_after_the_soft_time_limit_fired_still_ends_the_call(
-    worker_app: Any, store_of_its_own: tuple[WorkerProcess, redis.Redis]
+    worker_app: Any, store_of_its_own: tuple[RedisServer, redis.Redis]
 ) -> None:
     _, store_server = store_of_its_own
     name, key = fresh("soft"), fresh("key")
@@ -245,7 +246,7 @@ def test_a_result_stored_after_the_soft_time_limit_fired_still_ends_the_call(
 
 @pytest.mark.slow
 def test_a_failure_released_after_the_soft_time_limit_fired_is_still_dead_lettered(
-    worker_app: Any, store_of_its_own: tuple[WorkerProcess, redis.Redis]
+    worker_app: Any, store_of_its_own: tuple[RedisServer, redis.Redis]
 ) -> None:
     _, store_server = store_of_its_own
     name, key = fresh("soft-fail"), fresh("key")
@@ -261,4 +262,22 @@ def test_a_failure_released_after_the_soft_time_limit_fired_is_still_dead_letter
     row = wait_until(lambda: _row_of(result.id), 10, "the dead letter")
     assert (row.error_type, row.idempotency_key) == ("ValueError", key)
     assert store_for(app).get(storage_key(task.name, key)) is None
+    assert ledger_events(name, "start") == 1
+
+
+@pytest.mark.slow
+def test_a_result_the_store_cannot_take_before_the_hard_time_limit_still_ends_the_call(
+    worker_app: Any, store_of_its_own: tuple[RedisServer, redis.Redis]
+) -> None:
+    server, _ = store_of_its_own
+    name, key = fresh("hard"), fresh("key")
+    task = worker_app.near_its_time_limit
+    result = task.apply_async((name, 2.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 20, "the body to start")
+    # When the store goes down while the body runs (2 s of an 8 s hard time limit, and a
+    # try of the completion then takes up to 3 s: the store client's own reconnects)
+    server.stop()
+    # Then storing its result stops trying before the limit: the caller gets the body's value
+    # (not TimeLimitExceeded for a body that succeeded)
+    assert result.get(timeout=30) == name
     assert ledger_events(name, "start") == 1

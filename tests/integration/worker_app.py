@@ -269,6 +269,14 @@ def near_its_soft_limit(name: str, sleep: float, fail: bool = False) -> str:
     return name
 
 
+@app.task(base=IdempotentTask, time_limit=8)
+def near_its_time_limit(name: str, sleep: float) -> str:
+    """Records its start and returns ``name`` after ``sleep`` s; its hard time limit is 8 s."""
+    note("start", name)
+    time.sleep(sleep)
+    return name
+
+
 @app.task
 def noted_errback(request: Any, exc: Any, traceback: Any, name: str) -> None:
     """An errback (Celery's new style): records in the ledger of ``name`` that it ran."""
