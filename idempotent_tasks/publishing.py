@@ -38,14 +38,19 @@ def fitted_task_id(task_id: str) -> str:
 
 
 def publish_key(
-    task: IdempotentTask, call_key: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+    task: IdempotentTask,
+    call_key: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    required: bool = True,
 ) -> str | None:
-    """The call's key: its own, else the task's, else ``None`` (``ValueError`` if required)."""
+    """The call's key: its own, else the task's, else ``None`` (``ValueError`` if the task
+    requires one and ``required``: not for a re-publish of a message already running)."""
     if call_key is not None:
         return validate_key(call_key)
     if task.idempotency_key is not None:
         return derive_key(task.idempotency_key, task._signature, args, kwargs)
-    if task.idempotency_key_required:
+    if task.idempotency_key_required and required:
         raise ValueError(
             f"task {task.name} requires an idempotency key: pass "
             "apply_async(..., idempotency_key=...) or set the task's idempotency_key"

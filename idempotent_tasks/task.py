@@ -186,7 +186,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             check_task_id(task_id)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        key = publishing.publish_key(self, call_key, args, kwargs)
+        # A message sent without a key by other means (send_task) is not refused half-way
+        # through its life either: its retry would be rejected back to the queue for ever.
+        key = publishing.publish_key(
+            self, call_key, args, kwargs, required=republish_headers is None
+        )
         if key is not None or republish_headers:
             headers = dict(options.pop("headers", None) or {})
             headers.update(republish_headers or {})

@@ -106,3 +106,13 @@ def test_waiting_duplicate_spends_none_of_its_retries() -> None:
     # Then it waits through several polls and resolves to the owner's value
     assert duplicate.get(timeout=30) == owner.get(timeout=30) == f"{name} done"
     assert ledger_events(name, "start") == 1
+
+
+def test_a_message_sent_without_the_key_its_task_requires_still_retries() -> None:
+    # Given a task that requires a key, sent by other means than apply_async, without one
+    name = fresh("keyless")
+    task = worker_app.must_have_key_flaky
+    result = worker_app.app.send_task(task.name, (name,))
+    # Then it runs as a plain task, and its failure is retried as Celery retries it
+    assert result.get(timeout=30) == 1
+    assert ledger_events(name, "start") == 2

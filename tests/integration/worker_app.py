@@ -166,6 +166,21 @@ def must_have_key(name: str) -> str:
     return name
 
 
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    idempotency_key_required=True,
+    autoretry_for=(TimeoutError,),
+    max_retries=3,
+    default_retry_delay=0.1,
+)
+def must_have_key_flaky(self: Any, name: str) -> int:
+    """Requires a key; its first run fails with TimeoutError; returns its retry count."""
+    if note("start", name) == 1:
+        raise TimeoutError(f"{name} timed out")
+    return int(self.request.retries)
+
+
 @app.task(base=IdempotentTask, idempotency_validate=False)
 def unvalidated(name: str, amount: int) -> int:
     note("start", name)
