@@ -55,7 +55,15 @@ from .errors import (
     SchemaVersionError,
     StoreUnavailable,
 )
-from .keys import MAX_TASK_ID_CHARS, KeySource, check_task_id, derive_key, fingerprint, storage_key
+from .keys import (
+    MAX_TASK_ID_CHARS,
+    KeySource,
+    check_task_id,
+    derive_key,
+    fingerprint,
+    storage_key,
+    validate_key,
+)
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
@@ -220,6 +228,39 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     raise
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
+        )
+
+    def apply(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: str | None = None,
+        retries: int | None = None,
+        throw: bool | None = None,
+        logfile: Any = None,
+        loglevel: Any = None,
+        headers: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply`` (run here and now), taking ``idempotency_key`` as
+        :meth:`apply_async` does: the call is claimed under it (``ValueError`` for a bad key)."""
+        call_key = options.pop(KEY_HEADER, None)
+        if call_key is not None:
+            headers = {**(headers or {}), KEY_HEADER: validate_key(call_key)}
+        return super().apply(
+            args,
+            kwargs,
+            link,
+            link_error,
+            task_id,
+            retries,
+            throw,
+            logfile,
+            loglevel,
+            headers,
+            **options,
         )
 
     def signature_from_request(

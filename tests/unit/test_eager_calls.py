@@ -108,3 +108,27 @@ def test_a_call_that_rejects_with_requeue_leaves_no_queued_key_unless_its_messag
         rejects.pop_request()
     record = store_for(app).get(storage_key(rejects.name, "k"))
     assert (record is not None) is acks_late
+
+
+def test_apply_and_a_signatures_apply_claim_the_key_they_are_given() -> None:
+    app = Celery("eager-apply", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order}"
+
+    # Given a call run here and now under a key
+    assert charge.apply(("o-1",), idempotency_key="k").get() == "charged o-1"
+    # When the key is run again, by apply or a signature's apply
+    again = charge.apply(("o-1",), idempotency_key="k")
+    by_signature = charge.s("o-1").set(idempotency_key="k").apply()
+    # Then the body ran once and each gets its value; a bad key is refused before running
+    assert again.get() == by_signature.get() == "charged o-1"
+    assert runs == ["o-1"]
+    assert store_for(app).get(storage_key(charge.name, "k")) is not None
+    with pytest.raises(ValueError):
+        charge.apply(("o-2",), idempotency_key=42)
+    assert runs == ["o-1"]
