@@ -14,7 +14,7 @@ from kombu.exceptions import OperationalError
 from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
-from .dlq.arguments import restored_arguments
+from .dlq.arguments import ArgumentsUnreadable, restored_arguments
 from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
@@ -119,16 +119,19 @@ def republish(app: Any, item: DeadLetter) -> None:
     """Send a dead letter's task again: same name, id, arguments, key and routing.
 
     Raises:
-        CannotResend: its arguments are kept only as text.
+        CannotResend: its arguments are kept only as text, or do not read back.
     """
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and are kept only as text")
+    try:
+        args, kwargs = restored_arguments(item.args, item.kwargs)
+    except ArgumentsUnreadable as exc:
+        raise CannotResend(str(exc)) from exc
     headers: dict[str, Any] = {DEAD_LETTER_HEADER: item.id}
     if item.sweep_id is not None:
         headers[DEAD_LETTER_SWEEP_HEADER] = item.sweep_id
     if item.idempotency_key is not None:
         headers["idempotency_key"] = item.idempotency_key
-    args, kwargs = restored_arguments(item.args, item.kwargs)
     app.send_task(
         item.task_name,
         args=args,

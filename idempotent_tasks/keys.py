@@ -24,7 +24,20 @@ def validate_key(key: object) -> str:
     if "\x00" in key:
         # No SQL store or dead-letter table could keep it (PostgreSQL refuses NUL in text).
         raise ValueError("idempotency_key must not contain NUL characters")
+    if not _is_utf8(key):
+        raise ValueError(
+            "idempotency_key must be text UTF-8 can hold, not one with a lone surrogate "
+            "(an undecodable byte of a file name, say)"
+        )
     return key
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 #: Longest task id a dead letter or an SQL claim row holds (their ``task_id`` columns).
@@ -40,8 +53,8 @@ def check_task_id(task_id: object) -> None:
     """
     if task_id is None:
         return
-    if not isinstance(task_id, str) or not task_id:
-        raise ValueError(f"task_id must be a non-empty str, not {task_id!r}")
+    if not isinstance(task_id, str) or not task_id or not _is_utf8(task_id):
+        raise ValueError(f"task_id must be a non-empty str UTF-8 can hold, not {task_id!r}")
     if len(task_id) > MAX_TASK_ID_CHARS:
         raise ValueError(
             f"task_id is {len(task_id)} characters long; at most {MAX_TASK_ID_CHARS} are kept"

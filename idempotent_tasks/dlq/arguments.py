@@ -18,18 +18,20 @@ def stored_arguments(
     kombu's typed form and come back as themselves from :func:`restored_arguments`. Anything
     else (a pickle-serialized task's objects, an RQ job's, a NaN or an infinity, which
     database JSON refuses) is kept as its ``repr``: such a row cannot be retried from the
-    table, only read.
+    table, only read. So is text with a lone surrogate (a file name's undecodable byte), which
+    database JSON refuses too: it is kept with that character written out (``\\udcff``).
     """
     try:
         kept = json.loads(kombu_json.dumps([list(args), dict(kwargs)]))  # type: ignore[no-untyped-call]
-        # Database JSON (PostgreSQL's, MariaDB's check) holds no NaN or Infinity.
-        json.dumps(kept, allow_nan=False)
+        # Database JSON (PostgreSQL's, MariaDB's check) holds no NaN or Infinity, and only
+        # text that is UTF-8 (UnicodeEncodeError is a ValueError).
+        json.dumps(kept, allow_nan=False, ensure_ascii=False).encode("utf-8")
         return list(kept[0]), dict(kept[1]), True
     except (TypeError, ValueError):
         pass
     try:
         text = json.dumps([list(args), dict(kwargs)], default=safe_repr, allow_nan=False)
-        kept = json.loads(text)
+        kept = _utf8_only(json.loads(text))
         return list(kept[0]), dict(kept[1]), False
     except (TypeError, ValueError):
         # Keys JSON cannot have (a tuple), or a value that holds itself: each argument whole.
@@ -38,6 +40,17 @@ def stored_arguments(
             {str(name): safe_repr(value) for name, value in kwargs.items()},
             False,
         )
+
+
+def _utf8_only(value: Any) -> Any:
+    """``value`` (parsed JSON) with every character UTF-8 cannot hold written out."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, list):
+        return [_utf8_only(item) for item in value]
+    if isinstance(value, dict):
+        return {_utf8_only(name): _utf8_only(item) for name, item in value.items()}
+    return value
 
 
 def safe_repr(value: Any) -> str:
@@ -49,9 +62,21 @@ def safe_repr(value: Any) -> str:
 
 
 def restored_arguments(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """The arguments :func:`stored_arguments` kept, typed values as themselves again."""
-    restored = kombu_json.loads(json.dumps([args, kwargs]))  # type: ignore[no-untyped-call]
-    return list(restored[0]), dict(restored[1])
+    """The arguments :func:`stored_arguments` kept, typed values as themselves again.
+
+    Raises:
+        ArgumentsUnreadable: a value in kombu's typed form that does not read back (a row
+            edited by hand, say): no later try would read it either.
+    """
+    try:
+        restored = kombu_json.loads(json.dumps([args, kwargs]))  # type: ignore[no-untyped-call]
+        return list(restored[0]), dict(restored[1])
+    except Exception as exc:
+        raise ArgumentsUnreadable(f"its arguments cannot be read back: {exc!r}") from exc
+
+
+class ArgumentsUnreadable(ValueError):
+    """A dead letter's stored arguments do not read back as the call's arguments."""
 
 
 def error_text(exc: BaseException) -> str:

@@ -29,7 +29,10 @@ SWEEP_BATCH = 100
 #: Longest task id, key and failure id the columns keep; longer ones are kept whole in the
 #: item's options, under these names (the columns show their start and a digest).
 MAX_TASK_ID_CHARS, MAX_KEY_CHARS, MAX_FAILURE_ID_CHARS = 255, 1024, 300
+#: Longest task name and error type the table keeps (their columns).
+MAX_TASK_NAME_CHARS, MAX_ERROR_TYPE_CHARS = 255, 255
 FULL_TASK_ID, FULL_KEY = "full_task_id", "full_idempotency_key"
+FULL_TASK_NAME = "full_task_name"
 #: Times a sweep picks again when concurrent sweeps took all it picked.
 TAKE_ROUNDS = 5
 
@@ -85,17 +88,20 @@ class DeadLetterQueue:
         """Record a final failure as a ``pending`` item; the same failure twice gives one row."""
         now = self._clock()
         options = dict(failure.options)
-        task_id = _fitted(failure.task_id, MAX_TASK_ID_CHARS, options, FULL_TASK_ID)
+        task_id = _fitted(_storable(failure.task_id), MAX_TASK_ID_CHARS, options, FULL_TASK_ID)
+        task_name = _fitted(
+            _storable(failure.task_name), MAX_TASK_NAME_CHARS, options, FULL_TASK_NAME
+        )
         key = failure.idempotency_key
         if key is not None:
-            key = _fitted(key, MAX_KEY_CHARS, options, FULL_KEY)
+            key = _fitted(_storable(key), MAX_KEY_CHARS, options, FULL_KEY)
         # Only compared: a digest names an over-long one as well.
-        failure_id = failure.failure_id
+        failure_id = _storable(failure.failure_id)
         if len(failure_id) > MAX_FAILURE_ID_CHARS:
             failure_id = "sha256:" + hashlib.sha256(failure_id.encode()).hexdigest()
         row = {
             "id": str(uuid.uuid4()),
-            "task_name": failure.task_name,
+            "task_name": task_name,
             "task_id": task_id,
             "framework": failure.framework,
             "failure_id": failure_id,
@@ -103,7 +109,7 @@ class DeadLetterQueue:
             "args": list(failure.args),
             "kwargs": dict(failure.kwargs),
             "options": options,
-            "error_type": _storable(failure.error_type),
+            "error_type": _storable(failure.error_type)[:MAX_ERROR_TYPE_CHARS],
             "error_message": _storable(failure.error_message),
             "traceback": _storable(failure.traceback),
             "retry_count": 0,
@@ -208,7 +214,7 @@ class DeadLetterQueue:
                 exhausted = retry_count >= item.max_retries
                 values: dict[str, Any] = {
                     "retry_count": retry_count,
-                    "error_type": _storable(error_type),
+                    "error_type": _storable(error_type)[:MAX_ERROR_TYPE_CHARS],
                     "error_message": _storable(error_message),
                     "traceback": _storable(traceback),
                     "sweep_id": None,
@@ -342,9 +348,13 @@ def _storable(text: str) -> str: ...
 @overload
 def _storable(text: None) -> None: ...
 def _storable(text: str | None) -> str | None:
-    """Text every database takes: PostgreSQL refuses NUL in text columns (a ``DataError`` that
-    no later try would get past), so it is written out as ``\\x00``."""
-    return None if text is None else text.replace("\x00", "\\x00")
+    """Text every database takes, none refusing it for good (a ``DataError`` no later try would
+    get past): NUL, which PostgreSQL refuses in text, is written out as ``\\x00``, and a lone
+    surrogate (a file name's undecodable byte), which no database encoding holds, as
+    ``\\udcff``."""
+    if text is None:
+        return None
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> str:
@@ -359,7 +369,7 @@ def _item(row: Any) -> DeadLetter:
     options = dict(row["options"])
     return DeadLetter(
         id=row["id"],
-        task_name=row["task_name"],
+        task_name=options.pop(FULL_TASK_NAME, row["task_name"]),
         task_id=options.pop(FULL_TASK_ID, row["task_id"]),
         framework=row["framework"],
         failure_id=row["failure_id"],

@@ -30,10 +30,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus, get_current_job
 from rq.queue import Queue
+from rq.serializers import resolve_serializer
 
 from .. import defaults
 from ..dlq import DeadLetter, DeadLetterQueue
-from ..dlq.arguments import restored_arguments
+from ..dlq.arguments import ArgumentsUnreadable, restored_arguments
 from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
 from ..dlq.sweep import AlreadySucceeded, CannotResend, resend_due
@@ -122,6 +123,10 @@ def _enqueue(
     if succeeded_unmarked(connection, item.id):
         raise AlreadySucceeded(item.id)
     serializer = item.options.get("serializer")  # the job's own, when not RQ's default
+    try:
+        resolve_serializer(serializer)
+    except Exception as exc:  # not importable here, or no serializer: no later try mends it
+        raise CannotResend(f"its job's serializer {serializer!r} cannot be used: {exc!r}") from exc
     held = _held_job(connection, item.task_id, serializer)
     current = held.get_status(refresh=False) if held is not None else None
     if current == JobStatus.FINISHED:
@@ -171,7 +176,10 @@ def _enqueue(
         job_class=IdempotentJob,
         serializer=serializer,
     )
-    args, kwargs = restored_arguments(item.args, item.kwargs)
+    try:
+        args, kwargs = restored_arguments(item.args, item.kwargs)
+    except ArgumentsUnreadable as exc:
+        raise CannotResend(str(exc)) from exc
     rq_queue.enqueue_call(
         item.task_name,
         args=args,

@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.dlq.arguments import stored_arguments
 from idempotent_tasks.dlq.schema import (
     COMPONENT,
     SCHEMA_VERSION,
@@ -746,6 +747,36 @@ def test_text_with_nul_characters_is_stored(dlq: DeadLetterQueue, clock: Clock) 
     [taken] = dlq.take_due()
     failed = dlq.record_retry_failure(taken.id, "E", "again \x00", "tb \x00", taken.sweep_id)
     assert failed is not None and failed.error_message == "again \\x00"
+
+
+def test_text_no_database_holds_is_stored_written_out_and_long_names_whole(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # A lone surrogate (a file name's undecodable byte) no database's encoding holds, and names
+    # longer than their columns: a row a database refused would be written again forever
+    args, kwargs, faithful = stored_arguments(["/data/\udcff"], {"path": "\udcff"})
+    assert not faithful
+    task_name = "tasks." + "n" * 300
+    item = dlq.add(
+        _failure(
+            task_name=task_name,
+            args=args,
+            kwargs=kwargs,
+            error_type="E" * 300,
+            error_message="cannot open /data/\udcff",
+            traceback="tb \udcff",
+        )
+    )
+    row = dlq.get(item.id)
+    assert row is not None
+    assert (row.error_message, row.traceback) == ("cannot open /data/\\udcff", "tb \\udcff")
+    assert (row.args, row.kwargs) == (["/data/\\udcff"], {"path": "\\udcff"})
+    assert (row.task_name, row.error_type) == (task_name, "E" * 255)
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    failed = dlq.record_retry_failure(taken.id, "E\udcff", "again \udcff", None, taken.sweep_id)
+    assert failed is not None
+    assert (failed.error_type, failed.error_message) == ("E\\udcff", "again \\udcff")
 
 
 def test_recover_stuck_of_one_framework_leaves_the_others_rows(

@@ -5,6 +5,7 @@ The sweeps run in this process, against real databases (an SQLite file, Redis fo
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -167,6 +168,30 @@ def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
         assert row is not None
         assert (row.retry_count, row.error_type) == (1, "CannotResend")
     assert Queue(queue_name, connection=connection).count == 0
+
+
+def test_rows_whose_arguments_or_serializer_cannot_be_read_back_use_a_retry(
+    app: Celery, redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a Celery row whose arguments were edited into a typed value that does not read
+    # back, and RQ rows of both kinds: that, and one whose job's serializer is not importable
+    unreadable = [{"__type__": "datetime", "__value__": "not a date"}]
+    celery_row = queue.add(dataclasses.replace(_failure(), args=unreadable))
+    rq_options = row_options(f"sweep-{uuid.uuid4().hex[:8]}")
+    rq_rows = [
+        queue.add(dataclasses.replace(_failure(RQ_FRAMEWORK, rq_options), args=unreadable)),
+        queue.add(_failure(RQ_FRAMEWORK, {**rq_options, "serializer": "no.such.Serializer"})),
+    ]
+    # When both sweeps run
+    assert app.tasks[SWEEP_TASK].run(batch=2) == 0
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    assert rq_retry_dead_letters(connection, dlq_url, batch=2) == 0
+    # Then each row used a retry, saying why, so it gives up at its limit (rather than be
+    # sent again every poll interval for ever)
+    for item in (celery_row, *rq_rows):
+        row = queue.get(item.id)
+        assert row is not None
+        assert (row.retry_count, row.error_type) == (1, "CannotResend")
 
 
 def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from idempotent_tasks.keys import derive_key, fingerprint, storage_key, validate_key
+from idempotent_tasks.keys import (
+    check_task_id,
+    derive_key,
+    fingerprint,
+    storage_key,
+    validate_key,
+)
 
 
 def charge(order_id: int, amount: int, currency: str = "EUR") -> None:
@@ -26,6 +32,15 @@ def test_non_str_keys_are_refused(bad: object) -> None:
 def test_keys_with_nul_characters_are_refused() -> None:
     with pytest.raises(ValueError, match="NUL"):
         validate_key("order\x0042")
+
+
+def test_keys_and_task_ids_with_a_lone_surrogate_are_refused() -> None:
+    # No store's encoding holds one (an undecodable byte of a file name, say)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        validate_key("file:/data/\udcff")
+    with pytest.raises(ValueError, match="UTF-8"):
+        check_task_id("task-\udcff")
+    assert validate_key("order-\u00e9-\U0001f600") == "order-\u00e9-\U0001f600"
 
 
 @pytest.mark.parametrize("blank", ["", "   ", "\n"])
