@@ -116,6 +116,36 @@ def test_a_claim_of_a_record_missing_fields_leaves_it_whole(
     assert record.created_at > 0
 
 
+def test_an_owner_claiming_its_own_record_with_an_unreadable_token_gets_a_new_one(
+    url: str,
+) -> None:
+    # Given a record this very owner holds whose token was damaged
+    store = RedisStore.from_url(url, prefix="corrupt-token")
+    request = _request("k")
+    first = store.claim(request)
+    assert first.outcome is Outcome.ACQUIRED
+    redis.Redis.from_url(url).hset(store.names("k")[0], "token", "oops")
+    # When the owner claims again (its message delivered twice), then it holds a new token
+    # (not a reply the store cannot read) with which it completes
+    again = store.claim(request)
+    assert again.outcome is Outcome.ACQUIRED and again.token > first.token
+    assert store.complete(request, again.token, None) is CompleteOutcome.STORED
+
+
+@pytest.mark.parametrize("field", ["task_id", "task_name"])
+def test_a_pickup_without_its_task_id_or_name_leaves_the_sweep_to_the_others(
+    url: str, field: str
+) -> None:
+    # Given a queued key past its due time that lost its task id or name, and another one
+    store = RedisStore.from_url(url, prefix="corrupt-names-pickup")
+    for key in ("k", "after"):
+        assert store.reserve(_request(key), Pickup(envelope=b"m", due_in=0.01, timeout=30)) is None
+    redis.Redis.from_url(url).hdel(store.names("k")[0], field)
+    time.sleep(0.05)
+    # When the sweep takes the due keys, then it takes the other one (no error stops it)
+    assert [due.storage_key for due in store.take_due(10)] == ["after"]
+
+
 @pytest.mark.parametrize("field", ["pickup_timeout", "republished", "due_at", "lease_expires_at"])
 @pytest.mark.parametrize("value", ["oops", "nan", "-1e300", "1e300"])
 def test_a_pickup_whose_numbers_cannot_be_read_is_taken_not_lost(

@@ -71,7 +71,11 @@ if found[1] == 'queued' then
   return acquire(0, found[5], fingerprint)
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
-  return {'acquired', tonumber(found[6]), 0}
+  local token = tonumber(found[6])
+  if token then
+    return {'acquired', token, 0}
+  end
+  return acquire(0, found[5], fingerprint)  -- its token cannot be read (corrupt): a new one
 end
 if mismatch then
   return answer('mismatch')

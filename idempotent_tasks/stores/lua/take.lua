@@ -12,7 +12,9 @@ local found = redis.pcall('HMGET', KEYS[1], 'status', 'lease_expires_at', 'picku
   'republished', 'envelope', 'task_id', 'task_name', 'due_at')
 -- A key holding something else than a record (an error reply) protects nothing either.
 local status = found.err == nil and found[1]
-if (status ~= 'queued' and status ~= 'processing') or not found[5] then
+-- Without its task id or name (a corrupt record) the message cannot be sent again either.
+if (status ~= 'queued' and status ~= 'processing') or not found[5] or not found[6]
+    or not found[7] then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return nil
 end
