@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from . import defaults
@@ -23,3 +24,15 @@ def resolve(*candidates: Any, default: Any) -> Any:
         if value is not None:
             return value
     return default
+
+
+def positive_seconds(value: Any, name: str) -> float:
+    """``value`` as seconds; ``ValueError`` naming the setting unless it is a finite number
+    above 0 (an infinite or zero lease or TTL has no meaning a store could keep)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds above 0, not {value!r}")
+    return seconds

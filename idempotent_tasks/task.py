@@ -67,7 +67,7 @@ from .keys import (
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
-from .settings import app_setting, resolve
+from .settings import app_setting, positive_seconds, resolve
 from .worker_request import (
     ISSUED_BY,
     ISSUED_OWNER,
@@ -888,7 +888,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             default=defaults.LEASE,
         )
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
-        return float(lease), float(ttl)
+        return positive_seconds(lease, "idempotency_lease"), positive_seconds(
+            ttl, "idempotency_ttl"
+        )
 
     @cached_property
     def _hard_time_limit(self) -> float | None:

@@ -17,6 +17,7 @@ from rq.utils import resolve_function_reference
 
 from .. import defaults
 from ..keys import KeySource
+from ..settings import positive_seconds
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -74,6 +75,9 @@ class IdempotencyOptions:
             )
         if self.key is not None and not callable(self.key) and not isinstance(self.key, str):
             raise ValueError("key must be a str.format template or a callable (args, kwargs)")
+        positive_seconds(self.ttl, "ttl")
+        if self.lease is not None:
+            positive_seconds(self.lease, "lease")
 
 
 #: Options of functions that were never decorated.
@@ -116,8 +120,8 @@ def idempotent(func: Any = None, /, **options: Any) -> Any:
     the worker).
 
     Raises:
-        ValueError: for an unknown ``on_duplicate`` or a key that is neither a template nor a
-            callable.
+        ValueError: for an unknown ``on_duplicate``, a key that is neither a template nor a
+            callable, or a ``ttl`` or ``lease`` that is not a finite number of seconds above 0.
     """
     settings = IdempotencyOptions(**options)
 

@@ -8,6 +8,7 @@ import pytest
 from celery import Celery
 
 from idempotent_tasks import IdempotentTask
+from idempotent_tasks.rq import idempotent
 from idempotent_tasks.settings import app_setting, resolve
 from idempotent_tasks.signals import Signal
 
@@ -34,6 +35,41 @@ def test_unknown_on_duplicate_is_refused_when_the_task_is_defined() -> None:
             """Never defined."""
 
         task.name  # noqa: B018 - touching the proxy creates the task class
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("idempotency_ttl", float("inf")),
+        ("idempotency_ttl", 0),
+        ("idempotency_lease", float("nan")),
+        ("idempotency_lease", -5),
+        ("idempotency_lease", "soon"),
+    ],
+)
+def test_a_lease_or_ttl_that_is_no_finite_positive_number_is_refused_before_publishing(
+    option: str, value: object
+) -> None:
+    app = Celery("t", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://")
+    sent: list[Any] = []
+
+    @app.task(base=IdempotentTask, shared=False, **{option: value})
+    def task(x: int) -> int:
+        return x
+
+    task.app.amqp.send_task_message = lambda *args, **kwargs: sent.append(args)
+    with pytest.raises(ValueError, match=option):
+        task.apply_async((1,), idempotency_key="k")
+    assert sent == []
+
+
+@pytest.mark.parametrize(("option", "value"), [("ttl", float("inf")), ("lease", 0)])
+def test_an_rq_lease_or_ttl_that_is_no_finite_positive_number_is_refused(
+    option: str, value: float
+) -> None:
+    with pytest.raises(ValueError, match=option):
+        idempotent(**{option: value})
 
 
 def test_callable_key_option_is_not_bound_to_the_task() -> None:
