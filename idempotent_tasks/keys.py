@@ -6,6 +6,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from . import defaults
@@ -163,6 +164,16 @@ def _canonical_default(value: Any) -> Any:
         return sorted(value, key=repr)
     if isinstance(value, bytes):
         return {"__bytes__": value.hex()}
+    # As the worker gets them back from a JSON message, so that both sides agree: what an
+    # object's ``__json__`` gives (kombu sends that), and a datetime at its fixed UTC offset
+    # (kombu sends the offset, not the zone: a ZoneInfo or pytz time comes back at the offset).
+    reducer = getattr(value, "__json__", None)
+    if callable(reducer):
+        return reducer()
+    if isinstance(value, datetime) and not isinstance(value.tzinfo, timezone | None):
+        offset = value.utcoffset()
+        if offset is not None:
+            return {"__repr__": repr(value.replace(tzinfo=timezone(offset)))}
     kind = type(value)
     if kind.__repr__ is object.__repr__:  # type: ignore[comparison-overlap]
         state = getattr(value, "__dict__", None)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import inspect
+from datetime import datetime, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
+from kombu.utils import json as kombu_json
 
 from idempotent_tasks.keys import (
     check_task_id,
@@ -185,3 +188,32 @@ def test_long_keys_and_keys_with_braces_are_hashed() -> None:
     assert len(long_name) == len("sha256:") + 64
     assert storage_key("shop.charge", "x" * 501) != long_name
     assert storage_key("shop.charge", "{tag}").startswith("sha256:")
+
+
+class _Money:
+    """Sent as what its ``__json__`` gives (kombu's JSON calls it)."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+    def __json__(self) -> dict[str, int]:
+        return {"cents": self.cents}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        datetime(2026, 1, 2, 3, 4, 5, tzinfo=ZoneInfo("Europe/Paris")),
+        datetime(2026, 7, 2, 3, 4, 5, tzinfo=ZoneInfo("UTC")),
+        datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        datetime(2026, 1, 2, 3, 4, 5),
+        _Money(990),
+    ],
+    ids=["zoneinfo", "zoneinfo-utc", "utc", "naive", "__json__"],
+)
+def test_the_publisher_and_the_worker_fingerprint_a_value_alike(value: object) -> None:
+    # The worker fingerprints the arguments as they come back from the JSON message
+    delivered = kombu_json.loads(kombu_json.dumps([[value], {"note": value}]))
+    assert fingerprint("t", None, [value], {"note": value}) == fingerprint(
+        "t", None, delivered[0], delivered[1]
+    )
