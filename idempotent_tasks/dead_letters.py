@@ -104,6 +104,15 @@ def _log_item(item: DeadLetter) -> None:
     )
 
 
+def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> None:
+    """A re-published dead letter's run begins: its row is not stuck (so a sweep does not
+    send it again while it runs, or while its own retries wait). A database error is logged."""
+    try:
+        dlq_for(app).renew_retrying(dead_letter_id, sweep_id)
+    except StoreUnavailable as exc:
+        module_logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
+
+
 def mark_succeeded(app: Any, dead_letter_id: str) -> bool:
     """A re-published dead letter succeeded: mark its row. Whether it was written; a database
     error is logged."""

@@ -40,6 +40,7 @@ from .dead_letters import (
     UNWRITTEN_SUCCESS_HEADER,
     dead_letter_headers,
     mark_succeeded,
+    renew_retrying,
     routing_options,
     write_failure,
 )
@@ -303,6 +304,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         unwritten = request_header(request, UNWRITTEN_FAILURE_HEADER)
         if unwritten is not None:
             self._write_failure(Failure(**unwritten))
+        dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
+        if dead_letter_id is not None:
+            sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
+            renew_retrying(self.app, dead_letter_id, sweep_id)
         key = self._call_key(request, args, kwargs)
         if key is None:
             return self._run_unclaimed(args, kwargs)

@@ -120,6 +120,14 @@ def record_retry_failure(
     )
 
 
+def renew_retrying(item_id: str, sweep_id: str | None, now: datetime) -> Update:
+    """Mark a ``retrying`` item (of ``sweep_id``, when given) as alive now: its run began."""
+    held = (dead_letters.c.id == item_id) & (dead_letters.c.status == RETRYING)
+    if sweep_id is not None:
+        held = held & (dead_letters.c.sweep_id == sweep_id)
+    return update(dead_letters).where(held).values(updated_at=now)
+
+
 def retry_now(item_id: str, now: datetime) -> Update:
     """Make an item (of any status but ``retrying``) pending and due at once."""
     return (

@@ -180,6 +180,15 @@ class DeadLetterQueue:
             result = connection.execute(queries.unclaim(item_id, self._db(now), self._db(due)))
         return bool(result.rowcount)
 
+    def renew_retrying(self, item_id: str, sweep_id: str | None = None) -> bool:
+        """A re-published item's run began (or retries): it is not stuck, so its
+        ``retrying`` timeout counts from now. Whether the item (of ``sweep_id``) was
+        ``retrying``."""
+        now = self._db(self._clock())
+        with self._begin() as connection:
+            result = connection.execute(queries.renew_retrying(item_id, sweep_id, now))
+        return bool(result.rowcount)
+
     def mark_succeeded(self, item_id: str) -> bool:
         """Mark a re-published item ``succeeded``; whether it was ``retrying`` or ``pending``."""
         now = self._db(self._clock())

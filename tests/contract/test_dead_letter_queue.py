@@ -796,6 +796,28 @@ def test_recover_stuck_of_one_framework_leaves_the_others_rows(
     assert rq_now is not None and rq_now.status is Statuses.PENDING
 
 
+def test_a_renewed_retrying_row_is_not_stuck_and_only_its_sweeps_run_renews_it(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a row taken by a sweep 50 minutes ago, whose run began (or retries) now
+    row = dlq.add(_failure())
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    clock.advance(minutes=50)
+    assert not dlq.renew_retrying(taken.id, sweep_id="another sweep")
+    assert dlq.renew_retrying(taken.id, sweep_id=taken.sweep_id)
+    # When a sweep looks for rows stuck for an hour 20 minutes later, then it is not one
+    clock.advance(minutes=20)
+    assert dlq.recover_stuck(timedelta(hours=1)) == 0
+    # And once no run renewed it for an hour, it is
+    clock.advance(minutes=41)
+    assert dlq.recover_stuck(timedelta(hours=1)) == 1
+    # A row no longer retrying is left as it is
+    assert not dlq.renew_retrying(row.id)
+    found = dlq.get(row.id)
+    assert found is not None and found.status is Statuses.PENDING
+
+
 class _Interleaving(random.Random):
     """A jitter source that, once ``between`` is set, runs it before its next draw: inside
     ``record_retry_failure``, between its read of the row and its write."""

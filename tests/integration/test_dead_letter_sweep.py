@@ -6,6 +6,7 @@ The sweeps run in this process, against real databases (an SQLite file, Redis fo
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,7 +23,11 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from idempotent_tasks import IdempotentTask
-from idempotent_tasks.dead_letters import SWEEP_TASK
+from idempotent_tasks.dead_letters import (
+    DEAD_LETTER_HEADER,
+    DEAD_LETTER_SWEEP_HEADER,
+    SWEEP_TASK,
+)
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
@@ -192,6 +197,35 @@ def test_rows_whose_arguments_or_serializer_cannot_be_read_back_use_a_retry(
         row = queue.get(item.id)
         assert row is not None
         assert (row.retry_count, row.error_type) == (1, "CannotResend")
+
+
+def test_a_dead_letters_run_renews_its_row_so_no_sweep_sends_it_again_meanwhile(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    app = Celery("renews", set_as_current=False, broker="memory://")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_dlq_url=dlq_url,
+        result_backend="cache+memory://",
+    )
+    stuck_seen: list[int] = []
+
+    @app.task(name=f"renews.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        # What a sweep would find stuck (retrying for over a second) while this run goes on
+        stuck_seen.append(queue.recover_stuck(timedelta(seconds=1), framework="celery"))
+        return order
+
+    # Given a dead letter a sweep took over a second ago and re-published
+    row = queue.add(dataclasses.replace(_failure(), task_name=charge.name))
+    [taken] = queue.take_due()
+    time.sleep(1.2)
+    # When its run begins, then its row is not stuck while it runs, and succeeds after
+    headers = {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
+    assert charge.apply(("order",), task_id=row.task_id, headers=headers).get() == "order"
+    assert stuck_seen == [0]
+    found = queue.get(row.id)
+    assert found is not None and found.status is DeadLetterStatus.SUCCEEDED
 
 
 def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(
