@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import timedelta
 from typing import Any
@@ -10,6 +11,7 @@ from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
+from kombu.utils import json as kombu_json
 
 from . import defaults, signals
 from .app_store import dlq_for, store_for
@@ -65,6 +67,35 @@ def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
     if info.get("priority") is not None:
         options["priority"] = info["priority"]
     return options
+
+
+#: Options of a failed call its dead letter keeps, so that a retry that succeeds goes on as the
+#: call would have: its callbacks (``link``), the rest of its chain, its time limits. Its
+#: errbacks ran when it failed, and its expiry will have passed: those are not kept.
+CONTINUATION_OPTIONS = ("link", "chain", "time_limit", "soft_time_limit")
+
+
+def continuation_options(request: Any) -> dict[str, Any]:
+    """The :data:`CONTINUATION_OPTIONS` of the call ``request`` runs, as JSON the table keeps
+    (values Celery's JSON types, as kombu writes them); callbacks or a chain JSON cannot hold
+    (a pickle-serialized canvas) are not kept, and a warning says so."""
+    time_limit, soft_time_limit = getattr(request, "timelimit", None) or (None, None)
+    wanted = {
+        "link": getattr(request, "callbacks", None),
+        "chain": getattr(request, "chain", None),
+        "time_limit": time_limit,
+        "soft_time_limit": soft_time_limit,
+    }
+    kept = {name: value for name, value in wanted.items() if value}
+    try:
+        stored = json.loads(kombu_json.dumps(kept))  # type: ignore[no-untyped-call]
+        json.dumps(stored, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError):
+        module_logger.warning(
+            "its callbacks or chain are not JSON: a retry of its dead letter will not run them"
+        )
+        return {name: kept[name] for name in ("time_limit", "soft_time_limit") if name in kept}
+    return dict(stored)
 
 
 def write_failure(
@@ -141,13 +172,17 @@ def republish(app: Any, item: DeadLetter) -> None:
         headers[DEAD_LETTER_SWEEP_HEADER] = item.sweep_id
     if item.idempotency_key is not None:
         headers["idempotency_key"] = item.idempotency_key
+    options = dict(item.options)
+    for name in ("link", "chain"):
+        if options.get(name):
+            options[name] = kombu_json.loads(json.dumps(options[name]))  # type: ignore[no-untyped-call]
     app.send_task(
         item.task_name,
         args=args,
         kwargs=kwargs,
         task_id=item.task_id,
         headers=headers,
-        **item.options,
+        **options,
     )
 
 

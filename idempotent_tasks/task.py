@@ -38,6 +38,7 @@ from .dead_letters import (
     FAILURE_REPORTED_HEADER,
     UNWRITTEN_FAILURE_HEADER,
     UNWRITTEN_SUCCESS_HEADER,
+    continuation_options,
     dead_letter_headers,
     mark_succeeded,
     renew_retrying,
@@ -635,7 +636,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"
             )
         task_id = publishing.fitted_task_id(request.id)
-        options = routing_options(request.delivery_info)
+        options = {**routing_options(request.delivery_info), **continuation_options(request)}
         if not faithful:
             options[ARGS_LOSSY] = True  # the sweep refuses to send it again
         failure = Failure(

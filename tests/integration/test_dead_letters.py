@@ -127,6 +127,38 @@ class TestWithBeat:
         assert again.id == result.id
         assert ledger_events(name, "start") == 3
 
+    def test_a_dead_letter_whose_retry_succeeds_goes_on_with_its_callbacks_and_chain(
+        self,
+    ) -> None:
+        # Given a chain whose first step fails for good, and a call with a callback that does
+        name, linked = fresh("chained"), fresh("linked")
+        step = worker_app.recovers_after
+        chained = (
+            step.s(name, 2).set(idempotency_key=fresh("key")) | worker_app.noted_callback.s(name)
+        ).apply_async()
+        called = step.apply_async(
+            (linked, 2), idempotency_key=fresh("key"), link=worker_app.noted_callback.s(linked)
+        )
+        with pytest.raises(TimeoutError):
+            called.get(timeout=30)
+        wait_until(lambda: ledger_events(name, "start") == 2, 30, "the chain's first step")
+        assert ledger_events(name, "callback") == ledger_events(linked, "callback") == 0
+        # When beat's sweep re-publishes them and they succeed
+        for task_id in (chained.parent.id, called.id):
+            wait_until(
+                lambda task_id=task_id: (
+                    (r := _row_of(task_id)) and r.status is DeadLetterStatus.SUCCEEDED
+                ),
+                30,
+                "the dead letter to succeed",
+            )
+        # Then the rest of the chain runs, and the callback, each once
+        wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the chain's next step")
+        wait_until(lambda: ledger_events(linked, "callback") == 1, 30, "the callback")
+        time.sleep(0.5)
+        assert ledger_events(name, "callback") == ledger_events(linked, "callback") == 1
+        assert ledger_events(name, "start") == ledger_events(linked, "start") == 3
+
     def test_a_dead_letter_keeps_datetimes_and_decimals_and_is_retried_with_them(self) -> None:
         # Given a task called with values JSON has no type for, that fails on its first run
         name, key = fresh("dated"), fresh("key")
