@@ -173,7 +173,7 @@ def _canonical_default(value: Any) -> Any:
     if isinstance(value, datetime) and not isinstance(value.tzinfo, timezone | None):
         offset = value.utcoffset()
         if offset is not None:
-            return {"__repr__": repr(value.replace(tzinfo=timezone(offset)))}
+            return {"__repr__": repr(value.replace(tzinfo=timezone(offset), fold=0))}
     kind = type(value)
     if kind.__repr__ is object.__repr__:  # type: ignore[comparison-overlap]
         state = getattr(value, "__dict__", None)

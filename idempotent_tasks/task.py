@@ -83,6 +83,8 @@ module_logger = logging.getLogger(__name__)
 
 #: Message headers the key travels in (Celery 5 drops unknown ``apply_async`` options).
 KEY_HEADER = "idempotency_key"
+#: Celery's name for a chain signature (``celery.canvas.chain``).
+CHAIN_TASK = "celery.chain"
 #: Seconds before a call's hard time limit at which storing its result stops waiting for an
 #: unreachable store (the limit counts from the pool's start of the call, a little earlier).
 HARD_LIMIT_MARGIN = 1.0
@@ -298,6 +300,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.called_directly or getattr(request, "idempotency_entered", False):
             # Called as a function (from the task's own body, say): a plain call, as Celery's.
             return super().__call__(*args, **kwargs)
+        started = time.monotonic()  # about when the pool began the call (its time limits)
         request.idempotency_entered = True
         if request_header(request, UNWRITTEN_SUCCESS_HEADER):
             self._dead_letter_succeeded()
@@ -334,7 +337,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
 
         if claim.outcome is Outcome.ACQUIRED:
-            return self._run_claimed(attempt, args, kwargs)
+            return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
         assert record is not None
         if claim.outcome is Outcome.MISMATCH:
@@ -370,9 +373,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self._dead_letter_succeeded()
         return value
 
-    def _run_claimed(self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_claimed(
+        self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any], started: float
+    ) -> Any:
         self.request.idempotency_attempt = attempt
-        started = time.monotonic()
         try:
             with attempt.heartbeat():
                 value = self.run(*args, **kwargs)
@@ -390,17 +394,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
-                attempt.release_quietly(self._requeued_pickup(attempt.request.key, args, kwargs))
+                pickup = self._requeued_pickup(attempt.request.key, args, kwargs)
+                despite_time_limit(SoftTimeLimitExceeded, lambda: attempt.release_quietly(pickup))
             elif (
                 replacement := getattr(self.request, "idempotency_replacement", None)
             ) is not None:
                 # Queued for the replacement (the same task id): kept by the guard meanwhile.
                 pickup = self._message_pickup(
-                    attempt.request.key, replacement.args, replacement.kwargs, 0.0, retries=0
+                    attempt.request.key,
+                    replacement.args,
+                    replacement.kwargs,
+                    seconds_until(
+                        replacement.options.get("countdown"), replacement.options.get("eta")
+                    ),
+                    retries=0,
+                    routing=_routing_of(replacement),
                 )
-                attempt.release_quietly(pickup)
+                despite_time_limit(SoftTimeLimitExceeded, lambda: attempt.release_quietly(pickup))
             else:
-                attempt.release_quietly()
+                despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
             raise
         except Exception as exc:
             despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
@@ -412,9 +424,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             raise
         side_write = self._celery_result(value)
-        patience = self._completion_patience(attempt.request.lease_seconds, started)
+        # One deadline: storing it again after the soft time limit fired has no more time.
+        finish_by = started + self._completion_patience(attempt.request.lease_seconds, started)
         value = despite_time_limit(
-            SoftTimeLimitExceeded, lambda: attempt.finish(value, patience, side_write)
+            SoftTimeLimitExceeded,
+            lambda: attempt.finish(value, finish_by - time.monotonic(), side_write),
         )
         if attempt.side_written:
             # The completion wrote and published Celery's result record: Celery need not.
@@ -456,14 +470,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         waits for the loop's last value rather than begin the loop anew.
         """
         request = self.request
-        by_itself = getattr(sig, "task", None) == self.name
+        # A call in a chain is replaced by a chain of its replacement and the steps after it.
+        first = sig.tasks[0] if getattr(sig, "task", None) == CHAIN_TASK and sig.tasks else sig
+        by_itself = getattr(first, "task", None) == self.name
         request.idempotency_replaced = not by_itself
         key = _request_key(request)
         if by_itself and key is not None and not request.is_eager:
-            if KEY_HEADER not in sig.options:
-                sig.set(**{KEY_HEADER: key})
-            if sig.options[KEY_HEADER] == key:
-                request.idempotency_replacement = sig
+            if KEY_HEADER not in first.options:
+                first.set(**{KEY_HEADER: key})
+            if first.options[KEY_HEADER] == key:
+                request.idempotency_replacement = first
         return super().on_replace(sig)
 
     def _replacement_value(self, record: Record, lease_seconds: float) -> Any:
@@ -541,16 +557,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         published, keeping that very message for the pickup guard."""
         attempt, wait = self.request.idempotency_retrying
         self.request.idempotency_retrying = None
-        routing = {
-            name: signature.options[name]
-            for name in ("queue", "routing_key", "exchange", "priority")
-            if signature.options.get(name) is not None
-        }
-        if "queue" in routing:
-            # A queue of its own: not this delivery's exchange and routing key, which Celery
-            # would prefer over it.
-            routing.setdefault("exchange", None)
-            routing.setdefault("routing_key", None)
+        routing = _routing_of(signature)
         pickup = self._message_pickup(
             attempt.request.key,
             signature.args,
@@ -873,13 +880,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return result_side_write(self.backend, self.request, value, self._codec.max_bytes)
 
     def _completion_patience(self, lease: float, started: float) -> float:
-        """How long storing a result may wait for an unreachable store: the lease, but never
-        up to the call's hard time limit, whose kill would fail a body that succeeded."""
+        """How long, from ``started`` (the call's start), storing its result may wait for an
+        unreachable store: until the lease has passed since the body ended, but never up to
+        the call's hard time limit, whose kill would fail a body that succeeded."""
+        waited_from = time.monotonic() - started
         hard_limit = (self.request.timelimit or (None, None))[0] or self._hard_time_limit
         if not hard_limit:
-            return lease
-        left = float(hard_limit) - (time.monotonic() - started) - HARD_LIMIT_MARGIN
-        return max(min(lease, left), 0.0)
+            return waited_from + lease
+        return max(min(waited_from + lease, float(hard_limit) - HARD_LIMIT_MARGIN), 0.0)
 
     # -- per-task constants: settings are read once per task, when first needed, as Celery
     # reads its own task options (a lookup in app.conf costs more than a Redis round trip) --
@@ -965,6 +973,21 @@ def _timeout_requeues(task: Task) -> bool:
     if acks is None:
         acks = task.acks_on_failure_or_timeout
     return acks is not None and not acks
+
+
+def _routing_of(signature: Any) -> dict[str, Any]:
+    """Where a signature sends its message, when it says (else: where this delivery came from)."""
+    routing = {
+        name: signature.options[name]
+        for name in ("queue", "routing_key", "exchange", "priority")
+        if signature.options.get(name) is not None
+    }
+    if "queue" in routing:
+        # A queue of its own: not this delivery's exchange and routing key, which Celery would
+        # prefer over it.
+        routing.setdefault("exchange", None)
+        routing.setdefault("routing_key", None)
+    return routing
 
 
 def _request_key(request: Any) -> str | None:

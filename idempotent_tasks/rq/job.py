@@ -344,8 +344,11 @@ class IdempotentJob(Job):
         if isinstance(value, Retry):
             return self._returned_retry(value, attempt, key, options, state)
         if attempt is not None:
-            patience = self._time_budget(attempt.request.lease_seconds)
-            value = despite_time_limit(JobTimeoutException, lambda: attempt.finish(value, patience))
+            # One deadline: storing it again after the job timeout fired has no more time.
+            finish_by = time.monotonic() + self._time_budget(attempt.request.lease_seconds)
+            value = despite_time_limit(
+                JobTimeoutException, lambda: attempt.finish(value, finish_by - time.monotonic())
+            )
             if attempt.superseded:
                 # Taken over mid-run and the new owner is still running: wait for its value.
                 return self._requeue_later(
@@ -569,6 +572,7 @@ class IdempotentJob(Job):
                 self.origin,
             )
             state["unwritten_failure"] = dataclasses.asdict(failure)
+            self.meta[META_KEY] = state  # a job a plain Queue made had none: saved with it
             self.failed_job_registry.remove(self, pipeline=pipeline)
             queue = Queue(
                 self.origin,

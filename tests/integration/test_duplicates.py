@@ -197,6 +197,16 @@ def test_a_call_keyed_by_its_caller_that_replaces_itself_keeps_that_key_to_its_e
     assert record is not None and record.task_id == result.id
 
 
+def test_a_chain_step_that_replaces_itself_runs_each_replacement_then_the_chain_goes_on() -> None:
+    # A polling loop that is one step of a chain: Celery makes each replacement a chain of
+    # the replacement and the steps after it
+    name = fresh("chained-countdown")
+    result = (worker_app.counts_down.s(name, 2) | worker_app.noted_callback.s(name)).apply_async()
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the chain's next step")
+    assert result.get(timeout=30) is None
+    assert ledger_events(name, "start") == 3
+
+
 def test_a_linked_call_of_a_key_in_progress_waits_for_the_owner_then_runs_its_link() -> None:
     order, key = fresh("order"), fresh("key")
     owner = charge.apply_async((order, 10), {"sleep": 2.0}, idempotency_key=key)

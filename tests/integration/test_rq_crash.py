@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from rq.command import send_stop_job_command
+from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
@@ -233,6 +234,43 @@ def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_l
         assert rq_jobs.starts(name) == 1
         assert queue.store.get(storage_key(SLOW_FIRST, key)) is None
         assert worker.process.poll() is None
+    finally:
+        worker.stop()
+
+
+def test_a_plain_queues_job_whose_horse_died_while_the_database_was_down_is_written_later(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an @idempotent function's job that a plain Queue made (no meta of ours), on a
+    # worker whose dead letters go to the test's database
+    name = f"plain-horse-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("IDEMPOTENT_TASKS_DLQ_URL", rq_env.dlq_url)
+    queue = Queue(f"it-rq-plain-horse-{uuid.uuid4().hex[:8]}", connection=rq_env.connection)
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-plain-horse"))
+    try:
+        job = queue.enqueue(rq_jobs.slow_first, name, 60)
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
+        # When its work horse is killed while the dead-letter database refuses connections
+        set_pg_database_online(DLQ_DATABASE, False)
+        try:
+            _kill_work_horse(worker)
+            wait_until(
+                lambda: (
+                    IdempotentJob.fetch(job.id, connection=rq_env.connection)
+                    .get_meta()
+                    .get("idempotency", {})
+                    .get("unwritten_failure")
+                ),
+                10,
+                "the unwritten failure to be carried by the job",
+            )
+        finally:
+            set_pg_database_online(DLQ_DATABASE, True)
+        # Then once the database is back its dead letter is written, the body not run again
+        wait_failed(job, timeout=30)
+        (row,) = rq_env.rows_of(job.id)
+        assert row.error_type == "WorkHorseKilled"
+        assert rq_jobs.starts(name) == 1
     finally:
         worker.stop()
 
