@@ -85,7 +85,11 @@ class DeadLetterQueue:
     # -- writing ------------------------------------------------------------------------------
 
     def add(self, failure: Failure) -> DeadLetter:
-        """Record a final failure as a ``pending`` item; the same failure twice gives one row."""
+        """Record a final failure as a ``pending`` item; the same failure twice gives one row.
+
+        A failure whose id names a row that has since succeeded, or given up after its
+        retries, is a new call's (a task id used again): it gets a row of its own.
+        """
         now = self._clock()
         options = dict(failure.options)
         task_id = _fitted(_storable(failure.task_id), MAX_TASK_ID_CHARS, options, FULL_TASK_ID)
@@ -95,10 +99,7 @@ class DeadLetterQueue:
         key = failure.idempotency_key
         if key is not None:
             key = _fitted(_storable(key), MAX_KEY_CHARS, options, FULL_KEY)
-        # Only compared: a digest names an over-long one as well.
-        failure_id = _storable(failure.failure_id)
-        if len(failure_id) > MAX_FAILURE_ID_CHARS:
-            failure_id = "sha256:" + hashlib.sha256(failure_id.encode()).hexdigest()
+        failure_id = _compared_id(_storable(failure.failure_id))
         row = {
             "id": str(uuid.uuid4()),
             "task_name": task_name,
@@ -128,14 +129,19 @@ class DeadLetterQueue:
             "created_at": self._db(now),
             "updated_at": self._db(now),
         }
-        try:
+        while True:
+            try:
+                with self._begin() as connection:
+                    connection.execute(queries.insert_dead_letter(row))
+            except IntegrityError:
+                pass  # this failure was written before (a retried write): keep that row
             with self._begin() as connection:
-                connection.execute(queries.insert_dead_letter(row))
-        except IntegrityError:
-            pass  # this failure was written before (a retried write): keep that row
-        with self._begin() as connection:
-            found = connection.execute(queries.select_by_failure(failure_id)).one()
-        return _item(found._mapping)
+                found = connection.execute(queries.select_by_failure(row["failure_id"])).one()
+            item = _item(found._mapping)
+            if item.id == row["id"] or not _ended_before(item):
+                return item
+            # A row ended before this failure: this one is a later call's under the same id.
+            row["failure_id"] = _compared_id(f"{failure_id}@{item.id}")
 
     def take_due(self, limit: int = SWEEP_BATCH, framework: str = "celery") -> list[DeadLetter]:
         """Atomically take up to ``limit`` due ``pending`` items of ``framework``, marking them
@@ -364,6 +370,21 @@ def _storable(text: str | None) -> str | None:
     if text is None:
         return None
     return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _compared_id(failure_id: str) -> str:
+    """A failure id as the table keeps it (only compared: a digest names an over-long one)."""
+    if len(failure_id) > MAX_FAILURE_ID_CHARS:
+        return "sha256:" + hashlib.sha256(failure_id.encode()).hexdigest()
+    return failure_id
+
+
+def _ended_before(item: DeadLetter) -> bool:
+    """Whether a row's story ended: it succeeded, or gave up after retries (a row written to
+    be kept, never retried, may be this very failure written again)."""
+    return item.status is DeadLetterStatus.SUCCEEDED or (
+        item.status is DeadLetterStatus.PERMANENT_FAILURE and item.retry_count > 0
+    )
 
 
 def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> str:

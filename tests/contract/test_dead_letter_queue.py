@@ -818,6 +818,34 @@ def test_a_renewed_retrying_row_is_not_stuck_and_only_its_sweeps_run_renews_it(
     assert found is not None and found.status is Statuses.PENDING
 
 
+def test_a_failure_under_the_id_of_a_row_that_ended_gets_a_row_of_its_own(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a call's dead letter that succeeded since, and one that gave up after retries
+    succeeded = dlq.add(_failure(failure_id="reused:0"))
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    assert dlq.mark_succeeded(taken.id)
+    gave_up = dlq.add(_failure(failure_id="again:0", max_retries=1))
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    gave_up_now = dlq.record_retry_failure(taken.id, "E", "no", None, taken.sweep_id)
+    assert gave_up_now is not None and gave_up_now.status is Statuses.PERMANENT_FAILURE
+    # When a later call under the same task id fails for good (and its write is repeated)
+    later = dlq.add(_failure(failure_id="reused:0", error_message="the later call"))
+    repeated = dlq.add(_failure(failure_id="reused:0", error_message="the later call"))
+    after_give_up = dlq.add(_failure(failure_id="again:0"))
+    # Then each later failure has a pending row of its own, written once
+    assert later.id != succeeded.id and repeated.id == later.id
+    assert (later.status, later.error_message) == (Statuses.PENDING, "the later call")
+    assert after_give_up.id != gave_up.id and after_give_up.status is Statuses.PENDING
+    found = dlq.get(succeeded.id)
+    assert found is not None and found.status is Statuses.SUCCEEDED
+    # While a row kept without retries takes its failure written again
+    kept = dlq.add(_failure(failure_id="kept:0", max_retries=0))
+    assert dlq.add(_failure(failure_id="kept:0", max_retries=0)).id == kept.id
+
+
 class _Interleaving(random.Random):
     """A jitter source that, once ``between`` is set, runs it before its next draw: inside
     ``record_retry_failure``, between its read of the row and its write."""
