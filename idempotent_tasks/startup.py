@@ -14,6 +14,19 @@ from .errors import SchemaVersionError, StoreUnavailable
 logger = logging.getLogger(__name__)
 
 
+#: Attribute of an app holding its worker's own hard time limit (``--time-limit``).
+WORKER_TIME_LIMIT = "_idempotent_tasks_worker_time_limit"
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def note_worker_time_limit(sender: Any = None, **_: Any) -> None:
+    """Keep the worker's hard time limit on its app (pool processes inherit it): given on the
+    command line (``--time-limit``), the pool applies it, and ``app.conf`` does not hold it."""
+    app, limit = getattr(sender, "app", None), getattr(sender, "time_limit", None)
+    if app is not None and limit:
+        setattr(app, WORKER_TIME_LIMIT, float(limit))
+
+
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
     """Check the dead-letter database and an SQL claim store as a worker starts.

@@ -70,6 +70,7 @@ from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
 from .settings import app_setting, positive_seconds, resolve
+from .startup import WORKER_TIME_LIMIT
 from .worker_request import (
     ISSUED_BY,
     ISSUED_OWNER,
@@ -908,8 +909,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @cached_property
     def _hard_time_limit(self) -> float | None:
-        """The task's hard time limit when its message names none (the pool's default)."""
-        limit = self.time_limit or self.app.conf.task_time_limit
+        """The task's hard time limit when its message names none (else the worker's)."""
+        limit = (
+            self.time_limit
+            or getattr(self.app, WORKER_TIME_LIMIT, None)
+            or self.app.conf.task_time_limit
+        )
         return float(limit) if limit else None
 
     @cached_property

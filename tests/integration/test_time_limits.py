@@ -206,12 +206,15 @@ def test_a_killed_call_whose_dead_letter_waits_for_its_database_fails_only_once(
 
 @pytest.fixture()
 def store_of_its_own(
-    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+    request: pytest.FixtureRequest, it_env: dict[str, str], worker_app: Any, tmp_path: Path
 ) -> Iterator[tuple[RedisServer, redis.Redis]]:
     """A worker whose store is a Redis server of its own, that server and a client of it:
     pausing or stopping the broker's instead would hold up the worker's main process too."""
     server = RedisServer(tmp_path, persistent=False)
-    worker = WorkerProcess("own-store", {**it_env, "IT_STORE_URL": server.url}, tmp_path)
+    worker_args = getattr(request, "param", ())  # the worker's command-line options
+    worker = WorkerProcess(
+        "own-store", {**it_env, "IT_STORE_URL": server.url}, tmp_path, extra_args=worker_args
+    )
     client = redis.Redis.from_url(server.url)
     try:
         with app_store_url(worker_app.app, server.url):
@@ -266,12 +269,18 @@ def test_a_failure_released_after_the_soft_time_limit_fired_is_still_dead_letter
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("task_name", "store_of_its_own"),
+    [("near_its_time_limit", ()), ("under_the_workers_time_limit", ("--time-limit", "8"))],
+    ids=["the-tasks-limit", "the-workers-limit"],
+    indirect=["store_of_its_own"],
+)
 def test_a_result_the_store_cannot_take_before_the_hard_time_limit_still_ends_the_call(
-    worker_app: Any, store_of_its_own: tuple[RedisServer, redis.Redis]
+    worker_app: Any, store_of_its_own: tuple[RedisServer, redis.Redis], task_name: str
 ) -> None:
     server, _ = store_of_its_own
     name, key = fresh("hard"), fresh("key")
-    task = worker_app.near_its_time_limit
+    task = getattr(worker_app, task_name)
     result = task.apply_async((name, 2.0), idempotency_key=key)
     wait_until(lambda: ledger_events(name, "start") == 1, 20, "the body to start")
     # When the store goes down while the body runs (2 s of an 8 s hard time limit, and a

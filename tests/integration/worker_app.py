@@ -292,6 +292,14 @@ def near_its_time_limit(name: str, sleep: float) -> str:
     return name
 
 
+@app.task(base=IdempotentTask)
+def under_the_workers_time_limit(name: str, sleep: float) -> str:
+    """:func:`near_its_time_limit` with no time limit of its own (the worker's applies)."""
+    note("start", name)
+    time.sleep(sleep)
+    return name
+
+
 @app.task
 def noted_errback(request: Any, exc: Any, traceback: Any, name: str) -> None:
     """An errback (Celery's new style): records in the ledger of ``name`` that it ran."""

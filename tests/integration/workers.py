@@ -25,6 +25,7 @@ class WorkerProcess:
         concurrency: int = 2,
         pool: str = "prefork",
         app_module: str = "tests.integration.worker_app",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -48,6 +49,7 @@ class WorkerProcess:
                 "--without-gossip",
                 "--without-mingle",
                 "--without-heartbeat",
+                *extra_args,
             ],
             cwd=ROOT,
             env={**os.environ, **env},
