@@ -400,18 +400,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             elif (
                 replacement := getattr(self.request, "idempotency_replacement", None)
             ) is not None:
-                # Queued for the replacement (the same task id): kept by the guard meanwhile.
-                pickup = self._message_pickup(
-                    attempt.request.key,
-                    replacement.args,
-                    replacement.kwargs,
-                    seconds_until(
-                        replacement.options.get("countdown"), replacement.options.get("eta")
-                    ),
-                    retries=0,
-                    routing=_routing_of(replacement),
+                despite_time_limit(
+                    SoftTimeLimitExceeded, lambda: self._hand_key_to(replacement, attempt)
                 )
-                despite_time_limit(SoftTimeLimitExceeded, lambda: attempt.release_quietly(pickup))
             else:
                 despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
             raise
@@ -475,13 +466,32 @@ class IdempotentTask(Task):  # type: ignore[misc]
         first = sig.tasks[0] if getattr(sig, "task", None) == CHAIN_TASK and sig.tasks else sig
         by_itself = getattr(first, "task", None) == self.name
         request.idempotency_replaced = not by_itself
-        key = _request_key(request)
-        if by_itself and key is not None and not request.is_eager:
+        attempt: Attempt | None = getattr(request, "idempotency_attempt", None)
+        if by_itself and attempt is not None:
+            key = attempt.request.key
             if KEY_HEADER not in first.options:
                 first.set(**{KEY_HEADER: key})
             if first.options[KEY_HEADER] == key:
-                request.idempotency_replacement = first
+                if request.is_eager:
+                    # Celery runs an eager replacement here and now, before this call ends
+                    # (whose completion then finds the key done by it).
+                    self._hand_key_to(first, attempt)
+                else:
+                    request.idempotency_replacement = first
         return super().on_replace(sig)
+
+    def _hand_key_to(self, replacement: Any, attempt: Attempt) -> None:
+        """Release the key queued for ``replacement`` (this task, under this task id), which
+        claims it as the same call; the guard keeps its message meanwhile."""
+        pickup = self._message_pickup(
+            attempt.request.key,
+            replacement.args,
+            replacement.kwargs,
+            seconds_until(replacement.options.get("countdown"), replacement.options.get("eta")),
+            retries=0,
+            routing=_routing_of(replacement),
+        )
+        attempt.release_quietly(pickup)
 
     def _replacement_value(self, record: Record, lease_seconds: float) -> Any:
         """A duplicate's answer for a key whose call replaced itself: the replacement's result

@@ -132,3 +132,26 @@ def test_apply_and_a_signatures_apply_claim_the_key_they_are_given() -> None:
     with pytest.raises(ValueError):
         charge.apply(("o-2",), idempotency_key=42)
     assert runs == ["o-1"]
+
+
+@pytest.mark.parametrize("per_call_key", [False, True], ids=["task-key", "caller-key"])
+def test_an_eager_call_that_replaces_itself_runs_each_replacement(per_call_key: bool) -> None:
+    app = Celery("eager-replace", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, idempotency_key="loop:{name}")
+    def loop(self: Any, name: str, left: int) -> Any:
+        runs.append(left)
+        if left > 0:
+            return self.replace(self.si(name, left - 1))  # eager: runs it, returns its value
+        return name
+
+    options = {"idempotency_key": "mine"} if per_call_key else {}
+    # When a polling loop runs here and now, then each replacement runs, once
+    assert loop.apply(("n", 2), **options).get() == "n"
+    assert runs == [2, 1, 0]
+    # And the loop's key holds its last value
+    again = loop.apply(("n", 2), **options)
+    assert again.get() == "n"
+    assert runs == [2, 1, 0]
