@@ -913,9 +913,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
             default=defaults.LEASE,
         )
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
-        return positive_seconds(lease, "idempotency_lease"), positive_seconds(
-            ttl, "idempotency_ttl"
-        )
+        lease_seconds = positive_seconds(lease, "idempotency_lease")
+        ttl_seconds = positive_seconds(ttl, "idempotency_ttl")
+        if 0 < ttl_seconds < self._pickup_timeout:
+            # A claim lives its lease and TTL; the guard sends a dead owner's lost message
+            # again only a pickup timeout after its lease: the claim is gone by then.
+            module_logger.warning(
+                "%s: idempotency_ttl (%g s) is shorter than the pickup timeout (%g s): a call "
+                "whose worker died and whose message the broker lost is not sent again; lower "
+                "idempotency_pickup_timeout",
+                self.name,
+                ttl_seconds,
+                self._pickup_timeout,
+            )
+        return lease_seconds, ttl_seconds
 
     @cached_property
     def _hard_time_limit(self) -> float | None:

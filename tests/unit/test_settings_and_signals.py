@@ -96,3 +96,24 @@ def test_signal_receivers_get_the_payload_and_their_errors_are_contained() -> No
     signal.connect(lambda **payload: got.append(payload))
     signal.send(a=1)
     assert got == [{"signal": signal, "a": 1}]
+
+
+def test_a_ttl_shorter_than_the_pickup_timeout_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = Celery("t", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", idempotency_pickup_timeout=3600)
+
+    @app.task(base=IdempotentTask, shared=False, idempotency_ttl=600)
+    def short(x: int) -> int:
+        return x
+
+    @app.task(base=IdempotentTask, shared=False, idempotency_ttl=7200)
+    def long(x: int) -> int:
+        return x
+
+    with caplog.at_level("WARNING", logger="idempotent_tasks.task"):
+        assert short._lease_and_ttl == (300.0, 600.0)
+        assert long._lease_and_ttl == (300.0, 7200.0)
+    warned = [r.getMessage() for r in caplog.records if "pickup timeout" in r.getMessage()]
+    assert len(warned) == 1 and short.name in warned[0]
