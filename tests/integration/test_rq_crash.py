@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from rq.command import send_stop_job_command
+from rq.job import Job
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 
@@ -138,12 +139,7 @@ def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
             job = queue.enqueue(rq_jobs.flaky, name, 99, idempotency_key=name, job_timeout=4)
             wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
             # Then it goes back to its queue rather than fail unrecorded
-            wait_until(
-                lambda: job.get_meta().get("idempotency", {}).get("unwritten_failure"),
-                10,
-                "the unwritten failure to be carried by the job",
-            )
-            assert status(job).value != "failed"
+            _wait_carrying_its_failure(job)
         finally:
             set_pg_database_online(DLQ_DATABASE, True)
         # And once the database is back, its dead letter is written and the job fails
@@ -216,12 +212,7 @@ def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_l
             _kill_work_horse(worker)
             # Then the job goes back to its queue carrying the failure, rather than fail
             # unrecorded
-            wait_until(
-                lambda: job.get_meta().get("idempotency", {}).get("unwritten_failure"),
-                10,
-                "the unwritten failure to be carried by the job",
-            )
-            assert status(job).value != "failed"
+            _wait_carrying_its_failure(job)
         finally:
             set_pg_database_online(DLQ_DATABASE, True)
         # And once the database is back, its dead letter is written and the job fails
@@ -254,16 +245,7 @@ def test_a_plain_queues_job_whose_horse_died_while_the_database_was_down_is_writ
         set_pg_database_online(DLQ_DATABASE, False)
         try:
             _kill_work_horse(worker)
-            wait_until(
-                lambda: (
-                    IdempotentJob.fetch(job.id, connection=rq_env.connection)
-                    .get_meta()
-                    .get("idempotency", {})
-                    .get("unwritten_failure")
-                ),
-                10,
-                "the unwritten failure to be carried by the job",
-            )
+            _wait_carrying_its_failure(job)
         finally:
             set_pg_database_online(DLQ_DATABASE, True)
         # Then once the database is back its dead letter is written, the body not run again
@@ -354,6 +336,16 @@ def test_a_failure_whose_key_release_outlasts_the_job_timeout_is_still_dead_lett
     finally:
         rq_env.connection.execute_command("CLIENT", "UNPAUSE")
         worker.stop()
+
+
+def _wait_carrying_its_failure(job: Job) -> None:
+    """Wait until ``job`` went back to its queue carrying the failure it could not write."""
+    wait_until(
+        lambda: job.get_meta().get("idempotency", {}).get("unwritten_failure"),
+        10,
+        "the unwritten failure to be carried by the job",
+    )
+    assert status(job).value != "failed"
 
 
 def _kill_work_horse(worker: RQWorker) -> None:
