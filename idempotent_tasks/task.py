@@ -415,6 +415,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # a green pool's hard time limit: whether the message comes back is Celery's to say.
             attempt.release_quietly()
             raise
+        if (
+            self.request.is_eager
+            and getattr(self.request, "idempotency_replacement", None) is not None
+        ):
+            # Its replacement ran here and now (Celery runs an eager one at once), taking this
+            # claim over: the value is the replacement's, which it stored itself.
+            self._dead_letter_succeeded()
+            return value
         side_write = self._celery_result(value)
         # One deadline: storing it again after the soft time limit fired has no more time.
         finish_by = started + self._completion_patience(attempt.request.lease_seconds, started)
@@ -457,32 +465,40 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         A keyed call's key then counts as completed: its body does not run again, and its
         duplicates are answered with the replacement's result. A call replaced by its own task
-        (a polling loop) hands its key on instead: the replacement runs under the same key
-        (unless given one of its own), which stays queued for it meanwhile, so a duplicate
-        waits for the loop's last value rather than begin the loop anew.
+        under its own task id (a polling loop) hands its key on instead: the replacement runs
+        under the same key (unless given one of its own) and may take this claim over at once,
+        so a duplicate waits for the loop's last value rather than begin the loop anew.
         """
         request = self.request
-        # A call in a chain is replaced by a chain of its replacement and the steps after it.
-        first = sig.tasks[0] if getattr(sig, "task", None) == CHAIN_TASK and sig.tasks else sig
-        by_itself = getattr(first, "task", None) == self.name
-        request.idempotency_replaced = not by_itself
         attempt: Attempt | None = getattr(request, "idempotency_attempt", None)
+        # A call in a chain is replaced by a chain of its replacement and the steps after it
+        # (the replacement keeps this task id); in a chain the body made, the last step does.
+        first = sig.tasks[0] if getattr(sig, "task", None) == CHAIN_TASK and sig.tasks else sig
+        by_itself = (
+            attempt is not None
+            and getattr(first, "task", None) == self.name
+            and first.options.get("task_id") == request.id
+        )
+        handed_on = False
         if by_itself and attempt is not None:
             key = attempt.request.key
             if KEY_HEADER not in first.options:
                 first.set(**{KEY_HEADER: key})
             if first.options[KEY_HEADER] == key:
-                if request.is_eager:
-                    # Celery runs an eager replacement here and now, before this call ends
-                    # (whose completion then finds the key done by it).
-                    self._hand_key_to(first, attempt)
-                else:
-                    request.idempotency_replacement = first
+                headers = dict(first.options.get("headers") or {})
+                headers[PREVIOUS_OWNER_HEADER] = attempt.request.owner
+                first.set(headers=headers)
+                request.idempotency_replacement = first
+                handed_on = True
+        # Not handed on: the key is done, and its duplicates get the replacement's result.
+        request.idempotency_replaced = not handed_on
         return super().on_replace(sig)
 
     def _hand_key_to(self, replacement: Any, attempt: Attempt) -> None:
         """Release the key queued for ``replacement`` (this task, under this task id), which
-        claims it as the same call; the guard keeps its message meanwhile."""
+        claims it as the same call, the guard keeping its message meanwhile. With the guard
+        off, the claim stays instead, for the replacement to take over (it names this attempt
+        as its previous owner): no duplicate can take the key between the two."""
         pickup = self._message_pickup(
             attempt.request.key,
             replacement.args,
@@ -491,7 +507,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             retries=0,
             routing=_routing_of(replacement),
         )
-        attempt.release_quietly(pickup)
+        if pickup is not None:
+            attempt.release_quietly(pickup)
 
     def _replacement_value(self, record: Record, lease_seconds: float) -> Any:
         """A duplicate's answer for a key whose call replaced itself: the replacement's result

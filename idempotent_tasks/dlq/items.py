@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -41,6 +42,9 @@ class Failure:
     max_retries: int
     #: The adapter that wrote it, whose sweep re-publishes it: "celery" or "rq".
     framework: str = "celery"
+    #: Made once per failure, and carried by every write of it (a write tried again later):
+    #: it tells such a write from a later call's failure under the same ``failure_id``.
+    occurrence: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,8 @@ MAX_TASK_ID_CHARS, MAX_KEY_CHARS, MAX_FAILURE_ID_CHARS = 255, 1024, 300
 MAX_TASK_NAME_CHARS, MAX_ERROR_TYPE_CHARS = 255, 255
 FULL_TASK_ID, FULL_KEY = "full_task_id", "full_idempotency_key"
 FULL_TASK_NAME = "full_task_name"
+#: Options entry holding the failure's :attr:`~Failure.occurrence` (not shown in items).
+OCCURRENCE = "failure_occurrence"
 #: Times a sweep picks again when concurrent sweeps took all it picked.
 TAKE_ROUNDS = 5
 
@@ -91,7 +93,7 @@ class DeadLetterQueue:
         retries, is a new call's (a task id used again): it gets a row of its own.
         """
         now = self._clock()
-        options = dict(failure.options)
+        options = {**failure.options, OCCURRENCE: failure.occurrence}
         task_id = _fitted(_storable(failure.task_id), MAX_TASK_ID_CHARS, options, FULL_TASK_ID)
         task_name = _fitted(
             _storable(failure.task_name), MAX_TASK_NAME_CHARS, options, FULL_TASK_NAME
@@ -138,7 +140,10 @@ class DeadLetterQueue:
             with self._begin() as connection:
                 found = connection.execute(queries.select_by_failure(row["failure_id"])).one()
             item = _item(found._mapping)
-            if item.id == row["id"] or not _ended_before(item):
+            written_before = dict(found._mapping["options"]).get(OCCURRENCE)
+            if item.id == row["id"] or written_before == failure.occurrence:
+                return item  # written now, or by an earlier write of this very failure
+            if not _ended_before(item):
                 return item
             # A row ended before this failure: this one is a later call's under the same id.
             row["failure_id"] = _compared_id(f"{failure_id}@{item.id}")
@@ -397,6 +402,7 @@ def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> 
 
 def _item(row: Any) -> DeadLetter:
     options = dict(row["options"])
+    options.pop(OCCURRENCE, None)
     return DeadLetter(
         id=row["id"],
         task_name=options.pop(FULL_TASK_NAME, row["task_name"]),

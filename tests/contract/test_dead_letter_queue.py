@@ -841,9 +841,17 @@ def test_a_failure_under_the_id_of_a_row_that_ended_gets_a_row_of_its_own(
     assert after_give_up.id != gave_up.id and after_give_up.status is Statuses.PENDING
     found = dlq.get(succeeded.id)
     assert found is not None and found.status is Statuses.SUCCEEDED
-    # While a row kept without retries takes its failure written again
+    # While a row kept without retries takes its failure written again, and so does a row
+    # that ended since this very failure was first written (its write tried again later)
     kept = dlq.add(_failure(failure_id="kept:0", max_retries=0))
     assert dlq.add(_failure(failure_id="kept:0", max_retries=0)).id == kept.id
+    failure = _failure(failure_id="written-twice:0")
+    first = dlq.add(failure)
+    clock.advance(days=1)
+    assert first.id in [taken.id for taken in dlq.take_due()]
+    assert dlq.mark_succeeded(first.id)
+    assert dlq.add(failure).id == first.id
+    assert "failure_occurrence" not in first.options
 
 
 class _Interleaving(random.Random):

@@ -197,6 +197,18 @@ def test_a_call_keyed_by_its_caller_that_replaces_itself_keeps_that_key_to_its_e
     assert record is not None and record.task_id == result.id
 
 
+def test_a_call_whose_replacement_has_a_key_of_its_own_keeps_its_key_done() -> None:
+    # Given a keyed call that replaced itself with itself under another key
+    name, key = fresh("rekeyed"), fresh("key")
+    result = worker_app.rekeys_itself.apply_async((name, 1), idempotency_key=key)
+    assert result.get(timeout=30) == name
+    # When its key is called again, then it gets the replacement's value, running nothing
+    again = worker_app.rekeys_itself.apply_async((name, 1), idempotency_key=key)
+    assert again.id == result.id
+    assert again.get(timeout=30) == name
+    assert ledger_events(name, "start") == 2
+
+
 def test_a_chain_step_that_replaces_itself_runs_each_replacement_then_the_chain_goes_on() -> None:
     # A polling loop that is one step of a chain: Celery makes each replacement a chain of
     # the replacement and the steps after it

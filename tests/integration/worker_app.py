@@ -335,6 +335,15 @@ def counts_down(self: Any, name: str, left: int) -> str:
     return name
 
 
+@app.task(base=IdempotentTask, bind=True)
+def rekeys_itself(self: Any, name: str, left: int) -> str:
+    """Replaces itself with itself ``left`` times, each replacement under a key of its own."""
+    note("start", name)
+    if left > 0:
+        raise self.replace(self.si(name, left - 1).set(idempotency_key=f"{name}-{left - 1}"))
+    return name
+
+
 @app.task
 def noted_callback(value: Any, name: str) -> None:
     """A link: records in the ledger of ``name`` that it ran."""
