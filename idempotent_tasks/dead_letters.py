@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import timedelta
 from typing import Any
@@ -11,12 +10,16 @@ from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
-from kombu.utils import json as kombu_json
 
 from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
-from .dlq.arguments import ArgumentsUnreadable, restored_arguments
+from .dlq.arguments import (
+    ArgumentsUnreadable,
+    as_table_json,
+    from_table_json,
+    restored_arguments,
+)
 from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
@@ -69,16 +72,16 @@ def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
     return options
 
 
-#: Options of a failed call its dead letter keeps, so that a retry that succeeds goes on as the
-#: call would have: its callbacks (``link``), the rest of its chain, its time limits. Its
-#: errbacks ran when it failed, and its expiry will have passed: those are not kept.
-CONTINUATION_OPTIONS = ("link", "chain", "time_limit", "soft_time_limit")
+#: Options of a dead letter holding signatures (kept in the table's JSON form).
+CANVAS_OPTIONS = ("link", "chain")
 
 
 def continuation_options(request: Any) -> dict[str, Any]:
-    """The :data:`CONTINUATION_OPTIONS` of the call ``request`` runs, as JSON the table keeps
-    (values Celery's JSON types, as kombu writes them); callbacks or a chain JSON cannot hold
-    (a pickle-serialized canvas) are not kept, and a warning says so."""
+    """The options of the call ``request`` runs that its dead letter keeps, so that a retry
+    that succeeds goes on as the call would have: its callbacks (``link``), the rest of its
+    chain, its time limits. Its errbacks ran when it failed, and its expiry will have passed:
+    those are not kept; nor are callbacks or a chain JSON cannot hold (a pickle-serialized
+    canvas), which a warning says."""
     time_limit, soft_time_limit = getattr(request, "timelimit", None) or (None, None)
     wanted = {
         "link": getattr(request, "callbacks", None),
@@ -88,8 +91,7 @@ def continuation_options(request: Any) -> dict[str, Any]:
     }
     kept = {name: value for name, value in wanted.items() if value}
     try:
-        stored = json.loads(kombu_json.dumps(kept))  # type: ignore[no-untyped-call]
-        json.dumps(stored, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        stored = as_table_json(kept)
     except (TypeError, ValueError):
         module_logger.warning(
             "its callbacks or chain are not JSON: a retry of its dead letter will not run them"
@@ -173,9 +175,9 @@ def republish(app: Any, item: DeadLetter) -> None:
     if item.idempotency_key is not None:
         headers["idempotency_key"] = item.idempotency_key
     options = dict(item.options)
-    for name in ("link", "chain"):
+    for name in CANVAS_OPTIONS:
         if options.get(name):
-            options[name] = kombu_json.loads(json.dumps(options[name]))  # type: ignore[no-untyped-call]
+            options[name] = from_table_json(options[name])
     app.send_task(
         item.task_name,
         args=args,

@@ -425,7 +425,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return value
         side_write = self._celery_result(value)
         # One deadline: storing it again after the soft time limit fired has no more time.
-        finish_by = started + self._completion_patience(attempt.request.lease_seconds, started)
+        finish_by = self._completion_deadline(attempt.request.lease_seconds, started)
         value = despite_time_limit(
             SoftTimeLimitExceeded,
             lambda: attempt.finish(value, finish_by - time.monotonic(), side_write),
@@ -474,13 +474,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # A call in a chain is replaced by a chain of its replacement and the steps after it
         # (the replacement keeps this task id); in a chain the body made, the last step does.
         first = sig.tasks[0] if getattr(sig, "task", None) == CHAIN_TASK and sig.tasks else sig
-        by_itself = (
+        handed_on = False
+        if (
             attempt is not None
             and getattr(first, "task", None) == self.name
             and first.options.get("task_id") == request.id
-        )
-        handed_on = False
-        if by_itself and attempt is not None:
+        ):
             key = attempt.request.key
             if KEY_HEADER not in first.options:
                 first.set(**{KEY_HEADER: key})
@@ -907,15 +906,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return None
         return result_side_write(self.backend, self.request, value, self._codec.max_bytes)
 
-    def _completion_patience(self, lease: float, started: float) -> float:
-        """How long, from ``started`` (the call's start), storing its result may wait for an
-        unreachable store: until the lease has passed since the body ended, but never up to
-        the call's hard time limit, whose kill would fail a body that succeeded."""
-        waited_from = time.monotonic() - started
+    def _completion_deadline(self, lease: float, started: float) -> float:
+        """Until when (monotonic) storing the result of the call that ``started`` then may wait
+        for an unreachable store: a lease from now, but never up to the call's hard time
+        limit, whose kill would fail a body that succeeded."""
+        deadline = time.monotonic() + lease
         hard_limit = (self.request.timelimit or (None, None))[0] or self._hard_time_limit
-        if not hard_limit:
-            return waited_from + lease
-        return max(min(waited_from + lease, float(hard_limit) - HARD_LIMIT_MARGIN), 0.0)
+        if hard_limit:
+            deadline = min(deadline, started + float(hard_limit) - HARD_LIMIT_MARGIN)
+        return deadline
 
     # -- per-task constants: settings are read once per task, when first needed, as Celery
     # reads its own task options (a lookup in app.conf costs more than a Redis round trip) --
@@ -932,7 +931,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
         lease_seconds = positive_seconds(lease, "idempotency_lease")
         ttl_seconds = positive_seconds(ttl, "idempotency_ttl")
-        if 0 < ttl_seconds < self._pickup_timeout:
+        if ttl_seconds < self._pickup_timeout:
             # A claim lives its lease and TTL; the guard sends a dead owner's lost message
             # again only a pickup timeout after its lease: the claim is gone by then.
             module_logger.warning(

@@ -22,10 +22,7 @@ def stored_arguments(
     database JSON refuses too: it is kept with that character written out (``\\udcff``).
     """
     try:
-        kept = json.loads(kombu_json.dumps([list(args), dict(kwargs)]))  # type: ignore[no-untyped-call]
-        # Database JSON (PostgreSQL's, MariaDB's check) holds no NaN or Infinity, and only
-        # text that is UTF-8 (UnicodeEncodeError is a ValueError).
-        json.dumps(kept, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        kept = as_table_json([list(args), dict(kwargs)])
         return list(kept[0]), dict(kept[1]), True
     except (TypeError, ValueError):
         pass
@@ -42,10 +39,35 @@ def stored_arguments(
         )
 
 
+def as_table_json(value: Any) -> Any:
+    """``value`` as the table's JSON columns keep it: Celery's JSON types (datetimes,
+    decimals, UUIDs, bytes) in kombu's typed form, which :func:`from_table_json` reads back.
+
+    Raises:
+        TypeError, ValueError: for what database JSON cannot hold: a value JSON has no form
+            for, a NaN or an infinity (PostgreSQL's JSON, MariaDB's check), text that is not
+            UTF-8 (a lone surrogate: ``UnicodeEncodeError`` is a ``ValueError``).
+    """
+    kept = json.loads(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
+    json.dumps(kept, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    return kept
+
+
+def from_table_json(value: Any) -> Any:
+    """What :func:`as_table_json` kept, typed values as themselves again."""
+    return kombu_json.loads(json.dumps(value))  # type: ignore[no-untyped-call]
+
+
+def utf8_text(text: str) -> str:
+    """``text`` with every character UTF-8 cannot hold (a lone surrogate, a file name's
+    undecodable byte) written out, as ``\\udcff``: no database refuses it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _utf8_only(value: Any) -> Any:
     """``value`` (parsed JSON) with every character UTF-8 cannot hold written out."""
     if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return utf8_text(value)
     if isinstance(value, list):
         return [_utf8_only(item) for item in value]
     if isinstance(value, dict):
@@ -69,7 +91,7 @@ def restored_arguments(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[An
             edited by hand, say): no later try would read it either.
     """
     try:
-        restored = kombu_json.loads(json.dumps([args, kwargs]))  # type: ignore[no-untyped-call]
+        restored = from_table_json([args, kwargs])
         return list(restored[0]), dict(restored[1])
     except Exception as exc:
         raise ArgumentsUnreadable(f"its arguments cannot be read back: {exc!r}") from exc

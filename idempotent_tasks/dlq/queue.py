@@ -18,6 +18,7 @@ from ..errors import StoreUnavailable
 from ..keys import fitted
 from ..stores.sql_clock import ServerClock
 from . import queries
+from .arguments import utf8_text
 from .backoff import next_retry_at
 from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
 from .items import DeadLetter, DeadLetterStatus, Failure
@@ -140,10 +141,9 @@ class DeadLetterQueue:
             with self._begin() as connection:
                 found = connection.execute(queries.select_by_failure(row["failure_id"])).one()
             item = _item(found._mapping)
-            written_before = dict(found._mapping["options"]).get(OCCURRENCE)
-            if item.id == row["id"] or written_before == failure.occurrence:
-                return item  # written now, or by an earlier write of this very failure
-            if not _ended_before(item):
+            # Written now or by an earlier write of this very failure, or a row this failure
+            # joins (one still to be retried, or kept as it is).
+            if found.options.get(OCCURRENCE) == failure.occurrence or not _ended_before(item):
                 return item
             # A row ended before this failure: this one is a later call's under the same id.
             row["failure_id"] = _compared_id(f"{failure_id}@{item.id}")
@@ -372,9 +372,7 @@ def _storable(text: str | None) -> str | None:
     get past): NUL, which PostgreSQL refuses in text, is written out as ``\\x00``, and a lone
     surrogate (a file name's undecodable byte), which no database encoding holds, as
     ``\\udcff``."""
-    if text is None:
-        return None
-    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    return None if text is None else utf8_text(text.replace("\x00", "\\x00"))
 
 
 def _compared_id(failure_id: str) -> str:
