@@ -1,4 +1,5 @@
-"""A Redis server of a test's own, on a free loopback port, that the test may restart."""
+"""A Redis server of a test's own, on a free loopback port, that the test may restart; Redis
+holding writes for a while."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -72,3 +75,14 @@ class RedisServer:
         self.stop()
         time.sleep(down_for)
         self.start()
+
+
+@contextmanager
+def writes_held(client: redis.Redis, seconds: float) -> Iterator[None]:
+    """Make ``client``'s Redis server hold every write (scripts included) for ``seconds``
+    from now (``CLIENT PAUSE … WRITE``), and take the pause back when the block ends."""
+    client.execute_command("CLIENT", "PAUSE", str(int(seconds * 1000)), "WRITE")
+    try:
+        yield
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")

@@ -36,6 +36,7 @@ from idempotent_tasks.rq import IdempotentJob, IdempotentQueue, retry_dead_lette
 from idempotent_tasks.rq.dead_letters import row_options
 from tests.integration import rq_jobs
 from tests.integration.databases import set_pg_database_online
+from tests.integration.redis_server import writes_held
 from tests.integration.rq_support import (
     DLQ_DATABASE,
     RQEnv,
@@ -283,14 +284,13 @@ def test_a_result_stored_after_the_job_timeout_fired_still_finishes_the_job(
         wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
         # Given Redis holding every write for 3.5 s: the function returns 2 s into its 3 s
         # timeout, and storing its result waits until after RQ's death penalty fired
-        rq_env.connection.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
-        # Then the job finishes with its value, stored for duplicates, having run once
-        assert wait_value(job) == {"name": name, "value": 7, "run": 1}
+        with writes_held(rq_env.connection, 3.5):
+            # Then the job finishes with its value, stored for duplicates, having run once
+            assert wait_value(job) == {"name": name, "value": 7, "run": 1}
         record = queue.store.get(storage_key("tests.integration.rq_jobs.record", name))
         assert record is not None and record.status is Status.COMPLETED
         assert rq_jobs.starts(name) == 1
     finally:
-        rq_env.connection.execute_command("CLIENT", "UNPAUSE")
         worker.stop()
 
 
@@ -309,15 +309,14 @@ def test_a_failure_whose_key_release_outlasts_the_job_timeout_is_still_dead_lett
         wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
         # Given Redis holding every write for 3.5 s: the function fails 2 s into its 3 s
         # timeout, and releasing its key waits until after RQ's death penalty fired
-        rq_env.connection.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
-        # Then its key is released and its dead letter written, with the function's own error
-        wait_failed(job)
+        with writes_held(rq_env.connection, 3.5):
+            # Then its key is released and its dead letter written, with its own error
+            wait_failed(job)
         (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
         assert (row.error_type, row.idempotency_key) == ("ValueError", name)
         assert queue.store.get(storage_key("tests.integration.rq_jobs.fails_after", name)) is None
         assert rq_jobs.starts(name) == 1
     finally:
-        rq_env.connection.execute_command("CLIENT", "UNPAUSE")
         worker.stop()
 
 

@@ -22,7 +22,7 @@ from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER
 from tests.integration import worker_app
 from tests.integration.databases import fresh_pg_database, set_pg_database_online
 from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
-from tests.integration.redis_server import RedisServer
+from tests.integration.redis_server import RedisServer, writes_held
 from tests.integration.workers import WorkerProcess
 
 app = worker_app.app
@@ -220,8 +220,6 @@ def store_of_its_own(
         with app_store_url(worker_app.app, server.url):
             yield server, client
     finally:
-        if server.process is not None:
-            client.execute_command("CLIENT", "UNPAUSE")
         client.close()
         worker.stop()
         server.stop()
@@ -238,9 +236,9 @@ def test_a_result_stored_after_the_soft_time_limit_fired_still_ends_the_call(
     wait_until(lambda: ledger_events(name, "start") == 1, 20, "the body to start")
     # When the store holds every write for 3.5 s: the body returns 2 s into its 3 s soft time
     # limit, and storing its result waits until after that limit fired
-    store_server.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
-    # Then the call ends with the body's value, stored for duplicates, having run once
-    assert result.get(timeout=30) == name
+    with writes_held(store_server, 3.5):
+        # Then the call ends with the body's value, stored for duplicates, having run once
+        assert result.get(timeout=30) == name
     record = store_for(app).get(storage_key(task.name, key))
     assert record is not None and record.status is Status.COMPLETED
     assert task.apply_async((name, 2.0), idempotency_key=key).get(timeout=30) == name
@@ -258,9 +256,8 @@ def test_a_failure_released_after_the_soft_time_limit_fired_is_still_dead_letter
     wait_until(lambda: ledger_events(name, "start") == 1, 20, "the body to start")
     # When the store holds every write for 3.5 s: the body fails 2 s into its 3 s soft time
     # limit, and releasing its key waits until after that limit fired
-    store_server.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
-    # Then the caller sees the body's own error, the call is dead-lettered, its key free
-    with pytest.raises(ValueError):
+    with writes_held(store_server, 3.5), pytest.raises(ValueError):
+        # Then the caller sees the body's own error, the call is dead-lettered, its key free
         result.get(timeout=30)
     row = wait_until(lambda: _row_of(result.id), 10, "the dead letter")
     assert (row.error_type, row.idempotency_key) == ("ValueError", key)
