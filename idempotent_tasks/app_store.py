@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import threading
@@ -15,6 +14,7 @@ from celery.signals import worker_init, worker_process_init
 from . import defaults
 from .dlq import DeadLetterQueue
 from .dlq.engine import default_sqlite_url
+from .prometheus import enable_if_installed
 from .settings import app_setting
 from .stores import Store, store_from_url
 
@@ -42,6 +42,9 @@ def store_for(app: Any) -> Store:
     """This process's claim store for ``app``, built on first use and again after a fork."""
 
     def build() -> Store:
+        # Any process that publishes or runs keyed calls (a producer, a pool process, eager
+        # calls) counts into Prometheus' default registry when prometheus_client is installed.
+        enable_if_installed()
         prefix = app_setting(app.conf, "idempotency_key_prefix") or defaults.KEY_PREFIX
         params = _backend_connection_params(app)
         if params is not None:
@@ -94,11 +97,8 @@ def _per_process(app: Any, attribute: str, build: Callable[[], _T]) -> _T:
 
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _enable_metrics(**_: Any) -> None:
-    """Workers export Prometheus metrics by themselves when prometheus_client is installed."""
-    if importlib.util.find_spec("prometheus_client") is not None:
-        from .prometheus import enable
-
-        enable()
+    """A worker's main process registers the metrics before it forks its pool."""
+    enable_if_installed()
 
 
 @worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]

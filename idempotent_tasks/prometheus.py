@@ -1,8 +1,10 @@
 """Prometheus metrics fed by idempotent_tasks' signals (the ``prometheus`` extra).
 
-Workers enable them by themselves when ``prometheus_client`` is installed (``worker_init``);
-any other process (a producer, a web app) calls :func:`enable`. Nothing here is imported by
-``import idempotent_tasks``, and ``prometheus_client`` is imported only by :func:`enable`.
+Every process enables them by itself when ``prometheus_client`` is installed: a worker at
+``worker_init``, any process when it first builds an app's claim store (a producer's first
+keyed publish, a pool process's first claim, an eager call). :func:`enable` adds them to
+another registry. ``prometheus_client`` is imported only by :func:`enable`, never by
+``import idempotent_tasks``.
 
 Cost: a counter is one signal dispatch and one increment per event. The dead-letter gauge is
 never a query per task: the sweep (``retry_dead_letters``, every
@@ -181,6 +183,15 @@ def enable(registry: Any = None) -> Metrics:
             metrics = _enabled[id(registry)] = Metrics(registry)
         metrics.connect()
         return metrics
+
+
+def enable_if_installed() -> None:
+    """:func:`enable` the default registry when prometheus_client is installed; else nothing
+    (the in-process counters of :mod:`idempotent_tasks.metrics` still count)."""
+    try:
+        enable()
+    except ImportError:
+        pass
 
 
 def disable(registry: Any = None) -> None:

@@ -268,10 +268,10 @@ class DeadLetterQueue:
             rows = connection.execute(queries.select_items(status_value, task_name, limit)).all()
         return [_item(row._mapping) for row in rows]
 
-    def get(self, item_id: str) -> DeadLetter | None:
+    def get(self, id: str) -> DeadLetter | None:
         """One item by id, or ``None``."""
         with self._begin() as connection:
-            found = connection.execute(queries.select_by_id(item_id)).one_or_none()
+            found = connection.execute(queries.select_by_id(id)).one_or_none()
         return None if found is None else _item(found._mapping)
 
     def stats(self) -> dict[str, int]:
@@ -283,11 +283,11 @@ class DeadLetterQueue:
         counts["total"] = sum(counts.values())
         return counts
 
-    def retry_now(self, item_id: str) -> bool:
+    def retry_now(self, id: str) -> bool:
         """Make an item due at once (``pending``), whatever its status but ``retrying``."""
         now = self._db(self._clock())
         with self._begin() as connection:
-            result = connection.execute(queries.retry_now(item_id, now))
+            result = connection.execute(queries.retry_now(id, now))
         return bool(result.rowcount)
 
     def purge(

@@ -674,6 +674,17 @@ def test_retry_now_makes_an_item_pending_and_due(dlq: DeadLetterQueue, clock: Cl
     assert dlq.retry_now(str(uuid.uuid4())) is False
 
 
+def test_get_and_retry_now_take_the_id_by_the_name_the_contract_gives_it(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    item = dlq.add(_failure(max_retries=0))
+    now = clock.advance(seconds=1)
+    assert dlq.retry_now(id=item.id) is True
+    found = dlq.get(id=item.id)
+    assert found is not None
+    assert (found.id, found.status, found.next_retry_at) == (item.id, Statuses.PENDING, now)
+
+
 def test_retry_now_revives_a_succeeded_item(dlq: DeadLetterQueue, clock: Clock) -> None:
     item = dlq.add(_failure())
     dlq.mark_succeeded(item.id)

@@ -191,6 +191,31 @@ def test_importing_the_package_does_not_import_prometheus_client() -> None:
     assert run.returncode == 0, run.stderr
 
 
+def test_any_process_using_an_app_counts_into_the_default_registry() -> None:
+    # Given a process that is no worker: eager calls of a keyed task, the second a duplicate
+    run = run_python(
+        "from celery import Celery\n"
+        "from prometheus_client import REGISTRY\n"
+        "from idempotent_tasks import IdempotentTask\n"
+        "app = Celery('producer', broker='memory://')\n"
+        "app.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
+        "                idempotency_dlq_poll_interval=None)\n"
+        "@app.task(base=IdempotentTask, name='shop.charge')\n"
+        "def charge(order):\n"
+        "    return order\n"
+        "assert charge.apply_async((1,), idempotency_key='order:1').get() == 1\n"
+        "assert charge.apply_async((1,), idempotency_key='order:1').get() == 1\n"
+        "claims = REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
+        "    {'task': 'shop.charge', 'outcome': 'acquired'})\n"
+        "suppressed = REGISTRY.get_sample_value('idempotent_tasks_duplicates_suppressed_total',\n"
+        "    {'task': 'shop.charge', 'where': 'publish'})\n"
+        "print(claims, suppressed)\n"
+    )
+    # Then its counters are in prometheus_client's default registry without an enable() call
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1.0", "1.0"]
+
+
 @pytest.mark.parametrize("registry_argument", ["", "object()"])
 def test_enable_without_prometheus_client_names_the_extra(registry_argument: str) -> None:
     # Given an interpreter where prometheus_client cannot be imported
