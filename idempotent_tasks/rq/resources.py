@@ -14,6 +14,7 @@ from typing import TypeVar
 import redis
 
 from ..dlq import DeadLetterQueue
+from ..prometheus import enable_if_installed
 from ..stores import Store, store_from_url
 from ..stores.redis import RedisStore
 from .options import DLQ_URL_ENV
@@ -41,6 +42,9 @@ def claim_store(connection: redis.Redis, prefix: str, store_url: str | None) -> 
     A store on ``connection`` shares that client's connection pool, which redis-py already
     resets in a forked child, so it is cheap to build for every job.
     """
+    # A work horse, a producer or a synchronous queue counts into Prometheus' default registry
+    # when prometheus_client is installed (a few µs once enabled).
+    enable_if_installed()
     if store_url:
         return _per_process(
             ("store", store_url, prefix), lambda: store_from_url(store_url, prefix=prefix)

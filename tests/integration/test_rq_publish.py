@@ -7,9 +7,13 @@ No worker here: ``Queue(is_async=False)`` runs a job inside ``enqueue``, through
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from rq import Queue, Retry, SimpleWorker
@@ -25,6 +29,7 @@ from idempotent_tasks.rq.sweep import retry_dead_letters_job
 from tests.integration import rq_jobs
 from tests.integration.rq_support import RQEnv, rq_env_fixture
 
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = "tests.integration.rq_jobs.record"
 RQ_EXITS = "tests.integration.rq_jobs.exits"
 
@@ -61,6 +66,40 @@ def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueue
     with pytest.raises(ValueError, match="non-empty str"):
         idle.enqueue_call(rq_jobs.record, ("x", 1), idempotency_key=bad)
     assert idle.count == 0
+
+
+def test_a_process_running_keyed_jobs_counts_into_the_default_prometheus_registry(
+    rq_env: RQEnv,
+) -> None:
+    # Given a fresh process that enqueues a keyed job twice on a synchronous queue
+    script = (
+        "import sys\n"
+        "from prometheus_client import REGISTRY\n"
+        "from redis import Redis\n"
+        "from idempotent_tasks.rq import IdempotentQueue\n"
+        "from tests.integration import rq_jobs\n"
+        "queue = IdempotentQueue(sys.argv[1], connection=Redis.from_url(sys.argv[2]),\n"
+        "                        dlq_url=sys.argv[3], is_async=False)\n"
+        "for _ in range(2):\n"
+        "    queue.enqueue(rq_jobs.record, sys.argv[4], 1, idempotency_key=sys.argv[4])\n"
+        "labels = {'task': 'tests.integration.rq_jobs.record'}\n"
+        "print(REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
+        "                                {**labels, 'outcome': 'acquired'}),\n"
+        "      REGISTRY.get_sample_value('idempotent_tasks_duplicates_suppressed_total',\n"
+        "                                {**labels, 'where': 'publish'}))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, fresh("sync"), rq_env.rq_url, rq_env.dlq_url, fresh("n")],
+        cwd=ROOT,
+        env={**os.environ, **rq_env.worker_env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # Then its claim and its duplicate are counted there, without an enable() call
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1.0", "1.0"]
 
 
 def test_a_keyed_job_id_the_stores_cannot_hold_is_refused_before_anything_is_enqueued(
