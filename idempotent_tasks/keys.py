@@ -199,16 +199,22 @@ def _slot_names(kind: type) -> list[str]:
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_canonical_default)
 
 
+#: What a hashed storage name starts with (then ``:`` and the hex digest).
+_HASHED = "sha256"
+
+
 def storage_key(task_name: str, key: str) -> str:
     """Name a (task, key) pair for storage: readable when short, its SHA-256 when long.
 
     The task name's ``%`` and ``:`` are escaped, so no two pairs share a name (task ``a:b``
     with key ``c`` is not task ``a`` with key ``b:c``); names without them stay as they are.
-    Braces are never kept, so a Redis Cluster hash tag built around the name stays one tag.
+    Braces are never kept, so a Redis Cluster hash tag built around the name stays one tag. A
+    task named ``sha256`` is always hashed: its readable names would look like hashed ones.
     """
     if ":" in task_name or "%" in task_name:
         task_name = task_name.replace("%", "%25").replace(":", "%3A")
     scoped = f"{task_name}:{key}"
-    if len(scoped) <= defaults.KEY_MAX_STORED_CHARS and "{" not in scoped and "}" not in scoped:
+    readable = len(scoped) <= defaults.KEY_MAX_STORED_CHARS and task_name != _HASHED
+    if readable and "{" not in scoped and "}" not in scoped:
         return scoped
-    return "sha256:" + hashlib.sha256(scoped.encode()).hexdigest()
+    return f"{_HASHED}:" + hashlib.sha256(scoped.encode()).hexdigest()

@@ -193,6 +193,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         republish_headers = options.pop(_REPUBLISH, None)
         call_key = options.pop(KEY_HEADER, None)
+        if call_key is None:
+            # The key given as a header (the way send_task carries it) is the call's key too.
+            call_key = (options.get("headers") or {}).get(KEY_HEADER)
         if republish_headers is None:
             # Not our own re-publish (a retry, a wait) of a message that already runs here:
             # one sent by other means is not refused half-way through its life.
@@ -730,11 +733,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.pop_request()
 
     def _call_key(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """The key a delivered call runs under: its message's, else the task's own."""
-        key = _request_key(request)
-        if key is None and self.idempotency_key is not None:
-            key = derive_key(self.idempotency_key, self._signature, args, kwargs)
-        return key
+        """The key a delivered call runs under: its message's, else the task's own.
+
+        Raises:
+            ValueError: the message's key is not one ``apply_async`` would take (a message
+                sent by other means, with a key of another type, say): the call fails at
+                once, as a mismatch does, running nothing.
+        """
+        key = request_header(request, KEY_HEADER)
+        if key is not None:
+            return validate_key(key)
+        if self.idempotency_key is not None:
+            return derive_key(self.idempotency_key, self._signature, args, kwargs)
+        return None
 
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""

@@ -362,7 +362,31 @@ def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
         charge.apply_async((fresh("order"), 1), idempotency_key=bad, queue=IDLE_QUEUE)
     with pytest.raises(ValueError, match="non-empty str"):
         charge.s(fresh("order"), 1).set(idempotency_key=bad).apply_async(queue=IDLE_QUEUE)
+    with pytest.raises(ValueError, match="non-empty str"):
+        charge.apply_async((fresh("order"), 1), headers={"idempotency_key": bad}, queue=IDLE_QUEUE)
     assert queue_length(IDLE_QUEUE) == 0
+
+
+def test_a_key_given_as_a_header_is_the_call_s_key_at_publish_too() -> None:
+    order, key = fresh("order"), fresh("key")
+    first = charge.apply_async((order, 1), headers={"idempotency_key": key})
+    assert first.get(timeout=30)["order_id"] == order
+    # The completed key answers at publish: the cached value, the first call's id
+    again = charge.apply_async((order, 1), headers={"idempotency_key": key}, queue=IDLE_QUEUE)
+    assert isinstance(again, EagerResult)
+    assert (again.id, again.get()) == (first.id, first.get())
+    assert queue_length(IDLE_QUEUE) == 0
+    assert ledger_events(order, "start") == 1
+
+
+@pytest.mark.parametrize("bad", [42, "", "  ", ["key"]])
+def test_a_message_sent_by_other_means_with_a_bad_key_fails_running_nothing(bad: object) -> None:
+    # Sent with send_task: the key is not looked at before it goes out
+    order = fresh("order")
+    sent = worker_app.app.send_task(charge.name, (order, 1), headers={"idempotency_key": bad})
+    with pytest.raises(ValueError, match="idempotency_key must"):
+        sent.get(timeout=30)
+    assert ledger_events(order, "start") == 0
 
 
 @pytest.mark.parametrize("bad", ["t" * 256, "", 42, b"task-id"])

@@ -190,6 +190,13 @@ def test_long_keys_and_keys_with_braces_are_hashed() -> None:
     assert storage_key("shop.charge", "{tag}").startswith("sha256:")
 
 
+def test_a_task_named_like_the_hashed_names_cannot_take_a_hashed_pair_s_name() -> None:
+    hashed = storage_key("shop.charge", "x" * 500)
+    digest = hashed.removeprefix("sha256:")
+    assert storage_key("sha256", digest) != hashed
+    assert storage_key("sha256", digest).startswith("sha256:")
+
+
 class _Money:
     """Sent as what its ``__json__`` gives (kombu's JSON calls it)."""
 
