@@ -11,6 +11,10 @@ from typing import Any
 
 from . import defaults
 
+#: The ``apply_async`` option a call's key is given in, and the message header it travels in
+#: (Celery 5 drops unknown ``apply_async`` options).
+KEY_HEADER = "idempotency_key"
+
 #: A per-task key: a ``str.format`` template over the call's bound arguments, or a callable
 #: ``(args, kwargs) -> str``.
 KeySource = str | Callable[[tuple[Any, ...], dict[str, Any]], str]

@@ -15,6 +15,7 @@ from celery.result import EagerResult
 
 from . import signals
 from .app_store import store_for
+from .canvas_keys import required_key_error
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from .keys import MAX_TASK_ID_CHARS, derive_key, fitted, validate_key
 from .pickups import make_pickup, republish_taken, seconds_until
@@ -51,10 +52,7 @@ def publish_key(
     if task.idempotency_key is not None:
         return derive_key(task.idempotency_key, task._signature, args, kwargs)
     if task.idempotency_key_required and required:
-        raise ValueError(
-            f"task {task.name} requires an idempotency key: pass "
-            "apply_async(..., idempotency_key=...) or set the task's idempotency_key"
-        )
+        raise required_key_error(task.name)
     return None
 
 

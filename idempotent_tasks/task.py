@@ -29,6 +29,7 @@ from . import (
     startup,  # noqa: F401  (connects the worker_init check of the schema versions)
 )
 from .app_store import store_for
+from .canvas_keys import check_following_keys
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec
 from .core import Attempt, despite_time_limit, new_owner, wait_delay, wait_for_owner
@@ -58,6 +59,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import (
+    KEY_HEADER,
     MAX_TASK_ID_CHARS,
     KeySource,
     check_task_id,
@@ -82,8 +84,6 @@ from .worker_request import (
 logger = get_task_logger(__name__)
 module_logger = logging.getLogger(__name__)
 
-#: Message headers the key travels in (Celery 5 drops unknown ``apply_async`` options).
-KEY_HEADER = "idempotency_key"
 #: Celery's name for a chain signature (``celery.canvas.chain``).
 CHAIN_TASK = "celery.chain"
 #: Seconds before a call's hard time limit at which storing its result stops waiting for an
@@ -200,6 +200,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Not our own re-publish (a retry, a wait) of a message that already runs here:
             # one sent by other means is not refused half-way through its life.
             check_task_id(task_id)
+            check_following_keys(self.app, options, link, link_error)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         # A message sent without a key by other means (send_task) is not refused half-way

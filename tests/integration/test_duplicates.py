@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from celery import chord, group
+from celery import chain, chord, group
 from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
 
@@ -365,6 +365,57 @@ def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
     with pytest.raises(ValueError, match="non-empty str"):
         charge.apply_async((fresh("order"), 1), headers={"idempotency_key": bad}, queue=IDLE_QUEUE)
     assert queue_length(IDLE_QUEUE) == 0
+
+
+def _canvas_with_a_later_step(step: Any) -> dict[str, Any]:
+    """Ways a keyed step can follow the first message (on the idle queue): a chain's next step,
+    a chord's body, a callback."""
+    first = worker_app.must_have_key.s(fresh("first")).set(
+        idempotency_key=fresh("key"), queue=IDLE_QUEUE
+    )
+    header = [
+        worker_app.must_have_key.s(fresh("part")).set(
+            idempotency_key=fresh("key"), queue=IDLE_QUEUE
+        )
+        for _ in range(2)
+    ]
+    return {
+        "chain": lambda: chain(first, step).apply_async(),
+        "chord": lambda: chord(header, step).apply_async(),
+        "link": lambda: first.apply_async(link=step),
+        "chain in a chain": lambda: chain(first, chain(worker_app.plain.s(), step)).apply_async(),
+    }
+
+
+@pytest.mark.parametrize("canvas", ["chain", "chord", "link", "chain in a chain"])
+@pytest.mark.parametrize("bad", [42, "", b"key"])
+def test_a_bad_key_later_in_a_canvas_is_refused_before_anything_is_published(
+    canvas: str, bad: object
+) -> None:
+    later = worker_app.must_have_key.s().set(idempotency_key=bad)
+    with pytest.raises(ValueError, match="non-empty str"):
+        _canvas_with_a_later_step(later)[canvas]()
+    assert queue_length(IDLE_QUEUE) == 0
+
+
+@pytest.mark.parametrize("canvas", ["chain", "chord", "link"])
+def test_a_later_step_without_the_key_its_task_requires_is_refused_before_publishing(
+    canvas: str,
+) -> None:
+    with pytest.raises(ValueError, match="requires an idempotency key"):
+        _canvas_with_a_later_step(worker_app.must_have_key.s())[canvas]()
+    assert queue_length(IDLE_QUEUE) == 0
+
+
+def test_a_canvas_whose_later_keys_are_good_is_published() -> None:
+    # The control for the two tests above: the same canvas with a good key goes out.
+    broker_queue = fresh("idle")
+    first = worker_app.must_have_key.s(fresh("first")).set(
+        idempotency_key=fresh("key"), queue=broker_queue
+    )
+    chain(first, worker_app.must_have_key.s().set(idempotency_key=fresh("key"))).apply_async()
+    assert queue_length(broker_queue) == 1
+    worker_app.app.connection().default_channel.queue_delete(broker_queue)
 
 
 def test_a_key_given_as_a_header_is_the_call_s_key_at_publish_too() -> None:

@@ -1,0 +1,78 @@
+"""The keys of the work that follows a call in its canvas, checked before the call goes out.
+
+A chain's later steps, a chord's body and a call's callbacks are published by the worker, after
+the steps before them ran: a key there that ``apply_async`` would refuse would fail the chain
+half-way through, after a keyed step had completed. Their per-call keys (and the presence of a
+key where a task requires one) are checked when the first message is published instead. A key
+derived from the arguments (a template, a callable) is not: a later step's arguments include
+results that do not exist yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from celery.canvas import maybe_signature
+
+from .keys import KEY_HEADER, validate_key
+
+#: Canvas signatures whose parts are in their kwargs (the dict form Celery sends them in).
+_PARTS = {"chain": ("tasks",), "group": ("tasks",), "chord": ("header", "body")}
+#: A step's own callbacks, published after it as well.
+_CALLBACKS = ("link", "link_error")
+
+
+def check_following_keys(app: Any, options: dict[str, Any], link: Any, link_error: Any) -> None:
+    """``ValueError`` for a keyed task to be published after this call (the rest of its chain,
+    its chord's body, its callbacks) whose key ``apply_async`` would refuse then."""
+    for value in (options.get("chain"), options.get("chord"), link, link_error):
+        for step in _steps(app, value):
+            _check_step(app, step)
+
+
+def required_key_error(task_name: str) -> ValueError:
+    """The error of a call without a key to a task that requires one."""
+    return ValueError(
+        f"task {task_name} requires an idempotency key: pass "
+        "apply_async(..., idempotency_key=...) or set the task's idempotency_key"
+    )
+
+
+def _steps(app: Any, value: Any) -> Iterator[Any]:
+    """The single-task signatures in ``value`` (a signature, its dict, or a list of them)."""
+    if not value:
+        return
+    if isinstance(value, list | tuple):
+        for item in value:
+            yield from _steps(app, item)
+        return
+    signature = maybe_signature(value, app=app)
+    if not isinstance(signature, dict):
+        return
+    parts = _PARTS.get(str(signature.get("subtask_type") or ""))
+    if parts is None:
+        yield signature
+    else:
+        kwargs = signature.get("kwargs") or {}
+        for name in parts:
+            yield from _steps(app, kwargs.get(name))
+    options = signature.get("options") or {}
+    for name in _CALLBACKS:
+        yield from _steps(app, options.get(name))
+
+
+def _check_step(app: Any, step: Any) -> None:
+    from .task import IdempotentTask
+
+    task = app.tasks.get(step.get("task"))
+    if not isinstance(task, IdempotentTask):
+        return  # a plain task, or one this process does not know (sent by name elsewhere)
+    options = step.get("options") or {}
+    key = options.get(KEY_HEADER)
+    if key is None:
+        key = (options.get("headers") or {}).get(KEY_HEADER)
+    if key is not None:
+        validate_key(key)
+    elif task.idempotency_key is None and task.idempotency_key_required:
+        raise required_key_error(task.name)
