@@ -88,11 +88,13 @@ class Attempt:
         store: where the claim lives.
         request: the claim this attempt makes (owner, key, fingerprint, lease, ttl ...).
         codec: how its result is cached.
+        log: where its warnings go (the Celery adapter gives its task logger).
     """
 
     store: Store
     request: ClaimRequest
     codec: ResultCodec
+    log: logging.Logger = logger
     token: int = 0
     #: Set when a heartbeat found the claim taken over by another owner.
     lost: bool = False
@@ -113,7 +115,7 @@ class Attempt:
         if result.outcome is Outcome.ACQUIRED:
             self.token = result.token
             if result.takeover:
-                logger.warning(
+                self.log.warning(
                     "took over key %r of %s from an earlier owner, whose lease ended or whose "
                     "attempt this one retries (token %s)",
                     self.request.key,
@@ -148,7 +150,7 @@ class Attempt:
         """
         encoded, reason = self.codec.encode(value)
         if reason is not None:
-            logger.warning(
+            self.log.warning(
                 "result of %s for key %r is not cached (%s); duplicates will get None",
                 self.request.task_name,
                 self.request.key,
@@ -161,11 +163,11 @@ class Attempt:
             outcome = self.store.complete(self.request, self.token, encoded, side_write)
             self.side_written = side_write is not None and outcome is CompleteOutcome.STORED
         except SideWriteRefused as exc:  # raised only when given a side write
-            logger.warning("%s; completing key %r without it", exc, self.request.key)
+            self.log.warning("%s; completing key %r without it", exc, self.request.key)
             self.side_write_refused = True
             outcome = self.store.complete(self.request, self.token, encoded)
         if outcome is CompleteOutcome.STALE:
-            logger.warning(
+            self.log.warning(
                 "%s finished key %r after its claim was taken over by another execution; "
                 "its result was not stored",
                 self.request.task_name,
@@ -175,7 +177,7 @@ class Attempt:
                 task_name=self.request.task_name, key=self.request.key
             )
         elif outcome is CompleteOutcome.RECOVERED:
-            logger.warning(
+            self.log.warning(
                 "claim of key %r of %s had vanished from the store; result stored anew",
                 self.request.key,
                 self.request.task_name,
@@ -204,7 +206,7 @@ class Attempt:
             except CorruptRecord as exc:
                 # The body ran: its value still goes to this caller. Duplicates find the key as
                 # a CorruptRecord does, until an operator forgets it.
-                logger.error(
+                self.log.error(
                     "%s succeeded but its result for key %r could not be stored: %s",
                     self.request.task_name,
                     self.request.key,
@@ -215,7 +217,7 @@ class Attempt:
                 # A try can take seconds (the client's own reconnects): one more must end in time.
                 now = time.monotonic()
                 if now + pause + (now - tried_at) > deadline:
-                    logger.error(
+                    self.log.error(
                         "%s succeeded but its result for key %r could not be stored: %s; a "
                         "duplicate may run it again once its lease ends",
                         self.request.task_name,
@@ -223,7 +225,7 @@ class Attempt:
                         exc,
                     )
                     return value
-                logger.warning(
+                self.log.warning(
                     "store unreachable while completing key %r, retrying: %s",
                     self.request.key,
                     exc,
@@ -250,7 +252,7 @@ class Attempt:
         try:
             self.release(pickup)
         except (StoreUnavailable, CorruptRecord) as exc:
-            logger.warning(
+            self.log.warning(
                 "could not release key %r (%s); it frees itself when its lease ends",
                 self.request.key,
                 exc,
@@ -263,7 +265,7 @@ class Attempt:
         try:
             record = self.store.get(self.request.storage_key)
         except (StoreUnavailable, CorruptRecord) as exc:
-            logger.warning(
+            self.log.warning(
                 "could not release key %r (%s): its lease frees it", self.request.key, exc
             )
             return
@@ -291,14 +293,14 @@ class Attempt:
         try:
             return self.store.extend(self.request, self.token)
         except StoreUnavailable as exc:
-            logger.warning("could not renew the lease of key %r: %s", self.request.key, exc)
+            self.log.warning("could not renew the lease of key %r: %s", self.request.key, exc)
             return True  # unknown: keep trying until the store answers
 
     def _on_lease_lost(self) -> None:
         if self.given_up:
             return  # released on purpose while the renewal was on its way
         self.lost = True
-        logger.warning(
+        self.log.warning(
             "lease of key %r of %s was taken over while its body still runs",
             self.request.key,
             self.request.task_name,

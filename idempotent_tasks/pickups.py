@@ -14,11 +14,11 @@ claimed or completed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
+from celery.utils.log import get_task_logger
 from kombu.entity import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.utils import json as kombu_json
@@ -27,7 +27,7 @@ from . import defaults, signals
 from .errors import CorruptRecord, StoreUnavailable
 from .records import DuePickup, Pickup
 
-logger = logging.getLogger(__name__)
+logger = get_task_logger(__name__)
 
 # kombu's JSON keeps datetimes, UUIDs and decimals as Celery's own messages do.
 dumps = cast(Callable[[Any], str], kombu_json.dumps)

@@ -7,11 +7,11 @@ cannot be reached lets the message go out unguarded.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from celery import states
 from celery.result import EagerResult
+from celery.utils.log import get_task_logger
 
 from . import signals
 from .app_store import store_for
@@ -25,7 +25,7 @@ from .replacements import is_replaced
 if TYPE_CHECKING:
     from .task import IdempotentTask
 
-logger = logging.getLogger(__name__)
+logger = get_task_logger(__name__)
 
 
 #: Longest task name the claim and dead-letter tables keep (their ``task_name`` columns).

@@ -8,10 +8,10 @@ worker forgets the revoke (three hours, or a restart), the call would run.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_revoked
+from celery.utils.log import get_task_logger
 
 from . import publishing
 from .app_store import dlq_for, store_for
@@ -25,7 +25,7 @@ from .worker_request import request_header
 if TYPE_CHECKING:
     from .task import IdempotentTask
 
-logger = logging.getLogger(__name__)
+logger = get_task_logger(__name__)
 
 
 def end_revoked_call(task: IdempotentTask, request: Any) -> None:

@@ -885,7 +885,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             owner=issued_owner(request) or new_owner(),
             previous_owner=request_header(request, PREVIOUS_OWNER_HEADER),
         )
-        return Attempt(store=store_for(self.app), request=claim, codec=self._codec)
+        return Attempt(store=store_for(self.app), request=claim, codec=self._codec, log=logger)
 
     def _claim_request(
         self,

@@ -3,6 +3,7 @@ published to wait or to try again; the caller gets the error."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import Reject
 from celery.signals import after_task_publish
+from celery.utils.log import task_logger
 
 from idempotent_tasks import IdempotentTask, StoreUnavailable
 from idempotent_tasks.app_store import store_for
@@ -155,3 +157,27 @@ def test_an_eager_call_that_replaces_itself_runs_each_replacement(per_call_key: 
     again = loop.apply(("n", 2), **options)
     assert again.get() == "n"
     assert runs == [2, 1, 0]
+
+
+def test_the_claim_s_warnings_go_through_celery_s_task_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # (a worker's task logger prefixes each line with the task's name and id)
+    app = Celery("eager-log", set_as_current=False, broker="memory://")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        result_backend="cache+memory://",
+        idempotency_result_max_bytes=10,
+    )
+
+    @app.task(base=IdempotentTask, shared=False)
+    def big() -> str:
+        return "z" * 100
+
+    # When a keyed call's result is too big to cache
+    with caplog.at_level("WARNING"):
+        assert big.apply(headers={KEY_HEADER: "k"}).get() == "z" * 100
+    # Then the warning saying so comes from a Celery task logger
+    warned = [record for record in caplog.records if "not cached" in record.getMessage()]
+    assert warned
+    assert all(logging.getLogger(record.name).parent is task_logger for record in warned)
