@@ -1,4 +1,4 @@
-"""The benchmark's Celery app: one trivial task per implementation, all on Redis DBs 4-6 and 8.
+"""The benchmark's Celery app: one trivial task per implementation, all on Redis DBs 4-7.
 
 The worker runs as ``celery -A benchmarks.app worker ...``; the producer imports the same module.
 Every body increments a per-implementation counter, so the benchmark can count how often a body
@@ -23,14 +23,15 @@ from idempotent_tasks import IdempotentTask
 #: Redis server without a DB number; override with ``BENCH_REDIS_URL``.
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
 
-# One DB per role, flushed before every measurement (the tests use DBs 10-13: never touch them).
+# One DB per role, flushed before every measurement (the tests use DBs 3 and 8-15: never touch
+# them).
 BROKER_DB = 4
 BACKEND_DB = 5
 ONCE_DB = 6
 #: IdempotentTask's claim store is left at its default, the result backend's Redis database: its
 #: completions then write Celery's result records themselves (idempotent_tasks.celery_result).
 STORE_DB = BACKEND_DB
-COUNTER_DB = 8
+COUNTER_DB = 7
 BENCH_DBS = (BROKER_DB, BACKEND_DB, ONCE_DB, COUNTER_DB)
 
 #: Set by the worker once it consumes; the runner waits for it before starting the producer.
