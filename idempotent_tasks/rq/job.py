@@ -163,6 +163,17 @@ class IdempotentJob(Job):
         logger.info("job %s goes back to queue %s: %s", self.id, queue.name, retry.reason)
         queue._enqueue_job(self, pipeline=pipeline)
 
+    def retry(self, queue: Queue, pipeline: Pipeline) -> None:
+        """RQ retrying a run; one that ended out of our code's sight (a work horse that died)
+        has its claim released first, so the retry claims the key afresh at once rather than
+        wait out the dead horse's lease. A failure our code saw released its claim already."""
+        if not self._idempotency_settled:
+            try:
+                self._release_dead_horse_claim()
+            except Exception:
+                logger.exception("could not release the key of job %s before its retry", self.id)
+        super().retry(queue, pipeline)
+
     def _handle_failure(
         self, exc_string: str, pipeline: Pipeline, *args: Any, **kwargs: Any
     ) -> None:
@@ -500,17 +511,26 @@ class IdempotentJob(Job):
         state: dict[str, Any] = found if isinstance(found, dict) else {}
         return func, options or DEFAULT_OPTIONS, state
 
-    def _release_stopped_run(self) -> None:
-        """A job stopped on purpose (``send_stop_job_command``): not dead-lettered, but its
-        work horse's claim is released, so a new call of the key runs at once rather than
-        wait out the lease (or be answered with this stopped job)."""
+    def _release_dead_horse_claim(self) -> dict[str, Any] | None:
+        """Release the claim this worker's work horse made for this job (it was forked from
+        this very job object, so it claimed under this owner id); the job's state, ``None``
+        for a job that is none of ours. A claim another owner holds is left alone."""
         scope = self._ended_run_scope()
         if scope is None:
-            return
+            return None
         func, options, state = scope
         key = self._job_key(func, options, state)
         if key is not None:
             self._attempt(func, key, options, state).release_dead_owner()
+        return state
+
+    def _release_stopped_run(self) -> None:
+        """A job stopped on purpose (``send_stop_job_command``): not dead-lettered, but its
+        work horse's claim is released, so a new call of the key runs at once rather than
+        wait out the lease (or be answered with this stopped job)."""
+        state = self._release_dead_horse_claim()
+        if state is None:
+            return
         dead_letter_id = state.get("dead_letter_id")
         if dead_letter_id:
             # A dead letter's retry stopped: a failed retry on its row, which would otherwise

@@ -126,6 +126,14 @@ def slow_first(name: str, seconds: float) -> dict[str, Any]:
     return {"name": name, "run": run}
 
 
+def slow_first_long_lease(name: str, seconds: float) -> dict[str, Any]:
+    """:func:`slow_first` without options of its own: its lease is its job's timeout."""
+    run = _start(name)
+    if run == 1:
+        time.sleep(seconds)
+    return {"name": name, "run": run}
+
+
 @idempotent(lease=2, dlq=False)
 def slow_first_without_dlq(name: str, seconds: float) -> dict[str, Any]:
     """:func:`slow_first`, whose final failures are not dead-lettered."""

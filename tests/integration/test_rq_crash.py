@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from rq import Retry
 from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.queue import Queue
@@ -189,6 +190,36 @@ def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
         assert again.id != first.id
         assert wait_value(again) == {"name": name, "run": 2}
         assert worker.process.poll() is None
+    finally:
+        worker.stop()
+
+
+def test_a_work_horse_killed_with_an_rq_retry_left_frees_its_key_for_the_retry(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"horse-retry-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-horse-retry-{uuid.uuid4().hex[:8]}",
+        connection=rq_env.connection,
+        dlq_url=rq_env.dlq_url,
+    )
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-horse-retry"))
+    try:
+        # Given a keyed job with one RQ retry left, whose lease (its job timeout) is long
+        first = queue.enqueue(
+            rq_jobs.slow_first_long_lease,
+            name,
+            60,
+            idempotency_key=key,
+            retry=Retry(max=1),
+            job_timeout=300,
+        )
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
+        # When its work horse is killed
+        _kill_work_horse(worker)
+        # Then RQ's retry claims the key afresh and runs now, not once the 300 s lease ends
+        assert wait_value(first, timeout=30) == {"name": name, "run": 2}
+        assert rq_env.rows_of(first.id) == []
     finally:
         worker.stop()
 
