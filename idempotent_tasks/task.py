@@ -662,7 +662,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         logger.error("failed for good: %s: %s", type(exc).__name__, message)
         if not self.dlq:
             return
-        stored_args, stored_kwargs, faithful = stored_arguments(args, kwargs)
+        # A JSON message carries tuples as lists, as the table keeps them; pickle does not.
+        stored_args, stored_kwargs, faithful = stored_arguments(
+            args, kwargs, exact=self.serializer == "pickle"
+        )
         max_retries = int(
             resolve(
                 self.dlq_max_retries,

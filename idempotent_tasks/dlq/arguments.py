@@ -10,12 +10,15 @@ from kombu.utils import json as kombu_json
 
 
 def stored_arguments(
-    args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]
+    args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any], *, exact: bool = False
 ) -> tuple[list[Any], dict[str, Any], bool]:
     """The arguments as plain JSON, and whether they are kept faithfully.
 
     Values Celery's JSON carries (datetimes, dates, times, decimals, UUIDs, bytes) are kept in
-    kombu's typed form and come back as themselves from :func:`restored_arguments`. Anything
+    kombu's typed form and come back as themselves from :func:`restored_arguments`; tuples
+    come back as lists, as JSON messages carry them. With ``exact`` (a call whose serializer
+    keeps more than JSON: pickle), arguments that do not come back equal (a tuple, a dict with
+    other keys than text) are kept, but said not to be faithful. Anything
     else (a pickle-serialized task's objects, an RQ job's, a NaN or an infinity, which
     database JSON refuses) is kept as its ``repr``: such a row cannot be retried from the
     table, only read. So is text with a lone surrogate (a file name's undecodable byte), which
@@ -23,7 +26,8 @@ def stored_arguments(
     """
     try:
         kept = as_table_json([list(args), dict(kwargs)])
-        return list(kept[0]), dict(kept[1]), True
+        faithful = not exact or _reads_back_equal(kept, [list(args), dict(kwargs)])
+        return list(kept[0]), dict(kept[1]), faithful
     except (TypeError, ValueError):
         pass
     try:
@@ -37,6 +41,13 @@ def stored_arguments(
             {str(name): safe_repr(value) for name, value in kwargs.items()},
             False,
         )
+
+
+def _reads_back_equal(kept: Any, value: Any) -> bool:
+    try:
+        return bool(from_table_json(kept) == value)
+    except Exception:  # a value whose __eq__ fails: nothing says it reads back
+        return False
 
 
 def as_table_json(value: Any) -> Any:

@@ -467,7 +467,8 @@ class IdempotentJob(Job):
         key: str | None,
         options: IdempotencyOptions,
     ) -> Failure:
-        args, kwargs, faithful = stored_arguments(list(self.args), dict(self.kwargs))
+        # An RQ job's serializer (pickle unless set) may keep what JSON gives back otherwise.
+        args, kwargs, faithful = stored_arguments(self.args, dict(self.kwargs), exact=True)
         kept_options = row_options(self.origin, not faithful)
         # What a re-enqueue needs once RQ no longer has this job: the key's scope (never the
         # stores' URLs, which may hold passwords: the sweep is given its own) and the timeout.

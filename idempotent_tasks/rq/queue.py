@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from redis import Redis
 from rq.exceptions import NoSuchJobError
@@ -209,7 +210,7 @@ class IdempotentQueue(Queue):
     def close(self) -> None:
         """Close the claim store this queue opened from ``store_url`` (the RQ connection is
         the caller's)."""
-        if self._store is not None and self.store_url:
+        if self._store is not None and not self._shares_jobs_store:
             self._store[1].close()
         self._store = None
 
@@ -219,14 +220,21 @@ class IdempotentQueue(Queue):
     def store(self) -> Store:
         """This queue's claim store (built on first use, and again in a forked child)."""
         if self._store is None or self._store[0] != os.getpid():
-            if self.store_url:
+            if self._shares_jobs_store:
+                store = claim_store(self.connection, self.key_prefix, self.store_url)
+            else:
                 from ..stores import store_from_url
 
-                store = store_from_url(self.store_url, prefix=self.key_prefix)
-            else:
-                store = claim_store(self.connection, self.key_prefix, None)
+                store = store_from_url(str(self.store_url), prefix=self.key_prefix)
             self._store = (os.getpid(), store)
         return self._store[1]
+
+    @property
+    def _shares_jobs_store(self) -> bool:
+        """Whether this queue looks at keys in the very store its jobs claim in, in this
+        process: one on the RQ connection, or ``memory://``, whose keys live in one object
+        (a synchronous queue's jobs, a ``SimpleWorker`` of this process)."""
+        return not self.store_url or urlsplit(self.store_url).scheme == "memory"
 
     def _carried(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], call_key: object

@@ -117,6 +117,12 @@ def fails_after(name: str, seconds: float) -> None:
     raise ValueError(f"run {run} of {name} failed after {seconds} s")
 
 
+def fails_holding(name: str, value: Any) -> None:
+    """Fail with ValueError, whatever ``value`` is (a tuple, say)."""
+    _start(name)
+    raise ValueError(f"{name} failed holding {value!r}")
+
+
 @idempotent(lease=2)
 def slow_first(name: str, seconds: float) -> dict[str, Any]:
     """Take ``seconds`` on the first start only; claims live 2 s without a heartbeat."""

@@ -68,6 +68,27 @@ def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueue
     assert idle.count == 0
 
 
+def test_a_memory_store_is_one_for_the_queue_and_the_jobs_of_its_process(rq_env: RQEnv) -> None:
+    queue = IdempotentQueue(
+        fresh("sync-memory"),
+        connection=rq_env.connection,
+        dlq_url=rq_env.dlq_url,
+        is_async=False,
+        store_url="memory://",
+    )
+    name, key = fresh("memory"), fresh("key")
+    # Given a keyed job run to its end in this process, claimed in the memory store
+    first = queue.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    assert first.return_value()["name"] == name
+    # Then the queue's look sees that claim: a duplicate is answered with the first job, and a
+    # call with other arguments is refused, before anything is enqueued
+    again = queue.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    assert (again.id, again.return_value()) == (first.id, first.return_value())
+    with pytest.raises(IdempotencyKeyMismatch):
+        queue.enqueue(rq_jobs.record, name, 2, idempotency_key=key)
+    assert rq_jobs.starts(name) == 1
+
+
 def test_a_process_running_keyed_jobs_counts_into_the_default_prometheus_registry(
     rq_env: RQEnv,
 ) -> None:
@@ -184,6 +205,20 @@ def test_a_failing_job_with_retries_on_a_synchronous_queue_is_dead_lettered(
     [row] = rq_env.rows_of(job.id)
     assert (row.idempotency_key, row.error_type) == (key, "TimeoutError")
     assert rq_jobs.starts(name) == 1
+
+
+def test_a_dead_letter_whose_arguments_json_gives_back_otherwise_is_said_to_be_lossy(
+    sync: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a job whose argument is a tuple (RQ pickles it: the job gets a tuple), failed
+    name, key = fresh("tuple"), fresh("key")
+    job = sync.enqueue(rq_jobs.fails_holding, name, (1, 2), idempotency_key=key)
+    assert job.get_status() == JobStatus.FAILED
+    # Then its dead letter keeps the arguments to be read, but never rebuilds a job from them
+    # (JSON would give a list back): only RQ's own copy of the job is sent again
+    [row] = rq_env.rows_of(job.id)
+    assert row.args == [name, [1, 2]]
+    assert row.options["args_lossy"] is True
 
 
 def test_a_job_ended_by_a_base_exception_with_no_retries_left_is_dead_lettered(

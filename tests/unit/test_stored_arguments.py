@@ -105,3 +105,15 @@ def test_nan_and_infinity_which_database_json_refuses_are_kept_as_text() -> None
     # The database's JSON takes it
     json.dumps([kept_args, kept_kwargs], allow_nan=False)
     assert (kept_args, kept_kwargs) == (["1.5", "nan"], {"limit": "inf"})
+
+
+def test_exactly_kept_arguments_are_those_that_read_back_equal() -> None:
+    # (a pickle-serialized call, an RQ job: a tuple stays a tuple, which JSON gives back as a
+    # list; so does a dict's int key, which JSON gives back as text)
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert stored_arguments((1, when, b"\x00"), {"amount": Decimal("1.10")}, exact=True)[2]
+    for args, kwargs in (((1, (2, 3)), {}), ((1,), {"items": (4,)}), (({1: "a"},), {})):
+        kept_args, kept_kwargs, faithful = stored_arguments(args, kwargs, exact=True)
+        assert not faithful
+        json.dumps([kept_args, kept_kwargs])  # still kept, to be read
+        assert stored_arguments(args, kwargs)[2]  # as a JSON message carries them: faithful
