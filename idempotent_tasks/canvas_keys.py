@@ -19,16 +19,20 @@ from .keys import KEY_HEADER, validate_key
 
 #: Canvas signatures whose parts are in their kwargs (the dict form Celery sends them in).
 _PARTS = {"chain": ("tasks",), "group": ("tasks",), "chord": ("header", "body")}
-#: A step's own callbacks, published after it as well.
-_CALLBACKS = ("link", "link_error")
 
 
 def check_following_keys(app: Any, options: dict[str, Any], link: Any, link_error: Any) -> None:
     """``ValueError`` for a keyed task to be published after this call (the rest of its chain,
-    its chord's body, its callbacks) whose key ``apply_async`` would refuse then."""
-    for value in (options.get("chain"), options.get("chord"), link, link_error):
-        for step in _steps(app, value):
-            _check_step(app, step)
+    its chord's body, its callbacks) whose key ``apply_async`` would refuse then.
+
+    An errback may be called in the worker rather than published (one taking ``request, exc,
+    traceback``): only a key it is given is checked there, not whether its task requires one.
+    """
+    for value in (options.get("chain"), options.get("chord"), link):
+        for step, errback in _steps(app, value):
+            _check_step(app, step, errback)
+    for step, _ in _steps(app, link_error, errback=True):
+        _check_step(app, step, errback=True)
 
 
 def required_key_error(task_name: str) -> ValueError:
@@ -39,30 +43,31 @@ def required_key_error(task_name: str) -> ValueError:
     )
 
 
-def _steps(app: Any, value: Any) -> Iterator[Any]:
-    """The single-task signatures in ``value`` (a signature, its dict, or a list of them)."""
+def _steps(app: Any, value: Any, errback: bool = False) -> Iterator[tuple[Any, bool]]:
+    """The single-task signatures in ``value`` (a signature, its dict, or a list of them), each
+    with whether it is an errback."""
     if not value:
         return
     if isinstance(value, list | tuple):
         for item in value:
-            yield from _steps(app, item)
+            yield from _steps(app, item, errback)
         return
     signature = maybe_signature(value, app=app)
     if not isinstance(signature, dict):
         return
     parts = _PARTS.get(str(signature.get("subtask_type") or ""))
     if parts is None:
-        yield signature
+        yield signature, errback
     else:
         kwargs = signature.get("kwargs") or {}
         for name in parts:
-            yield from _steps(app, kwargs.get(name))
+            yield from _steps(app, kwargs.get(name), errback)
     options = signature.get("options") or {}
-    for name in _CALLBACKS:
-        yield from _steps(app, options.get(name))
+    yield from _steps(app, options.get("link"), errback)
+    yield from _steps(app, options.get("link_error"), errback=True)
 
 
-def _check_step(app: Any, step: Any) -> None:
+def _check_step(app: Any, step: Any, errback: bool) -> None:
     from .task import IdempotentTask
 
     task = app.tasks.get(step.get("task"))
@@ -74,5 +79,5 @@ def _check_step(app: Any, step: Any) -> None:
         key = (options.get("headers") or {}).get(KEY_HEADER)
     if key is not None:
         validate_key(key)
-    elif task.idempotency_key is None and task.idempotency_key_required:
+    elif task.idempotency_key is None and task.idempotency_key_required and not errback:
         raise required_key_error(task.name)

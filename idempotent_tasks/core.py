@@ -88,7 +88,8 @@ class Attempt:
         store: where the claim lives.
         request: the claim this attempt makes (owner, key, fingerprint, lease, ttl ...).
         codec: how its result is cached.
-        log: where its warnings go (the Celery adapter gives its task logger).
+        log: where the warnings of the task's own thread go (the Celery adapter gives its
+            task logger); the lease keeper's thread logs to this module's.
     """
 
     store: Store
@@ -293,14 +294,15 @@ class Attempt:
         try:
             return self.store.extend(self.request, self.token)
         except StoreUnavailable as exc:
-            self.log.warning("could not renew the lease of key %r: %s", self.request.key, exc)
+            # The lease keeper's thread: no task runs there, for a task logger to name.
+            logger.warning("could not renew the lease of key %r: %s", self.request.key, exc)
             return True  # unknown: keep trying until the store answers
 
     def _on_lease_lost(self) -> None:
         if self.given_up:
             return  # released on purpose while the renewal was on its way
         self.lost = True
-        self.log.warning(
+        logger.warning(
             "lease of key %r of %s was taken over while its body still runs",
             self.request.key,
             self.request.task_name,

@@ -15,7 +15,6 @@ from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .dlq import DeadLetter, Failure
 from .dlq.arguments import (
-    ArgumentsUnreadable,
     as_table_json,
     from_table_json,
     restored_arguments,
@@ -24,6 +23,7 @@ from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
 from .errors import StoreUnavailable
+from .keys import validate_key
 from .pickups import republish_lost
 from .settings import app_setting
 from .worker_request import request_header
@@ -161,13 +161,17 @@ def republish(app: Any, item: DeadLetter) -> None:
     """Send a dead letter's task again: same name, id, arguments, key and routing.
 
     Raises:
-        CannotResend: its arguments are kept only as text, or do not read back.
+        CannotResend: its arguments are kept only as text, or do not read back; its key is
+            none a worker would run a call under.
     """
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and are kept only as text")
     try:
         args, kwargs = restored_arguments(item.args, item.kwargs)
-    except ArgumentsUnreadable as exc:
+        if item.idempotency_key is not None:
+            # A row an older version wrote, or one edited by hand: the worker would refuse it.
+            validate_key(item.idempotency_key)
+    except ValueError as exc:  # ArgumentsUnreadable is one
         raise CannotResend(str(exc)) from exc
     headers: dict[str, Any] = {DEAD_LETTER_HEADER: item.id}
     if item.sweep_id is not None:

@@ -20,6 +20,7 @@ starts, and serve a registry holding a ``MultiProcessCollector``. The gauge's
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -28,8 +29,11 @@ from . import signals
 PREFIX = "idempotent_tasks"
 INSTALL_HINT = "metrics need prometheus_client: pip install 'idempotent-tasks[prometheus]'"
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _enabled: dict[int, Metrics] = {}
+#: Whether :func:`enable_if_installed` ran in this process (or the one it was forked from).
+_auto_enable_tried = False
 
 
 def _prometheus_client() -> Any:
@@ -186,12 +190,24 @@ def enable(registry: Any = None) -> Metrics:
 
 
 def enable_if_installed() -> None:
-    """:func:`enable` the default registry when prometheus_client is installed; else nothing
-    (the in-process counters of :mod:`idempotent_tasks.metrics` still count)."""
+    """:func:`enable` the default registry when prometheus_client is installed, the first time
+    it is called (a forked child inherits that); else nothing (the in-process counters of
+    :mod:`idempotent_tasks.metrics` still count).
+
+    Called on every process's first keyed call: after that it costs a flag's read, a
+    :func:`disable` sticks, and a registry that refuses the metrics (a name taken, an old
+    prometheus_client) is logged once, never the call's failure.
+    """
+    global _auto_enable_tried
+    if _auto_enable_tried:
+        return
+    _auto_enable_tried = True
     try:
         enable()
     except ImportError:
         pass
+    except Exception:
+        logger.warning("could not register the Prometheus metrics", exc_info=True)
 
 
 def disable(registry: Any = None) -> None:

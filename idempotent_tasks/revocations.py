@@ -8,10 +8,10 @@ worker forgets the revoke (three hours, or a restart), the call would run.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_revoked
-from celery.utils.log import get_task_logger
 
 from . import publishing
 from .app_store import dlq_for, store_for
@@ -25,7 +25,7 @@ from .worker_request import request_header
 if TYPE_CHECKING:
     from .task import IdempotentTask
 
-logger = get_task_logger(__name__)
+logger = logging.getLogger(__name__)  # the worker's main process: no task runs here
 
 
 def end_revoked_call(task: IdempotentTask, request: Any) -> None:
@@ -61,7 +61,7 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
 def _call_of(task: IdempotentTask, request: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """A revoked request's arguments and the key it runs under (``None``: no key)."""
     args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-    return args, kwargs, task._call_key(request, args, kwargs)
+    return args, kwargs, task._delivered_key(request, args, kwargs)
 
 
 def _record_on_dead_letter(

@@ -662,9 +662,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         logger.error("failed for good: %s: %s", type(exc).__name__, message)
         if not self.dlq:
             return
-        # A JSON message carries tuples as lists, as the table keeps them; pickle does not.
+        # A JSON message carries tuples as lists, as the table keeps them; pickle, say, does not.
         stored_args, stored_kwargs, faithful = stored_arguments(
-            args, kwargs, exact=self.serializer == "pickle"
+            args, kwargs, exact=self.serializer != "json"
         )
         max_retries = int(
             resolve(
@@ -717,7 +717,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Celery has failed the call itself already (its result, errbacks, chord part).
             setattr(request, FAILURE_REPORTED_HEADER, True)
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-            key = self._call_key(request, args, kwargs)
+            key = self._delivered_key(request, args, kwargs)
             requeued = _timeout_requeues(self)
             if not requeued:
                 try:
@@ -750,6 +750,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if self.idempotency_key is not None:
             return derive_key(self.idempotency_key, self._signature, args, kwargs)
         return None
+
+    def _delivered_key(
+        self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        """The key a delivered call ran under, for its bookkeeping once it ended out of its
+        own sight (killed, revoked); ``None`` also for a key no call runs under (refused)."""
+        try:
+            return self._call_key(request, args, kwargs)
+        except ValueError:
+            return None
 
     def _write_failure(self, failure: Failure) -> None:
         """Write a final failure; if the database is down, re-publish to write it later."""

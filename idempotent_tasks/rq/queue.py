@@ -223,8 +223,10 @@ class IdempotentQueue(Queue):
             if self._shares_jobs_store:
                 store = claim_store(self.connection, self.key_prefix, self.store_url)
             else:
+                from ..prometheus import enable_if_installed
                 from ..stores import store_from_url
 
+                enable_if_installed()  # as claim_store does for the other stores
                 store = store_from_url(str(self.store_url), prefix=self.key_prefix)
             self._store = (os.getpid(), store)
         return self._store[1]

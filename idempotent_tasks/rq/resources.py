@@ -43,7 +43,7 @@ def claim_store(connection: redis.Redis, prefix: str, store_url: str | None) -> 
     resets in a forked child, so it is cheap to build for every job.
     """
     # A work horse, a producer or a synchronous queue counts into Prometheus' default registry
-    # when prometheus_client is installed (a few µs once enabled).
+    # when prometheus_client is installed (after the first call, a flag's read).
     enable_if_installed()
     if store_url:
         return _per_process(

@@ -156,6 +156,26 @@ def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
     assert (after.status, after.error_type) == (DeadLetterStatus.PERMANENT_FAILURE, "CannotResend")
 
 
+@pytest.mark.parametrize("key", ["", "   "])
+def test_a_celery_row_whose_key_no_worker_takes_is_never_sent_again(
+    app: Celery, queue: DeadLetterQueue, key: str
+) -> None:
+    # Given a due row whose key a worker would refuse (an older version kept str() of a
+    # message's key header; or a row edited by hand)
+    item = queue.add(dataclasses.replace(_failure(), idempotency_key=key))
+    assert queue.retry_now(item.id)
+    # When the sweep runs, then it refuses the row before anything is sent (a worker would
+    # refuse the message, leaving its row retrying, due again and again), using a retry
+    assert app.tasks[SWEEP_TASK].run(batch=2) == 0
+    row = queue.get(item.id)
+    assert row is not None
+    assert (row.status, row.retry_count, row.error_type) == (
+        DeadLetterStatus.PENDING,
+        1,
+        "CannotResend",
+    )
+
+
 def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:

@@ -407,6 +407,20 @@ def test_a_later_step_without_the_key_its_task_requires_is_refused_before_publis
     assert queue_length(IDLE_QUEUE) == 0
 
 
+def test_an_errback_is_checked_for_a_bad_key_only() -> None:
+    # (Celery may call an errback in place rather than publish it: it needs no key there)
+    broker_queue = fresh("idle")
+    first = worker_app.must_have_key.s(fresh("first")).set(
+        idempotency_key=fresh("key"), queue=broker_queue
+    )
+    with pytest.raises(ValueError, match="non-empty str"):
+        first.apply_async(link_error=worker_app.must_have_key.s().set(idempotency_key=""))
+    assert queue_length(broker_queue) == 0
+    first.apply_async(link_error=worker_app.must_have_key.s())
+    assert queue_length(broker_queue) == 1
+    worker_app.app.connection().default_channel.queue_delete(broker_queue)
+
+
 def test_a_canvas_whose_later_keys_are_good_is_published() -> None:
     # The control for the two tests above: the same canvas with a good key goes out.
     broker_queue = fresh("idle")

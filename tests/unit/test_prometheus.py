@@ -216,6 +216,57 @@ def test_any_process_using_an_app_counts_into_the_default_registry() -> None:
     assert run.stdout.split() == ["1.0", "1.0"]
 
 
+def test_a_registry_that_refuses_the_metrics_never_fails_a_call() -> None:
+    # Given a process whose default registry has one of the metrics' names taken already
+    run = run_python(
+        "from celery import Celery\n"
+        "from prometheus_client import Counter\n"
+        "from idempotent_tasks import IdempotentTask\n"
+        "Counter('idempotent_tasks_takeovers', 'taken', ['task'])\n"
+        "app = Celery('producer', broker='memory://')\n"
+        "app.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
+        "                idempotency_dlq_poll_interval=None)\n"
+        "@app.task(base=IdempotentTask, name='shop.charge')\n"
+        "def charge(order):\n"
+        "    return order\n"
+        "for _ in range(2):\n"
+        "    print(charge.apply_async((1,), idempotency_key='order:1').get())\n"
+    )
+    # Then its keyed calls run, and the refusal is logged once
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1", "1"]
+    assert run.stderr.count("could not register the Prometheus metrics") == 1
+
+
+def test_disable_sticks_after_the_automatic_enable() -> None:
+    run = run_python(
+        "from celery import Celery\n"
+        "from prometheus_client import REGISTRY\n"
+        "from idempotent_tasks import IdempotentTask\n"
+        "from idempotent_tasks.prometheus import disable\n"
+        "app = Celery('producer', broker='memory://')\n"
+        "app.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
+        "                idempotency_dlq_poll_interval=None)\n"
+        "@app.task(base=IdempotentTask, name='shop.charge')\n"
+        "def charge(order):\n"
+        "    return order\n"
+        "charge.apply_async((1,), idempotency_key='order:1').get()\n"
+        "disable()\n"
+        "app2 = Celery('other', broker='memory://')\n"
+        "app2.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
+        "                 idempotency_dlq_poll_interval=None)\n"
+        "@app2.task(base=IdempotentTask, name='shop.refund')\n"
+        "def refund(order):\n"
+        "    return order\n"
+        "refund.apply_async((2,), idempotency_key='order:2').get()\n"
+        "print(REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
+        "    {'task': 'shop.refund', 'outcome': 'acquired'}))\n"
+    )
+    # (a second app's first store is no second automatic enable)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["None"]
+
+
 @pytest.mark.parametrize("registry_argument", ["", "object()"])
 def test_enable_without_prometheus_client_names_the_extra(registry_argument: str) -> None:
     # Given an interpreter where prometheus_client cannot be imported
