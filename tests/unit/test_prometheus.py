@@ -191,25 +191,39 @@ def test_importing_the_package_does_not_import_prometheus_client() -> None:
     assert run.returncode == 0, run.stderr
 
 
-def test_any_process_using_an_app_counts_into_the_default_registry() -> None:
-    # Given a process that is no worker: eager calls of a keyed task, the second a duplicate
-    run = run_python(
+def eager_app_script(app_name: str, task_name: str, then: str, before: str = "") -> str:
+    """A script for a fresh interpreter: ``before``, then an eager app with a keyed task
+    ``task_name`` (the function ``charge``) on the memory store, then ``then``."""
+    return (
         "from celery import Celery\n"
         "from prometheus_client import REGISTRY\n"
         "from idempotent_tasks import IdempotentTask\n"
-        "app = Celery('producer', broker='memory://')\n"
+        f"{before}"
+        f"app = Celery({app_name!r}, broker='memory://')\n"
         "app.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
         "                idempotency_dlq_poll_interval=None)\n"
-        "@app.task(base=IdempotentTask, name='shop.charge')\n"
+        f"@app.task(base=IdempotentTask, name={task_name!r})\n"
         "def charge(order):\n"
         "    return order\n"
-        "assert charge.apply_async((1,), idempotency_key='order:1').get() == 1\n"
-        "assert charge.apply_async((1,), idempotency_key='order:1').get() == 1\n"
-        "claims = REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
-        "    {'task': 'shop.charge', 'outcome': 'acquired'})\n"
-        "suppressed = REGISTRY.get_sample_value('idempotent_tasks_duplicates_suppressed_total',\n"
-        "    {'task': 'shop.charge', 'where': 'publish'})\n"
-        "print(claims, suppressed)\n"
+        f"{then}"
+    )
+
+
+def test_any_process_using_an_app_counts_into_the_default_registry() -> None:
+    # Given a process that is no worker: eager calls of a keyed task, the second a duplicate
+    run = run_python(
+        eager_app_script(
+            "producer",
+            "shop.charge",
+            "assert charge.apply_async((1,), idempotency_key='order:1').get() == 1\n"
+            "assert charge.apply_async((1,), idempotency_key='order:1').get() == 1\n"
+            "claims = REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
+            "    {'task': 'shop.charge', 'outcome': 'acquired'})\n"
+            "suppressed = REGISTRY.get_sample_value(\n"
+            "    'idempotent_tasks_duplicates_suppressed_total',\n"
+            "    {'task': 'shop.charge', 'where': 'publish'})\n"
+            "print(claims, suppressed)\n",
+        )
     )
     # Then its counters are in prometheus_client's default registry without an enable() call
     assert run.returncode == 0, run.stderr
@@ -219,18 +233,14 @@ def test_any_process_using_an_app_counts_into_the_default_registry() -> None:
 def test_a_registry_that_refuses_the_metrics_never_fails_a_call() -> None:
     # Given a process whose default registry has one of the metrics' names taken already
     run = run_python(
-        "from celery import Celery\n"
-        "from prometheus_client import Counter\n"
-        "from idempotent_tasks import IdempotentTask\n"
-        "Counter('idempotent_tasks_takeovers', 'taken', ['task'])\n"
-        "app = Celery('producer', broker='memory://')\n"
-        "app.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
-        "                idempotency_dlq_poll_interval=None)\n"
-        "@app.task(base=IdempotentTask, name='shop.charge')\n"
-        "def charge(order):\n"
-        "    return order\n"
-        "for _ in range(2):\n"
-        "    print(charge.apply_async((1,), idempotency_key='order:1').get())\n"
+        eager_app_script(
+            "producer",
+            "shop.charge",
+            "for _ in range(2):\n"
+            "    print(charge.apply_async((1,), idempotency_key='order:1').get())\n",
+            before="from prometheus_client import Counter\n"
+            "Counter('idempotent_tasks_takeovers', 'taken', ['task'])\n",
+        )
     )
     # Then its keyed calls run, and the refusal is logged once
     assert run.returncode == 0, run.stderr
@@ -239,30 +249,24 @@ def test_a_registry_that_refuses_the_metrics_never_fails_a_call() -> None:
 
 
 def test_disable_sticks_after_the_automatic_enable() -> None:
-    run = run_python(
-        "from celery import Celery\n"
-        "from prometheus_client import REGISTRY\n"
-        "from idempotent_tasks import IdempotentTask\n"
-        "from idempotent_tasks.prometheus import disable\n"
-        "app = Celery('producer', broker='memory://')\n"
-        "app.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
-        "                idempotency_dlq_poll_interval=None)\n"
-        "@app.task(base=IdempotentTask, name='shop.charge')\n"
-        "def charge(order):\n"
-        "    return order\n"
+    # Given a process whose metrics were enabled on its first keyed call, then disabled
+    first_app = eager_app_script(
+        "producer",
+        "shop.charge",
         "charge.apply_async((1,), idempotency_key='order:1').get()\n"
-        "disable()\n"
-        "app2 = Celery('other', broker='memory://')\n"
-        "app2.conf.update(task_always_eager=True, idempotency_store_url='memory://',\n"
-        "                 idempotency_dlq_poll_interval=None)\n"
-        "@app2.task(base=IdempotentTask, name='shop.refund')\n"
-        "def refund(order):\n"
-        "    return order\n"
-        "refund.apply_async((2,), idempotency_key='order:2').get()\n"
-        "print(REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
-        "    {'task': 'shop.refund', 'outcome': 'acquired'}))\n"
+        "from idempotent_tasks.prometheus import disable\n"
+        "disable()\n",
     )
-    # (a second app's first store is no second automatic enable)
+    # When a second app builds its own store and runs a keyed call
+    second_app = eager_app_script(
+        "other",
+        "shop.refund",
+        "charge.apply_async((2,), idempotency_key='order:2').get()\n"
+        "print(REGISTRY.get_sample_value('idempotent_tasks_claims_total',\n"
+        "    {'task': 'shop.refund', 'outcome': 'acquired'}))\n",
+    )
+    run = run_python(first_app + second_app)
+    # Then nothing enabled the metrics again
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["None"]
 
