@@ -15,7 +15,7 @@ from typing import Any
 
 from celery.canvas import maybe_signature
 
-from .keys import KEY_HEADER, validate_key
+from .keys import given_key, validate_key
 
 #: Canvas signatures whose parts are in their kwargs (the dict form Celery sends them in).
 _PARTS = {"chain": ("tasks",), "group": ("tasks",), "chord": ("header", "body")}
@@ -73,10 +73,7 @@ def _check_step(app: Any, step: Any, errback: bool) -> None:
     task = app.tasks.get(step.get("task"))
     if not isinstance(task, IdempotentTask):
         return  # a plain task, or one this process does not know (sent by name elsewhere)
-    options = step.get("options") or {}
-    key = options.get(KEY_HEADER)
-    if key is None:
-        key = (options.get("headers") or {}).get(KEY_HEADER)
+    key = given_key(step.get("options") or {})
     if key is not None:
         validate_key(key)
     elif task.idempotency_key is None and task.idempotency_key_required and not errback:

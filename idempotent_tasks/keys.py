@@ -15,6 +15,16 @@ from . import defaults
 #: (Celery 5 drops unknown ``apply_async`` options).
 KEY_HEADER = "idempotency_key"
 
+
+def given_key(options: Mapping[str, Any]) -> object:
+    """The key a call's publish options give, unchecked: ``idempotency_key=``, else the
+    header of that name (the way ``send_task`` carries it); ``None`` for none."""
+    key = options.get(KEY_HEADER)
+    if key is None:
+        key = (options.get("headers") or {}).get(KEY_HEADER)
+    return key
+
+
 #: A per-task key: a ``str.format`` template over the call's bound arguments, or a callable
 #: ``(args, kwargs) -> str``.
 KeySource = str | Callable[[tuple[Any, ...], dict[str, Any]], str]

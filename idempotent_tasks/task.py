@@ -65,6 +65,7 @@ from .keys import (
     check_task_id,
     derive_key,
     fingerprint,
+    given_key,
     storage_key,
     validate_key,
 )
@@ -192,10 +193,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             IdempotencyKeyMismatch: the key was used with other arguments.
         """
         republish_headers = options.pop(_REPUBLISH, None)
-        call_key = options.pop(KEY_HEADER, None)
-        if call_key is None:
-            # The key given as a header (the way send_task carries it) is the call's key too.
-            call_key = (options.get("headers") or {}).get(KEY_HEADER)
+        call_key = given_key(options)
+        options.pop(KEY_HEADER, None)
         if republish_headers is None:
             # Not our own re-publish (a retry, a wait) of a message that already runs here:
             # one sent by other means is not refused half-way through its life.
@@ -282,7 +281,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's re-publish signature (retries, replacements), carrying our headers along."""
         request = self.request if request is None else request
-        key = _request_key(request)
+        key = request_header(request, KEY_HEADER)  # a running call's: _call_key took it
         if key is not None:
             extra_options.setdefault(KEY_HEADER, key)
         carried = extra_options.setdefault(_REPUBLISH, {})
@@ -1055,8 +1054,3 @@ def _routing_of(signature: Any) -> dict[str, Any]:
         routing.setdefault("exchange", None)
         routing.setdefault("routing_key", None)
     return routing
-
-
-def _request_key(request: Any) -> str | None:
-    key = request_header(request, KEY_HEADER)
-    return None if key is None else str(key)

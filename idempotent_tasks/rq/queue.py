@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
-from urllib.parse import urlsplit
 
 from redis import Redis
 from rq.exceptions import NoSuchJobError
@@ -208,35 +207,21 @@ class IdempotentQueue(Queue):
         return super().create_job(func, args, kwargs, *more, **options)
 
     def close(self) -> None:
-        """Close the claim store this queue opened from ``store_url`` (the RQ connection is
-        the caller's)."""
-        if self._store is not None and not self._shares_jobs_store:
-            self._store[1].close()
+        """Let go of the claim store. It is this process's one for the queue's ``store_url``
+        (or RQ connection), shared with the jobs that run here; close every such store with
+        ``idempotent_tasks.rq.resources.close_all()``."""
         self._store = None
 
     # -- helpers ------------------------------------------------------------------------------
 
     @property
     def store(self) -> Store:
-        """This queue's claim store (built on first use, and again in a forked child)."""
+        """This queue's claim store: the very one its jobs claim in, in this process (a
+        ``memory://`` store is one object), built on first use and again in a forked child."""
         if self._store is None or self._store[0] != os.getpid():
-            if self._shares_jobs_store:
-                store = claim_store(self.connection, self.key_prefix, self.store_url)
-            else:
-                from ..prometheus import enable_if_installed
-                from ..stores import store_from_url
-
-                enable_if_installed()  # as claim_store does for the other stores
-                store = store_from_url(str(self.store_url), prefix=self.key_prefix)
+            store = claim_store(self.connection, self.key_prefix, self.store_url)
             self._store = (os.getpid(), store)
         return self._store[1]
-
-    @property
-    def _shares_jobs_store(self) -> bool:
-        """Whether this queue looks at keys in the very store its jobs claim in, in this
-        process: one on the RQ connection, or ``memory://``, whose keys live in one object
-        (a synchronous queue's jobs, a ``SimpleWorker`` of this process)."""
-        return not self.store_url or urlsplit(self.store_url).scheme == "memory"
 
     def _carried(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], call_key: object

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -367,24 +368,30 @@ def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
     assert queue_length(IDLE_QUEUE) == 0
 
 
+def _keyed_step(queue: str) -> Any:
+    """A keyed call of a task that requires a key, sent to ``queue``."""
+    return worker_app.must_have_key.s(fresh("step")).set(idempotency_key=fresh("key"), queue=queue)
+
+
 def _canvas_with_a_later_step(step: Any) -> dict[str, Any]:
     """Ways a keyed step can follow the first message (on the idle queue): a chain's next step,
     a chord's body, a callback."""
-    first = worker_app.must_have_key.s(fresh("first")).set(
-        idempotency_key=fresh("key"), queue=IDLE_QUEUE
-    )
-    header = [
-        worker_app.must_have_key.s(fresh("part")).set(
-            idempotency_key=fresh("key"), queue=IDLE_QUEUE
-        )
-        for _ in range(2)
-    ]
+    first = _keyed_step(IDLE_QUEUE)
+    header = [_keyed_step(IDLE_QUEUE) for _ in range(2)]
     return {
         "chain": lambda: chain(first, step).apply_async(),
         "chord": lambda: chord(header, step).apply_async(),
         "link": lambda: first.apply_async(link=step),
         "chain in a chain": lambda: chain(first, chain(worker_app.plain.s(), step)).apply_async(),
     }
+
+
+@pytest.fixture()
+def broker_queue() -> Iterator[str]:
+    """A queue of this test's own that no worker consumes, deleted afterwards."""
+    name = fresh("idle")
+    yield name
+    worker_app.app.connection().default_channel.queue_delete(name)
 
 
 @pytest.mark.parametrize("canvas", ["chain", "chord", "link", "chain in a chain"])
@@ -407,29 +414,21 @@ def test_a_later_step_without_the_key_its_task_requires_is_refused_before_publis
     assert queue_length(IDLE_QUEUE) == 0
 
 
-def test_an_errback_is_checked_for_a_bad_key_only() -> None:
+def test_an_errback_is_checked_for_a_bad_key_only(broker_queue: str) -> None:
     # (Celery may call an errback in place rather than publish it: it needs no key there)
-    broker_queue = fresh("idle")
-    first = worker_app.must_have_key.s(fresh("first")).set(
-        idempotency_key=fresh("key"), queue=broker_queue
-    )
+    first = _keyed_step(broker_queue)
     with pytest.raises(ValueError, match="non-empty str"):
         first.apply_async(link_error=worker_app.must_have_key.s().set(idempotency_key=""))
     assert queue_length(broker_queue) == 0
     first.apply_async(link_error=worker_app.must_have_key.s())
     assert queue_length(broker_queue) == 1
-    worker_app.app.connection().default_channel.queue_delete(broker_queue)
 
 
-def test_a_canvas_whose_later_keys_are_good_is_published() -> None:
-    # The control for the two tests above: the same canvas with a good key goes out.
-    broker_queue = fresh("idle")
-    first = worker_app.must_have_key.s(fresh("first")).set(
-        idempotency_key=fresh("key"), queue=broker_queue
-    )
-    chain(first, worker_app.must_have_key.s().set(idempotency_key=fresh("key"))).apply_async()
+def test_a_canvas_whose_later_keys_are_good_is_published(broker_queue: str) -> None:
+    # The control for the tests above: the same canvas with a good key goes out.
+    later = worker_app.must_have_key.s().set(idempotency_key=fresh("key"))
+    chain(_keyed_step(broker_queue), later).apply_async()
     assert queue_length(broker_queue) == 1
-    worker_app.app.connection().default_channel.queue_delete(broker_queue)
 
 
 def test_a_key_given_as_a_header_is_the_call_s_key_at_publish_too() -> None:
@@ -475,14 +474,10 @@ def test_a_task_id_of_255_characters_runs() -> None:
     )
 
 
-def test_a_good_key_on_the_idle_queue_does_publish() -> None:
+def test_a_good_key_on_the_idle_queue_does_publish(broker_queue: str) -> None:
     # The control for the test above: the queue check does see a published message.
-    from tests.integration.helpers import worker_app as app_module
-
-    broker_queue = fresh("idle")
     charge.apply_async((fresh("order"), 1), idempotency_key=fresh("key"), queue=broker_queue)
     assert queue_length(broker_queue) == 1
-    app_module.app.connection().default_channel.queue_delete(broker_queue)
 
 
 def test_call_without_a_key_runs_as_a_plain_task_every_time() -> None:
