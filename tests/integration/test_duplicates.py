@@ -183,30 +183,33 @@ def test_a_task_that_replaces_itself_under_its_own_key_runs_each_replacement() -
     assert ledger_events(name, "start") == 3
 
 
-def test_a_call_keyed_by_its_caller_that_replaces_itself_keeps_that_key_to_its_end() -> None:
-    # Given a polling loop called with a key of its caller's (not the one its task derives)
-    name, key = fresh("countdown"), fresh("key")
-    result = worker_app.counts_down.apply_async((name, 2), idempotency_key=key)
+def _called_again(task: Any, name: str, key: str, *more: Any) -> AsyncResult:
+    """Call ``task`` with ``key`` to its end, then again: the second call must be answered
+    with the first one's task id and value (``name``). Returns the first call's result."""
+    result = task.apply_async((name, *more), idempotency_key=key)
     assert result.get(timeout=30) == name
-    # When the call is made again with that key
-    again = worker_app.counts_down.apply_async((name, 2), idempotency_key=key)
-    # Then it is answered with the loop's last value: no run of the loop began anew
+    again = task.apply_async((name, *more), idempotency_key=key)
     assert again.id == result.id
     assert again.get(timeout=30) == name
+    return result
+
+
+def test_a_call_keyed_by_its_caller_that_replaces_itself_keeps_that_key_to_its_end() -> None:
+    # Given a polling loop called with a key of its caller's (not the one its task derives),
+    # when the call is made again with that key, then it is answered with the loop's last
+    # value: no run of the loop began anew
+    name, key = fresh("countdown"), fresh("key")
+    result = _called_again(worker_app.counts_down, name, key, 2)
     assert ledger_events(name, "start") == 3
     record = store_for(worker_app.app).get(storage_key(worker_app.counts_down.name, key))
     assert record is not None and record.task_id == result.id
 
 
 def test_a_call_whose_replacement_has_a_key_of_its_own_keeps_its_key_done() -> None:
-    # Given a keyed call that replaced itself with itself under another key
+    # Given a keyed call that replaced itself with itself under another key, when its key is
+    # called again, then it gets the replacement's value, running nothing
     name, key = fresh("rekeyed"), fresh("key")
-    result = worker_app.rekeys_itself.apply_async((name, 1), idempotency_key=key)
-    assert result.get(timeout=30) == name
-    # When its key is called again, then it gets the replacement's value, running nothing
-    again = worker_app.rekeys_itself.apply_async((name, 1), idempotency_key=key)
-    assert again.id == result.id
-    assert again.get(timeout=30) == name
+    _called_again(worker_app.rekeys_itself, name, key, 1)
     assert ledger_events(name, "start") == 2
 
 
