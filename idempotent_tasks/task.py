@@ -812,10 +812,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
         # A broker redelivery of the owner's own message is no duplicate caller, nor is an owner
         # taken over while its body ran, nor the retry of a call whose key another call took
-        # meanwhile: dropping or failing one could lose the task (or fail a task id whose body
-        # succeeded), so they always wait.
-        superseded = bool(request_header(self.request, SUPERSEDED_HEADER)) or (
-            request_header(self.request, PREVIOUS_OWNER_HEADER) is not None
+        # meanwhile, nor a redelivered message whose owner died and whose key a duplicate took
+        # over since: dropping or failing one could lose the task (or fail a task id whose body
+        # succeeded), so they always wait, and so do the copies they publish to wait.
+        superseded = (
+            bool(request_header(self.request, SUPERSEDED_HEADER))
+            or request_header(self.request, PREVIOUS_OWNER_HEADER) is not None
+            or bool((self.request.delivery_info or {}).get("redelivered"))
         )
         own = superseded or record.task_id == self.request.id
         mode = "wait" if own else self.on_duplicate

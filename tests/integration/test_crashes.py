@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 slow_first = worker_app.slow_first
 
 
-def _record(key: str) -> Record | None:
-    return store_for(worker_app.app).get(storage_key(slow_first.name, key))
+def _record(key: str, task_name: str = slow_first.name) -> Record | None:
+    return store_for(worker_app.app).get(storage_key(task_name, key))
 
 
 @pytest.fixture()
@@ -212,3 +212,32 @@ def test_stale_owner_after_takeover_cannot_overwrite(start_worker: Any) -> None:
     assert record is not None
     assert (record.owner, record.token) == (winner.owner, winner.token)
     assert result.get(timeout=30)["run"] == 2
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_redelivered_call_whose_key_was_taken_over_gets_the_new_owners_value(
+    start_worker: Any, mode: str
+) -> None:
+    # Given a call (on_duplicate skip or raise) whose worker was killed mid-body
+    task = worker_app.skipping if mode == "skip" else worker_app.raising
+    env = {"IT_LEASE": "1", "IT_VISIBILITY_TIMEOUT": "8"}
+    first = start_worker(**env)
+    name, key = fresh(f"taken-over-{mode}"), fresh("key")
+    original = task.apply_async((name, 10.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    first.kill()
+    killed_at = time.monotonic()
+    start_worker(concurrency=2, **env)
+    # and a duplicate that took the key over once the lease ended, before the broker gave
+    # the call's own message back
+    time.sleep(max(0.0, killed_at + 2.0 - time.monotonic()))
+    duplicate = task.apply_async((name, 10.0), idempotency_key=key)
+    assert duplicate.id != original.id  # published: a dead owner's key is taken over
+    wait_until(lambda: ledger_events(name, "start") == 2, 5, "the duplicate's run to start")
+    record = _record(key, task.name)
+    assert record is not None and record.task_id == duplicate.id
+    # When the broker redelivers the call's message while the duplicate runs, then the call
+    # is no duplicate to drop or fail: it waits, and gets the new owner's value
+    assert original.get(timeout=60) == name
+    assert duplicate.get(timeout=30) == name
+    assert ledger_events(name, "start") == 2
