@@ -94,6 +94,10 @@ PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
 WAITS_HEADER = "idempotency_waits"
 #: Header of an owner whose claim was taken over while its body ran, waiting for the new owner.
 SUPERSEDED_HEADER = "idempotency_superseded"
+#: Header of the message its key was queued for at publish: its caller, and every duplicate
+#: caller handed its ``AsyncResult``, wait for its value, so it is never dropped or failed as
+#: a duplicate (another call may take its key over while it is on its way: a slow queue).
+RESERVED_HEADER = "idempotency_reserved"
 #: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
 _REPUBLISH = "_idempotency_republish"
 
@@ -215,10 +219,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             options["headers"] = headers
         if key is not None and republish_headers is None:
             task_id = task_id or uuid()
+            # In the message, and in the envelope the guard would publish again.
+            options["headers"][RESERVED_HEADER] = True
             message_options = {**options, "link": link, "link_error": link_error}
             reservation, short_circuit = publishing.reserve(
                 self, key, args, kwargs, task_id, message_options
             )
+            if reservation is None:
+                del options["headers"][RESERVED_HEADER]  # the key was not queued for it
             if short_circuit is not None and not publishing.continues(options, link, link_error):
                 return short_circuit
             if reservation is not None:
@@ -815,16 +823,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # meanwhile, nor a redelivered message whose owner died and whose key a duplicate took
         # over since: dropping or failing one could lose the task (or fail a task id whose body
         # succeeded), so they always wait, and so do the copies they publish to wait.
+        # Nor is the message its key was queued for at publish, which a duplicate sent to the
+        # worker may take over while it is on its way.
         superseded = (
             bool(request_header(self.request, SUPERSEDED_HEADER))
             or request_header(self.request, PREVIOUS_OWNER_HEADER) is not None
+            or bool(request_header(self.request, RESERVED_HEADER))
             or bool((self.request.delivery_info or {}).get("redelivered"))
         )
         own = superseded or record.task_id == self.request.id
         mode = "wait" if own else self.on_duplicate
-        if mode == "skip" and (self.request.group or self.request.chord):
-            # A dropped part would leave its group's and chord's results waiting for ever,
-            # the other parts' with it: it waits for the owner's value instead.
+        if mode == "skip" and self._awaited_by_a_canvas():
+            # A dropped step would leave its chain, callbacks, group or chord waiting for
+            # ever: it waits for the owner's value instead.
             mode = "wait"
         if mode == "skip":
             logger.info("key %r is in progress elsewhere, skipped", key)
@@ -836,6 +847,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if superseded:
             headers[SUPERSEDED_HEADER] = True
         self._republish_self(wait_for_owner(record, waits), None, headers)
+
+    def _awaited_by_a_canvas(self) -> bool:
+        """Whether work waits on this very call: callbacks, a chain's next steps (the last
+        step's id is the chain's result), a group or a chord collecting its result."""
+        request = self.request
+        return bool(
+            request.group
+            or request.chord
+            or request.chain is not None
+            or request.callbacks
+            or request.errbacks
+        )
 
     def _republish_self(
         self,

@@ -504,20 +504,26 @@ def test_on_duplicate_skip_drops_the_duplicate() -> None:
     assert duplicate.state in ("PENDING", "IGNORED")
 
 
-@pytest.mark.parametrize("canvas", ["group", "chord"])
-def test_a_skipping_duplicate_in_a_group_or_chord_gives_the_owners_value(canvas: str) -> None:
+@pytest.mark.parametrize("canvas", ["group", "chord", "chain", "link"])
+def test_a_skipping_duplicate_in_a_canvas_gives_the_owners_value(canvas: str) -> None:
     # Given a skipping task's key in progress
     name, key = fresh("skip"), fresh("key")
     owner = worker_app.skipping.apply_async((name, 2.0), idempotency_key=key)
     wait_until(lambda: ledger_events(name, "start") == 1, 30, "the owner's start")
-    # When a group or a chord holds a duplicate of it, then it does not wait for ever: the
-    # duplicate part resolves to the owner's value
-    parts = group(worker_app.skipping.s(name, 2.0).set(idempotency_key=key), worker_app.plain.s(5))
+    # When a group, a chord, a chain or a callback waits on a duplicate of it, then it does
+    # not wait for ever: the duplicate resolves to the owner's value, and the work after it runs
+    duplicate = worker_app.skipping.s(name, 2.0).set(idempotency_key=key)
+    parts = group(duplicate, worker_app.plain.s(5))
     if canvas == "group":
         result = parts.apply_async()
-    else:
+    elif canvas == "chord":
         result = chord(parts)(worker_app.plain.s())
-    assert result.get(timeout=30) == [name, 5]
+    elif canvas == "chain":
+        result = (duplicate | worker_app.plain.s()).apply_async()
+    else:
+        result = duplicate.apply_async(link=worker_app.plain.s())
+    expected = [name, 5] if canvas in ("group", "chord") else name
+    assert result.get(timeout=30) == expected
     assert owner.get(timeout=30) == name
     assert ledger_events(name, "start") == 1
 

@@ -48,9 +48,15 @@ def short_pickup(monkeypatch: pytest.MonkeyPatch) -> None:
 def worker_and_beat(it_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
     started: list[Any] = []
 
-    def start(beat: bool = True, **extra_env: str) -> WorkerProcess:
+    def start(beat: bool = True, queue: str | None = None, **extra_env: str) -> WorkerProcess:
         env = {**it_env, "IT_PICKUP_TIMEOUT": str(PICKUP_TIMEOUT), **extra_env}
-        worker = WorkerProcess(f"pickup{len(started)}", env, tmp_path, concurrency=1)
+        worker = WorkerProcess(
+            f"pickup{len(started)}",
+            env,
+            tmp_path,
+            concurrency=1,
+            extra_args=("-Q", queue) if queue else (),
+        )
         started.append(worker)
         if beat:
             started.append(BeatProcess(env, tmp_path))
@@ -331,3 +337,27 @@ def _messages_of(queue: str, task_id: str) -> int:
 
 def _queue_empty(queue: str) -> bool:
     return int(redis.Redis.from_url(app.conf.broker_url).llen(queue)) == 0
+
+
+@pytest.mark.usefixtures("short_pickup")
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_message_only_slow_whose_key_a_duplicate_took_over_still_gets_the_value(
+    worker_and_beat: Any, mode: str
+) -> None:
+    # Given a call (on_duplicate skip or raise) whose message waits, past its pickup timeout,
+    # in a queue no worker reads yet
+    task = worker_app.skipping if mode == "skip" else worker_app.raising
+    name, key, later = fresh(f"slow-original-{mode}"), fresh("key"), fresh("later-queue")
+    original = task.apply_async((name, 4.0), idempotency_key=key, queue=later)
+    time.sleep(PICKUP_TIMEOUT + 0.5)
+    # and a duplicate sent straight to a worker, which takes the key over (its message counts
+    # as lost) and runs
+    worker_and_beat(beat=False)
+    duplicate = app.send_task(task.name, (name, 4.0), headers={"idempotency_key": key})
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the duplicate's run to start")
+    # When the call's own message reaches a worker while the duplicate runs
+    worker_and_beat(beat=False, queue=later)
+    # Then it is no duplicate to drop or fail: its caller gets the value, which ran once
+    assert original.get(timeout=30) == name
+    assert duplicate.get(timeout=30) == name
+    assert ledger_events(name, "start") == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import celery
 import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Retry
@@ -17,6 +18,7 @@ from idempotent_tasks.task import (
     _REPUBLISH,
     KEY_HEADER,
     PREVIOUS_OWNER_HEADER,
+    RESERVED_HEADER,
     SUPERSEDED_HEADER,
     WAITS_HEADER,
 )
@@ -63,6 +65,59 @@ def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
     # Then it waits (a Retry), where a plain duplicate is handled per on_duplicate
     with pytest.raises(Ignore if on_duplicate == "skip" else IdempotencyConflict):
         _deliver(charge, "key-1", {})
+
+
+@pytest.mark.parametrize("on_duplicate", ["skip", "raise"])
+@pytest.mark.parametrize(
+    "delivery",
+    [{"headers": {RESERVED_HEADER: True}}, {"delivery_info": {"redelivered": True}}],
+    ids=["reserved-for-it", "redelivered"],
+)
+def test_the_keys_own_message_or_a_redelivery_waits_whatever_on_duplicate(
+    app: Celery, on_duplicate: str, delivery: dict[str, Any]
+) -> None:
+    @app.task(base=IdempotentTask, on_duplicate=on_duplicate, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a key another call took over (the message it was queued for was slow to arrive,
+    # or its owner died and the broker redelivers it)
+    other = charge._claim_request("key-3", ("k",), {}, "task-of-the-other-call", owner="other")
+    assert store_for(app).claim(other).outcome.value == "acquired"
+    charge.push_request(
+        id="task-of-the-slow-call",
+        args=("k",),
+        kwargs={},
+        headers={KEY_HEADER: "key-3", **delivery.get("headers", {})},
+        called_directly=False,
+        delivery_info={"routing_key": "celery", **delivery.get("delivery_info", {})},
+        retries=0,
+    )
+    # When it arrives, then it waits for the value (a Retry), and its copy waits too
+    try:
+        with pytest.raises(Retry) as waited:
+            charge("k")
+    finally:
+        charge.pop_request()
+    assert waited.value.sig.options[_REPUBLISH][SUPERSEDED_HEADER] is True
+
+
+def test_apply_async_marks_only_the_message_its_key_is_queued_for(app: Celery) -> None:
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    sent: list[dict[str, Any]] = []
+
+    def record_publish(self: Any, *args: Any, **options: Any) -> None:
+        sent.append(options["headers"])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(celery.Task, "apply_async", record_publish)  # the broker's side of it
+        charge.apply_async(("k",), idempotency_key="key-4")
+        charge.apply_async(("k",), idempotency_key="key-4", link=charge.s())
+    assert sent[0][RESERVED_HEADER] is True
+    assert RESERVED_HEADER not in sent[1]  # published for its callback, as a duplicate
 
 
 @pytest.mark.parametrize("on_duplicate", ["skip", "raise"])
