@@ -90,9 +90,12 @@ def _safe_url(url: str) -> str:
 
 @contextmanager
 def _reaching(what: str, url: str) -> Iterator[None]:
-    """Turn a store that cannot be used into a one-line error and exit code 69."""
+    """Turn a store that cannot be used into a one-line error and exit code 69, and a record
+    that cannot be read into a one-line error (exit code 1)."""
     try:
         yield
+    except CorruptRecord as exc:
+        raise click.ClickException(str(exc)) from exc
     except (StoreUnavailable, SchemaVersionError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CeleryCommandException(
@@ -156,7 +159,12 @@ def dlq_list(
     """List dead letters, newest first."""
     queue = _queue(ctx)
     with _reaching("dead-letter database", queue.url):
-        items = queue.items(status=status, task_name=task_name, limit=limit)
+        items = queue.items(
+            status=status,
+            task_name=task_name,
+            limit=limit,
+            on_corrupt=lambda exc: _warn(f"{exc}: left out of this list"),
+        )
     if as_json:
         click.echo(cli_format.to_json([cli_format.dead_letter_json(item) for item in items]))
         return

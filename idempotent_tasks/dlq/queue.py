@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any, overload
@@ -14,7 +15,7 @@ from typing import Any, overload
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from ..errors import StoreUnavailable
+from ..errors import CorruptRecord, StoreUnavailable
 from ..keys import fitted
 from ..stores.sql_clock import ServerClock
 from . import queries
@@ -24,6 +25,8 @@ from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_t
 from .items import DeadLetter, DeadLetterStatus, Failure
 from .schema import COMPONENT, DEAD_LETTER_MIGRATIONS, SCHEMA_VERSION, dead_letters
 from .schema_setup import ensure_component
+
+logger = logging.getLogger(__name__)
 
 #: Items a sweep takes at most per batch.
 SWEEP_BATCH = 100
@@ -168,9 +171,39 @@ class DeadLetterQueue:
             with self._begin() as connection:
                 rows = connection.execute(queries.select_swept(sweep_id)).all()
             if rows:
-                return [_item(row._mapping) for row in rows]
+                return self._readable_swept(rows, sweep_id, now)
             # Another sweep took every row this one picked (SQLite, no row locks): pick again.
         return []
+
+    def _readable_swept(
+        self, rows: Sequence[Any], sweep_id: str, now: datetime
+    ) -> list[DeadLetter]:
+        """The items of the rows a sweep took; a row that cannot be read (edited by hand into
+        another shape) is kept, given up on (``permanent_failure``, the reason in its error)
+        for an operator to mend and retry, rather than stop the sweep of every other row."""
+        items = []
+        for row in rows:
+            try:
+                items.append(_item(row._mapping))
+            except CorruptRecord as exc:
+                logger.error("%s: marked permanent_failure, not sent again", exc)
+                found = row._mapping
+                failure = f"{found['error_type']}: {found['error_message']}"
+                values = {
+                    "status": DeadLetterStatus.PERMANENT_FAILURE.value,
+                    "error_type": CorruptRecord.__name__,
+                    "error_message": _storable(f"{exc} (its failure was {failure})"),
+                    "sweep_id": None,
+                    "next_retry_at": None,
+                    "updated_at": self._db(now),
+                }
+                with self._begin() as connection:
+                    connection.execute(
+                        queries.record_retry_failure(
+                            found["id"], values, sweep_id, found["retry_count"]
+                        )
+                    )
+        return items
 
     def recover_stuck(self, timeout: timedelta, framework: str | None = None) -> int:
         """Return items ``retrying`` for longer than ``timeout`` to ``pending`` (only those of
@@ -261,15 +294,30 @@ class DeadLetterQueue:
         status: str | DeadLetterStatus | None = None,
         task_name: str | None = None,
         limit: int = 100,
+        *,
+        on_corrupt: Callable[[CorruptRecord], None] | None = None,
     ) -> list[DeadLetter]:
-        """Items, newest first, optionally of one status and/or one task."""
+        """Items, newest first, optionally of one status and/or one task.
+
+        A row that cannot be read (edited by hand into another shape) is left out and handed to
+        ``on_corrupt`` (by default, logged as an error).
+        """
         status_value = DeadLetterStatus(status).value if status is not None else None
         with self._begin() as connection:
             rows = connection.execute(queries.select_items(status_value, task_name, limit)).all()
-        return [_item(row._mapping) for row in rows]
+        items = []
+        for row in rows:
+            try:
+                items.append(_item(row._mapping))
+            except CorruptRecord as exc:
+                if on_corrupt is None:
+                    logger.error("%s: left out", exc)
+                else:
+                    on_corrupt(exc)
+        return items
 
     def get(self, id: str) -> DeadLetter | None:
-        """One item by id, or ``None``."""
+        """One item by id, or ``None``; ``CorruptRecord`` if its row cannot be read."""
         with self._begin() as connection:
             found = connection.execute(queries.select_by_id(id)).one_or_none()
         return None if found is None else _item(found._mapping)
@@ -399,6 +447,21 @@ def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> 
 
 
 def _item(row: Any) -> DeadLetter:
+    """The item of a row; ``CorruptRecord`` when a column holds what no write puts there."""
+    try:
+        return _read_item(row)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise CorruptRecord(
+            f"dead letter {row['id']} cannot be read ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _read_item(row: Any) -> DeadLetter:
+    if not isinstance(row["args"], list):
+        raise TypeError(f"args is not a JSON array: {row['args']!r:.80}")
+    for column in ("kwargs", "options"):
+        if not isinstance(row[column], dict):
+            raise TypeError(f"{column} is not a JSON object: {row[column]!r:.80}")
     options = dict(row["options"])
     options.pop(OCCURRENCE, None)
     return DeadLetter(

@@ -22,6 +22,7 @@ from click.testing import CliRunner, Result
 
 from idempotent_tasks.codec import ResultCodec
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.dlq.schema import dead_letters
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import ClaimRequest, Pickup
 from idempotent_tasks.stores.redis import RedisStore
@@ -310,6 +311,25 @@ def test_show_of_an_unknown_id_fails_clearly(run: Run, queue: DeadLetterQueue) -
     result = run("dlq", "show", "no-such-id")
 
     assert_failed_cleanly(result, "Error: no dead letter with id 'no-such-id'")
+
+
+def test_a_row_edited_by_hand_is_one_clear_line_and_the_others_are_listed(
+    run: Run, queue: DeadLetterQueue
+) -> None:
+    # Given two dead letters, one edited by hand into a status no write makes
+    kept = queue.add(failure(1))
+    edited = queue.add(failure(2))
+    with queue.engine.begin() as connection:
+        connection.execute(
+            sa.update(dead_letters).where(dead_letters.c.id == edited.id).values(status="bogus")
+        )
+    # When they are listed, then the readable one is, and the other is named in a warning
+    listed = run("dlq", "list")
+    assert listed.exit_code == 0, listed.output
+    assert kept.id in listed.stdout and edited.id not in listed.stdout
+    assert f"Warning: dead letter {edited.id} cannot be read" in listed.stderr
+    # And showing it fails with one line, no traceback
+    assert_failed_cleanly(run("dlq", "show", edited.id), f"dead letter {edited.id} cannot be read")
 
 
 # -- dlq retry ------------------------------------------------------------------------------

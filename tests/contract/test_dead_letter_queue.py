@@ -28,7 +28,12 @@ from idempotent_tasks.dlq.schema import (
     metadata,
     schema_versions,
 )
-from idempotent_tasks.errors import IdempotencyError, SchemaVersionError, StoreUnavailable
+from idempotent_tasks.errors import (
+    CorruptRecord,
+    IdempotencyError,
+    SchemaVersionError,
+    StoreUnavailable,
+)
 from tests.services import require
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -466,6 +471,62 @@ def test_other_deliveries_of_one_task_are_separate_rows(dlq: DeadLetterQueue) ->
     second = dlq.add(_failure(failure_id="task-8:1", task_id="task-8"))
     assert first.id != second.id
     assert dlq.stats()["total"] == 2
+
+
+# -- rows edited by hand ------------------------------------------------------------------------
+
+
+def _edit_row(dlq: DeadLetterQueue, item_id: str, **columns: Any) -> None:
+    """Write ``columns`` of a row straight to the table, as an operator's UPDATE would."""
+    with dlq.engine.begin() as connection:
+        connection.execute(
+            sa.update(dead_letters).where(dead_letters.c.id == item_id).values(**columns)
+        )
+
+
+def test_a_row_edited_into_another_shape_is_given_up_on_and_the_sweep_goes_on(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given three due rows, one of them edited by hand: kwargs a JSON array, not an object
+    healthy = [_add_at(dlq, clock, T0), _add_at(dlq, clock, T0)]
+    corrupt = _add_at(dlq, clock, T0, error_message="warehouse down")
+    _edit_row(dlq, corrupt.id, kwargs=[1, 2])
+    clock.now = T0 + timedelta(hours=1)
+    # When a sweep takes them, then it gets the two it can read, and no error
+    assert _ids(dlq.take_due(limit=10)) == {item.id for item in healthy}
+    # And the edited row is kept, given up on, its reason and its failure in its error
+    assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
+    with pytest.raises(CorruptRecord, match=rf"dead letter {corrupt.id} cannot be read"):
+        dlq.get(corrupt.id)
+    with dlq.engine.connect() as connection:
+        row = connection.execute(
+            sa.select(dead_letters).where(dead_letters.c.id == corrupt.id)
+        ).one()
+    assert (row.status, row.error_type, row.sweep_id) == (
+        "permanent_failure",
+        "CorruptRecord",
+        None,
+    )
+    assert "kwargs is not a JSON object" in row.error_message
+    assert "its failure was RuntimeError: warehouse down" in row.error_message
+
+
+@pytest.mark.parametrize(
+    "columns", [{"status": "bogus"}, {"args": {"a": 1}}, {"options": "text"}], ids=str
+)
+def test_listing_leaves_out_a_row_it_cannot_read_and_says_so(
+    dlq: DeadLetterQueue, clock: Clock, columns: dict[str, Any]
+) -> None:
+    # Given two rows, one edited by hand into something no write makes
+    kept = _add_at(dlq, clock, T0)
+    edited = _add_at(dlq, clock, T0)
+    _edit_row(dlq, edited.id, **columns)
+    # When they are listed, then the readable one is, and the other is handed to on_corrupt
+    reported: list[CorruptRecord] = []
+    assert _ids(dlq.items(on_corrupt=reported.append)) == {kept.id}
+    assert [str(edited.id) in str(error) for error in reported] == [True]
+    # And without on_corrupt the listing still works (the row is logged)
+    assert _ids(dlq.items()) == {kept.id}
 
 
 # -- status transitions -------------------------------------------------------------------------
