@@ -12,17 +12,17 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any, overload
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import Connection, Engine, literal, select
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError
 
 from ..errors import CorruptRecord, StoreUnavailable
 from ..keys import fitted
 from ..stores.sql_clock import ServerClock
 from . import queries
-from .arguments import utf8_text
+from .arguments import safe_repr, utf8_text
 from .backoff import next_retry_at
 from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
-from .items import DeadLetter, DeadLetterStatus, Failure
+from .items import ARGS_LOSSY, DeadLetter, DeadLetterStatus, Failure
 from .schema import COMPONENT, DEAD_LETTER_MIGRATIONS, SCHEMA_VERSION, dead_letters
 from .schema_setup import ensure_component
 
@@ -94,7 +94,14 @@ class DeadLetterQueue:
         """Record a final failure as a ``pending`` item; the same failure twice gives one row.
 
         A failure whose id names a row that has since succeeded, or given up after its
-        retries, is a new call's (a task id used again): it gets a row of its own.
+        retries, is a new call's (a task id used again): it gets a row of its own. A row the
+        database refuses twice for what it holds while it answers queries (MariaDB: arguments
+        over ``max_allowed_packet``, JSON nested too deep) is kept without its arguments (the
+        start of their text in ``options["args_preview"]``, the reason in
+        ``options["args_refused"]``), as ``permanent_failure``: it can be read, not retried.
+
+        Raises:
+            StoreUnavailable: the database cannot be reached (or refuses even that row).
         """
         now = self._clock()
         options = {**failure.options, OCCURRENCE: failure.occurrence}
@@ -135,6 +142,42 @@ class DeadLetterQueue:
             "created_at": self._db(now),
             "updated_at": self._db(now),
         }
+        try:
+            return self._insert(row)
+        except StoreUnavailable as refused:
+            # Down, or this very row refused for good (MariaDB: arguments over its
+            # max_allowed_packet, or nested deeper than its JSON check takes): written again
+            # later, the latter would never land. A database that answers, and refuses the
+            # row again, gets it without its arguments.
+            if not _row_refused(refused) or not self._answers():
+                raise
+            try:
+                return self._insert(row)
+            except StoreUnavailable as again:
+                if not _row_refused(again) or not self._answers():
+                    raise
+                logger.error(
+                    "the dead-letter database refused the failure of %s %s (%s): it is kept "
+                    "without its arguments, not to be retried",
+                    failure.task_name,
+                    failure.task_id,
+                    _first_line(again),
+                )
+                return self._insert(_without_arguments(row, _first_line(again)))
+
+    def _answers(self) -> bool:
+        """Whether the database answers a query now."""
+        try:
+            with self._begin() as connection:
+                connection.execute(select(literal(1)))
+        except StoreUnavailable:
+            return False
+        return True
+
+    def _insert(self, row: dict[str, Any]) -> DeadLetter:
+        """Insert ``row`` (a failure written before keeps its row); the item as it now is."""
+        row = dict(row)
+        failure_id, occurrence = row["failure_id"], row["options"][OCCURRENCE]
         while True:
             try:
                 with self._begin() as connection:
@@ -146,7 +189,7 @@ class DeadLetterQueue:
             item = _item(found._mapping)
             # Written now or by an earlier write of this very failure, or a row this failure
             # joins (one still to be retried, or kept as it is).
-            if found.options.get(OCCURRENCE) == failure.occurrence or not _ended_before(item):
+            if found.options.get(OCCURRENCE) == occurrence or not _ended_before(item):
                 return item
             # A row ended before this failure: this one is a later call's under the same id.
             row["failure_id"] = _compared_id(f"{failure_id}@{item.id}")
@@ -421,6 +464,61 @@ def _storable(text: str | None) -> str | None:
     surrogate (a file name's undecodable byte), which no database encoding holds, as
     ``\\udcff``."""
     return None if text is None else utf8_text(text.replace("\x00", "\\x00"))
+
+
+#: MySQL/MariaDB errors that refuse a row for what it holds: a packet over
+#: max_allowed_packet, data too long, invalid JSON, a failed CHECK (JSON nested too deep).
+_MYSQL_ROW_REFUSALS = frozenset({1153, 1406, 3140, 4025})
+#: Options a row kept without its arguments says why in, and shows their start in.
+ARGS_REFUSED = "args_refused"
+ARGS_PREVIEW = "args_preview"
+_PREVIEW_CHARS = 1000
+_KEPT_TRACEBACK_CHARS = 65536
+
+
+def _row_refused(error: StoreUnavailable) -> bool:
+    """Whether a failed insert may have been refused for the row itself, not for an outage:
+    a data error, one of MySQL's refusals, or a dropped connection (MySQL drops one whose
+    packet is too big; the database answering right after tells it from an outage)."""
+    cause = error.__cause__
+    if isinstance(cause, DataError):
+        return True
+    if not isinstance(cause, DBAPIError):
+        return False
+    if cause.connection_invalidated:
+        return True
+    original = cause.orig
+    sqlstate = getattr(original, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "54"):  # data, program limit
+        return True
+    code = original.args[0] if original is not None and original.args else None
+    return code in _MYSQL_ROW_REFUSALS
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+
+
+def _without_arguments(row: dict[str, Any], reason: str) -> dict[str, Any]:
+    """``row`` without its arguments (their start kept as text), its traceback cut short, and
+    only the options that name it, given up on: it can be read, never sent again."""
+    preview = safe_repr([row["args"], row["kwargs"]])[:_PREVIEW_CHARS]
+    options = {
+        name: value
+        for name, value in row["options"].items()
+        if name in (OCCURRENCE, FULL_TASK_ID, FULL_TASK_NAME, FULL_KEY)
+    }
+    options.update({ARGS_LOSSY: True, ARGS_REFUSED: reason, ARGS_PREVIEW: preview})
+    traceback = row["traceback"]
+    return {
+        **row,
+        "args": [],
+        "kwargs": {},
+        "options": options,
+        "status": DeadLetterStatus.PERMANENT_FAILURE.value,
+        "next_retry_at": None,
+        "traceback": traceback[-_KEPT_TRACEBACK_CHARS:] if traceback else traceback,
+    }
 
 
 def _compared_id(failure_id: str) -> str:

@@ -473,6 +473,44 @@ def test_other_deliveries_of_one_task_are_separate_rows(dlq: DeadLetterQueue) ->
     assert dlq.stats()["total"] == 2
 
 
+# -- rows a database refuses -------------------------------------------------------------------
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "deepest"
+    for _ in range(depth):
+        value = {"inner": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["x" * (17 * 1024 * 1024)], [_nested(40)]],
+    ids=["over-16-MiB", "nested-40-deep"],
+)
+def test_arguments_a_database_refuses_for_good_leave_a_row_without_them(
+    request: pytest.FixtureRequest, dlq: DeadLetterQueue, clock: Clock, args: list[Any]
+) -> None:
+    # Given a failure whose arguments MariaDB refuses (over its max_allowed_packet of 16 MiB,
+    # or nested deeper than its JSON check takes), which the others take
+    refused = request.node.callspec.params["dlq_url"] == "mariadb"
+    # When it is written, then it lands: nothing raises, so the task is not written again for ever
+    item = _add_at(dlq, clock, T0, args=args, error_message="warehouse down")
+    kept = dlq.get(item.id)
+    assert kept is not None
+    if not refused:
+        assert kept.args == args and kept.status is Statuses.PENDING
+        return
+    # And on MariaDB it is kept without its arguments, given up on, saying why
+    assert (kept.args, kept.kwargs) == ([], {})
+    assert kept.status is Statuses.PERMANENT_FAILURE and kept.next_retry_at is None
+    assert kept.options["args_lossy"] is True  # no sweep sends it again
+    assert kept.options["args_refused"]
+    assert kept.options["args_preview"].startswith("[[")
+    assert len(kept.options["args_preview"]) <= 1000
+    assert (kept.task_id, kept.error_message) == (item.task_id, "warehouse down")
+
+
 # -- rows edited by hand ------------------------------------------------------------------------
 
 
