@@ -43,6 +43,7 @@ from .dead_letters import (
     dead_letter_headers,
     mark_succeeded,
     renew_retrying,
+    retrying_kept_alive,
     routing_options,
     write_failure,
 )
@@ -376,7 +377,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call without a key: a plain Celery task, still dead-lettered when it fails."""
         try:
-            value = self.run(*args, **kwargs)
+            with retrying_kept_alive(self.app, self.request):
+                value = self.run(*args, **kwargs)
         except (Retry, Ignore, Reject):
             raise
         except Exception as exc:
@@ -390,7 +392,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> Any:
         self.request.idempotency_attempt = attempt
         try:
-            with attempt.heartbeat():
+            with attempt.heartbeat(), retrying_kept_alive(self.app, self.request):
                 value = self.run(*args, **kwargs)
         except Retry:
             # retry() released the claim before publishing; a Retry raised by hand did not.

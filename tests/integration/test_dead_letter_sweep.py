@@ -248,6 +248,43 @@ def test_a_dead_letters_run_renews_its_row_so_no_sweep_sends_it_again_meanwhile(
     assert found is not None and found.status is DeadLetterStatus.SUCCEEDED
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["without-a-key", "keyed"])
+def test_a_dead_letters_run_longer_than_the_retrying_timeout_keeps_its_row_and_is_counted(
+    dlq_url: str, queue: DeadLetterQueue, keyed: bool
+) -> None:
+    timeout = 1.5
+    app = Celery("renews-long", set_as_current=False, broker="memory://")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_dlq_url=dlq_url,
+        idempotency_dlq_retrying_timeout=timeout,
+        result_backend="cache+memory://",
+    )
+    stuck_seen: list[int] = []
+
+    @app.task(name=f"renews.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        # A run longer than the retrying timeout: what a sweep would find stuck at its end
+        time.sleep(timeout * 1.7)
+        stuck_seen.append(queue.recover_stuck(timedelta(seconds=timeout), framework="celery"))
+        raise RuntimeError("declined again")
+
+    # Given a dead letter a sweep took and re-published
+    row = queue.add(dataclasses.replace(_failure(), task_name=charge.name))
+    [taken] = queue.take_due()
+    headers = {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
+    if keyed:
+        headers["idempotency_key"] = f"order-{uuid.uuid4().hex}"
+    # When its run outlasts the timeout and fails again
+    charge.apply(("order",), task_id=row.task_id, headers=headers)
+    # Then no sweep could have taken the row for stuck meanwhile, and the failure is counted:
+    # the row waits for its next backoff step, not sent again at once
+    assert stuck_seen == [0]
+    found = queue.get(row.id)
+    assert found is not None
+    assert (found.status, found.retry_count) == (DeadLetterStatus.PENDING, 1)
+
+
 def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
