@@ -90,18 +90,24 @@ def _safe_url(url: str) -> str:
 
 @contextmanager
 def _reaching(what: str, url: str) -> Iterator[None]:
-    """Turn a store that cannot be used into a one-line error and exit code 69, and a record
-    that cannot be read into a one-line error (exit code 1)."""
+    """Turn a store that cannot be used into a one-line error and exit code 69."""
     try:
         yield
-    except CorruptRecord as exc:
-        raise click.ClickException(str(exc)) from exc
     except (StoreUnavailable, SchemaVersionError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CeleryCommandException(
             message=f"cannot use the {what} at {_safe_url(url)}: {reason}",
             exit_code=EX_UNAVAILABLE,
         ) from exc
+
+
+@contextmanager
+def _readable() -> Iterator[None]:
+    """Turn a dead letter whose row cannot be read into a one-line error (exit code 1)."""
+    try:
+        yield
+    except CorruptRecord as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _queue(ctx: click.Context) -> DeadLetterQueue:
@@ -185,7 +191,7 @@ def dlq_list(
 def dlq_show(ctx: click.Context, item_id: str, as_json: bool) -> None:
     """Show every field of one dead letter, its traceback included."""
     queue = _queue(ctx)
-    with _reaching("dead-letter database", queue.url):
+    with _reaching("dead-letter database", queue.url), _readable():
         item = queue.get(item_id)
         now = queue.now()  # "due in ..." as the sweep will judge it
     if item is None:
@@ -208,7 +214,7 @@ def dlq_retry(ctx: click.Context, item_id: str, yes: bool) -> None:
     confirmed: its task runs again).
     """
     queue = _queue(ctx)
-    with _reaching("dead-letter database", queue.url):
+    with _reaching("dead-letter database", queue.url), _readable():
         item = queue.get(item_id)
         if item is None:
             raise click.ClickException(f"no dead letter with id {item_id!r}")
