@@ -109,12 +109,15 @@ class Attempt:
     #: Set once this attempt gives the key up (a retry, a failure): a renewal the heartbeat
     #: makes after that finds the claim gone, which is no takeover.
     given_up: bool = False
+    #: The task id of another call whose claim or queued message this claim replaced.
+    taken_from_task_id: str | None = None
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
         result = self.store.claim(self.request)
         if result.outcome is Outcome.ACQUIRED:
             self.token = result.token
+            self.taken_from_task_id = result.taken_from_task_id
             if result.takeover:
                 self.log.warning(
                     "took over key %r of %s from an earlier owner, whose lease ended or whose "

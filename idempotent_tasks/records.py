@@ -113,12 +113,16 @@ class ClaimResult:
 
     ``token`` is this attempt's fencing token when ``outcome`` is ``ACQUIRED``; ``record`` is the
     record found otherwise; ``takeover`` says the claim replaced an expired or retried owner.
+    ``taken_from_task_id`` is the task id of another call whose live claim or queued message
+    this claim replaced (its lease ended, or its message counts as lost): its callers wait on
+    that id, which may never run again.
     """
 
     outcome: Outcome
     token: int = 0
     record: Record | None = None
     takeover: bool = False
+    taken_from_task_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,8 +12,9 @@ from traceback import format_exception
 from typing import Any, ClassVar, NoReturn
 
 import celery
-from celery import Task
+from celery import Task, states
 from celery.app.task import get_actual_ignore_result
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from celery.utils import uuid
@@ -449,6 +450,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         elif attempt.side_write_refused:
             # Redis will not take it (a cluster proxy, an ACL): Celery writes, from now on.
             self.__dict__["_completion_writes_result"] = False
+        if attempt.taken_from_task_id and not (attempt.superseded or is_replaced(value)):
+            self._answer_taken_over_call(attempt.taken_from_task_id, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
@@ -457,6 +460,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         self._dead_letter_succeeded()
         return value
+
+    def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
+        """Store ``value`` as the result of the call whose claim or queued message this one
+        took over (its owner died, or its message counted as lost): that message may never
+        come back (lost with its worker), and its callers wait on its task id. Should it come
+        back, it finds the key completed and answers with this same value."""
+        if self.request.is_eager or isinstance(self.backend, DisabledBackend):
+            return
+        try:
+            self.backend.store_result(task_id, value, states.SUCCESS)
+        except Exception as exc:
+            logger.warning(
+                "could not store the result of %s, whose key this call took over: %s", task_id, exc
+            )
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,

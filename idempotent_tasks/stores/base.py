@@ -82,7 +82,9 @@ class Store(Protocol):
         Acquired when there is no record or a ``queued`` one (the fingerprint is still
         compared), when the record is ``processing`` under an expired
         lease or under ``request.previous_owner`` (a takeover: the fencing token is incremented),
-        or when it is already held by this very owner (a retried call). Otherwise returns the
+        or when it is already held by this very owner (a retried call); replacing another task
+        id's ``queued`` or ``processing`` record, it names that id (``taken_from_task_id``).
+        Otherwise returns the
         record found: ``MISMATCH`` if validation is on and its fingerprint differs, else
         ``COMPLETED`` or ``IN_PROGRESS``; like :meth:`reserve`'s, that record carries the
         store's time it was read (``read_at``).

@@ -165,7 +165,12 @@ class MemoryStore:
                 # The pickup stays (its count too): should this owner die with its message, it
                 # is sent again.
                 return self._acquire(
-                    request, now, created_at=found.created_at, takeover=False, fingerprint=kept
+                    request,
+                    now,
+                    created_at=found.created_at,
+                    takeover=False,
+                    fingerprint=kept,
+                    taken_from=None if same_call else found.task_id,
                 )
             if found.status is Status.PROCESSING and found.owner == request.owner:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
@@ -176,7 +181,12 @@ class MemoryStore:
             previous = request.previous_owner
             if (previous and found.owner == previous) or found.lease_expires_at <= now:
                 return self._acquire(
-                    request, now, created_at=found.created_at, takeover=True, fingerprint=kept
+                    request,
+                    now,
+                    created_at=found.created_at,
+                    takeover=True,
+                    fingerprint=kept,
+                    taken_from=None if same_call else found.task_id,
                 )
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
 
@@ -310,12 +320,15 @@ class MemoryStore:
         created_at: float,
         takeover: bool,
         fingerprint: str,
+        taken_from: str | None = None,
     ) -> ClaimResult:
         token = self._fences.get(request.storage_key, 0) + 1
         self._fences[request.storage_key] = token
         record = self._new_record(request, token, now, created_at)
         self._records[request.storage_key] = dataclasses.replace(record, fingerprint=fingerprint)
-        return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
+        return ClaimResult(
+            outcome=Outcome.ACQUIRED, token=token, takeover=takeover, taken_from_task_id=taken_from
+        )
 
     @staticmethod
     def _new_record(request: ClaimRequest, token: int, now: float, created_at: float) -> Record:

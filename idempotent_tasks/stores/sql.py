@@ -283,7 +283,13 @@ class SqlStore:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
             swap = replace_if_unchanged(claim_id, found, values)
             if self._replaced(swap, claim_id, ended=not is_live(found, now)):
-                return ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
+                replaced_other = is_live(found, now) and found["task_id"] != request.task_id
+                return ClaimResult(
+                    outcome=Outcome.ACQUIRED,
+                    token=token,
+                    takeover=takeover,
+                    taken_from_task_id=found["task_id"] if replaced_other else None,
+                )
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:

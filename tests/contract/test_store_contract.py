@@ -27,6 +27,7 @@ def test_first_claim_acquires_with_token_one(store: Store, make_request: Make) -
     assert claim.outcome is Outcome.ACQUIRED
     assert claim.token == 1
     assert not claim.takeover
+    assert claim.taken_from_task_id is None
 
 
 def test_record_shows_the_processing_claim(store: Store, make_request: Make) -> None:
@@ -158,6 +159,8 @@ def test_expired_lease_is_taken_over_with_token_plus_one(store: Store, make_requ
     assert takeover.outcome is Outcome.ACQUIRED
     assert takeover.takeover
     assert takeover.token == 2
+    # (told whose call it took over: that call's callers wait on its task id)
+    assert takeover.taken_from_task_id == dead.task_id
     # Then the dead owner's late writes are all refused, and the heir's record stands
     assert store.complete(dead, 1, RESULT) is CompleteOutcome.STALE
     assert store.release(dead, 1) is False
@@ -172,11 +175,14 @@ def test_previous_owner_is_taken_over_at_once(store: Store, make_request: Make) 
     # A retry message names the attempt it retries: it may take its claim over unexpired.
     first = make_request()
     store.claim(first)
-    retry = make_request(storage_key=first.storage_key, previous_owner=first.owner)
+    retry = make_request(
+        storage_key=first.storage_key, previous_owner=first.owner, task_id=first.task_id
+    )
     claim = store.claim(retry)
     assert claim.outcome is Outcome.ACQUIRED
     assert claim.takeover
     assert claim.token == 2
+    assert claim.taken_from_task_id is None  # the same call
 
 
 def test_previous_owner_does_not_unlock_a_completed_key(store: Store, make_request: Make) -> None:

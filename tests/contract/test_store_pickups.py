@@ -171,9 +171,20 @@ def test_a_queued_key_waits_for_its_own_message_until_that_counts_as_lost(
     early = store.claim(other)
     assert early.outcome is Outcome.IN_PROGRESS
     assert early.record is not None and early.record.task_id == "t-own"
-    # And once the key's message counts as lost, the other one runs it
+    # And once the key's message counts as lost, the other one runs it, told whose message
+    # it took over (that call's callers wait on its task id)
     time.sleep(PAST_DUE)
-    assert store.claim(other).outcome is Outcome.ACQUIRED
+    late = store.claim(other)
+    assert (late.outcome, late.taken_from_task_id) == (Outcome.ACQUIRED, "t-own")
+
+
+def test_a_queued_keys_own_message_takes_nothing_from_another_call(
+    store: Store, make_request: Make
+) -> None:
+    own = make_request(task_id="t-own")
+    assert store.reserve(own, make_pickup()) is None
+    claim = store.claim(own)
+    assert (claim.outcome, claim.taken_from_task_id) == (Outcome.ACQUIRED, None)
 
 
 def test_claim_of_a_queued_key_with_another_fingerprint_is_a_mismatch(

@@ -10,7 +10,9 @@
 -- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
 -- ARGV[8]  the caller's key (for display)
 -- ARGV[9]  task name
--- Returns  {outcome, token, takeover, field, value, ...}
+-- Returns  {outcome, token, takeover, field, value, ...}, or when acquired
+--          {"acquired", token, takeover, the task id of the other call whose record this one
+--          replaced, or ""}
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired; else the time of the read, ms
 --          takeover: 1 or 0; field/value pairs: the record found when not acquired
@@ -23,7 +25,8 @@ local ttl = tonumber(ARGV[5])
 -- key's names (the usual case: they stay as they are); nil or false for a new record, or a
 -- corrupt one that lost it: the names are written, with now as that time.
 -- fingerprint: the arguments the key stands for from now on.
-local function acquire(takeover, created_at, fingerprint)
+-- taken_from: the task id of the other call whose live record this claim replaces, or ''.
+local function acquire(takeover, created_at, fingerprint, taken_from)
   local token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
     'task_id', ARGV[3], 'fingerprint', fingerprint, 'lease_expires_at', int(now + lease),
@@ -33,7 +36,7 @@ local function acquire(takeover, created_at, fingerprint)
   end
   redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
-  return {'acquired', token, takeover}
+  return {'acquired', token, takeover, taken_from}
 end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
@@ -41,12 +44,13 @@ local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'le
 if not found[1] then
   -- No record, or a corrupt one without a status (it protects nothing): start afresh.
   redis.call('DEL', KEYS[1])
-  return acquire(0, nil, ARGV[2])
+  return acquire(0, nil, ARGV[2], '')
 end
 -- The record's own message (a redelivery, or a retry, perhaps with other arguments): the same
 -- call, whose fingerprint, the caller's, the key keeps.
 local same_call = found[7] == ARGV[3]
 local fingerprint = same_call and found[3] or ARGV[2]
+local other_call = (not same_call and found[7]) or ''
 local mismatch = ARGV[6] == '1' and found[3] ~= ARGV[2] and not same_call
 
 local function answer(outcome)
@@ -68,14 +72,14 @@ if found[1] == 'queued' then
   if not same_call and (tonumber(found[4]) or 0) > now then
     return answer('in_progress')
   end
-  return acquire(0, found[5], fingerprint)
+  return acquire(0, found[5], fingerprint, other_call)
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   local token = tonumber(found[6])
   if token then
     return {'acquired', token, 0}
   end
-  return acquire(0, found[5], fingerprint)  -- its token cannot be read (corrupt): a new one
+  return acquire(0, found[5], fingerprint, '')  -- its token cannot be read (corrupt): a new one
 end
 if mismatch then
   return answer('mismatch')
@@ -85,6 +89,6 @@ if found[1] == 'completed' then
 end
 -- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.
 if (ARGV[7] ~= '' and found[2] == ARGV[7]) or (tonumber(found[4]) or 0) <= now then
-  return acquire(1, found[5], fingerprint)
+  return acquire(1, found[5], fingerprint, other_call)
 end
 return answer('in_progress')
