@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +25,7 @@ from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
 from .errors import StoreUnavailable
-from .heartbeat import keeper
+from .heartbeat import LeaseKeeper
 from .keys import validate_key
 from .pickups import republish_lost
 from .settings import app_setting
@@ -149,16 +149,24 @@ def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> None:
         module_logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
 
 
-@contextmanager
-def retrying_kept_alive(app: Any, request: Any) -> Iterator[None]:
+#: Renews the rows of re-published dead letters while their bodies run: a keeper of their own,
+#: so a stalled dead-letter database never holds up the renewal of the claims' leases.
+_row_keeper = LeaseKeeper()
+
+
+def retrying_kept_alive(app: Any, request: Any) -> AbstractContextManager[None]:
     """While the body of a re-published dead letter runs, renew its row every third of
-    ``idempotency_dlq_retrying_timeout`` (from the process's lease keeper): a run longer than
-    that is not taken for a stuck row and sent again, uncounted and ahead of its backoff.
-    Nothing for a call that is no dead letter's retry."""
+    ``idempotency_dlq_retrying_timeout``: a run longer than that is not taken for a stuck row
+    and sent again, uncounted and ahead of its backoff. Nothing for a call that is no dead
+    letter's retry."""
     dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
     if dead_letter_id is None:
-        yield
-        return
+        return nullcontext()
+    return _row_renewed(app, request, dead_letter_id)
+
+
+@contextmanager
+def _row_renewed(app: Any, request: Any, dead_letter_id: str) -> Iterator[None]:
     sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
 
@@ -169,11 +177,11 @@ def retrying_kept_alive(app: Any, request: Any) -> Iterator[None]:
             module_logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
             return True  # the next renewal tries again
 
-    lease = keeper.add(still_retrying, lambda: None, timeout)
+    lease = _row_keeper.add(still_retrying, lambda: None, timeout)
     try:
         yield
     finally:
-        keeper.remove(lease)
+        _row_keeper.remove(lease)
 
 
 def mark_succeeded(app: Any, dead_letter_id: str) -> bool:

@@ -1,4 +1,5 @@
-"""One background thread per process that renews the leases of every running attempt.
+"""A background thread per process that renews the leases of every running attempt (and,
+in a keeper of its own, the rows of re-published dead letters while they run).
 
 A thread per task would cost a thread start and join on every execution; this one sleeps until
 the earliest renewal is due. A forked child starts with no leases (they are its parent's) and

@@ -15,6 +15,7 @@ import celery
 from celery import Task, states
 from celery.app.task import get_actual_ignore_result
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from celery.utils import uuid
@@ -100,6 +101,9 @@ SUPERSEDED_HEADER = "idempotency_superseded"
 #: caller handed its ``AsyncResult``, wait for its value, so it is never dropped or failed as
 #: a duplicate (another call may take its key over while it is on its way: a slow queue).
 RESERVED_HEADER = "idempotency_reserved"
+#: Header naming the task id of another call whose key this call (or the call it retries or
+#: waits for) took over: this call answers that call's callers too.
+TAKEN_FROM_HEADER = "idempotency_taken_from"
 #: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
 _REPUBLISH = "_idempotency_republish"
 
@@ -297,6 +301,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         carried = extra_options.setdefault(_REPUBLISH, {})
         for name, value in dead_letter_headers(request).items():
             carried.setdefault(name, value)
+        taken_from = _taken_from(request)
+        if taken_from is not None:
+            carried.setdefault(TAKEN_FROM_HEADER, taken_from)
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         # The owner this delivery was issued is its own: the next one is issued another.
         headers = signature.options.get("headers") or {}
@@ -371,6 +378,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             value = attempt.cached_value(record)
             if is_replaced(value):
                 value = self._replacement_value(record, attempt.request.lease_seconds)
+            elif (taken_from := request_header(request, TAKEN_FROM_HEADER)) is not None:
+                self._answer_taken_over_call(taken_from, value)  # it waited for the key's value
             self._dead_letter_succeeded()
             return value
         return self._on_in_progress(key, record)
@@ -450,8 +459,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         elif attempt.side_write_refused:
             # Redis will not take it (a cluster proxy, an ACL): Celery writes, from now on.
             self.__dict__["_completion_writes_result"] = False
-        if attempt.taken_from_task_id and not (attempt.superseded or is_replaced(value)):
-            self._answer_taken_over_call(attempt.taken_from_task_id, value)
+        taken_from = _taken_from(self.request)
+        if taken_from is not None and not (attempt.superseded or is_replaced(value)):
+            self._answer_taken_over_call(taken_from, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished: wait for its
             # value like a duplicate, so every caller of this task id gets the stored one.
@@ -463,13 +473,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
         """Store ``value`` as the result of the call whose claim or queued message this one
-        took over (its owner died, or its message counted as lost): that message may never
-        come back (lost with its worker), and its callers wait on its task id. Should it come
-        back, it finds the key completed and answers with this same value."""
-        if self.request.is_eager or isinstance(self.backend, DisabledBackend):
+        (or the call it retries, or waited for) took over: its owner died, or its message
+        counted as lost, and that message may never come back (lost with its worker), while its
+        callers wait on its task id. Should it come back, it finds the key completed and
+        answers with this same value. A result it has already (it ended after all) stays."""
+        backend = self.backend
+        if (
+            self.request.is_eager
+            or self.ignore_result
+            or isinstance(backend, DisabledBackend | RPCBackend)  # rpc:// answers one caller
+            or task_id == self.request.id
+        ):
             return
         try:
-            self.backend.store_result(task_id, value, states.SUCCESS)
+            if backend.get_state(task_id) in states.READY_STATES:
+                return
+            backend.store_result(task_id, value, states.SUCCESS)
         except Exception as exc:
             logger.warning(
                 "could not store the result of %s, whose key this call took over: %s", task_id, exc
@@ -488,7 +507,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _requeued_pickup(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The guard's copy of this very message, handed back to the broker: the key stays
         queued for it, so it runs even if the broker loses it on the way back."""
-        return self._message_pickup(key, args, kwargs, 0.0, retries=self.request.retries)
+        return self._message_pickup(
+            key,
+            args,
+            kwargs,
+            0.0,
+            retries=self.request.retries,
+            taken_from=_taken_from(self.request),
+        )
 
     def on_replace(self, sig: Any) -> Any:
         """Celery's replacement of this call by ``sig``, under its task id.
@@ -535,6 +561,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             seconds_until(replacement.options.get("countdown"), replacement.options.get("eta")),
             retries=0,
             routing=_routing_of(replacement),
+            taken_from=_taken_from(self.request, attempt),
         )
         if pickup is not None:
             attempt.release_quietly(pickup)
@@ -595,6 +622,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             else:
                 attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
+            taken_from = _taken_from(self.request, attempt)
+            if taken_from is not None:
+                options[_REPUBLISH][TAKEN_FROM_HEADER] = taken_from
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Reject as rejected:
@@ -623,6 +653,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             retries=self.request.retries + 1,
             previous_owner=attempt.request.owner,
             routing=routing,
+            taken_from=_taken_from(self.request, attempt),
         )
         attempt.release_quietly(pickup)
 
@@ -634,16 +665,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         wait: float,
         *,
         retries: int,
+        taken_from: str | None,
         previous_owner: str | None = None,
         routing: dict[str, Any] | None = None,
     ) -> Any:
         """This call's next message (a retry, a requeue) as the pickup guard keeps it, so it
         runs even if that message is lost; ``routing``: where it goes, if not back where this
-        one came from."""
+        one came from; ``taken_from``: the task id whose callers it answers too."""
         request = self.request
-        headers = {KEY_HEADER: key, **dead_letter_headers(request)}
+        # The key is queued for this copy, as for a published call's message.
+        headers = {KEY_HEADER: key, RESERVED_HEADER: True, **dead_letter_headers(request)}
         if previous_owner is not None:
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
+        if taken_from is not None:
+            headers[TAKEN_FROM_HEADER] = taken_from
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
             **routing_options(request.delivery_info),
@@ -837,21 +872,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.error("dead letter %s stays retrying: %s", dead_letter_id, exc)
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
-        # A broker redelivery of the owner's own message is no duplicate caller, nor is an owner
-        # taken over while its body ran, nor the retry of a call whose key another call took
-        # meanwhile, nor a redelivered message whose owner died and whose key a duplicate took
-        # over since: dropping or failing one could lose the task (or fail a task id whose body
-        # succeeded), so they always wait, and so do the copies they publish to wait.
-        # Nor is the message its key was queued for at publish, which a duplicate sent to the
-        # worker may take over while it is on its way.
-        superseded = (
-            bool(request_header(self.request, SUPERSEDED_HEADER))
-            or request_header(self.request, PREVIOUS_OWNER_HEADER) is not None
-            or bool(request_header(self.request, RESERVED_HEADER))
-            or bool((self.request.delivery_info or {}).get("redelivered"))
-        )
-        own = superseded or record.task_id == self.request.id
-        mode = "wait" if own else self.on_duplicate
+        owed = self._owed_a_value()
+        mode = "wait" if owed or record.task_id == self.request.id else self.on_duplicate
         if mode == "skip" and self._awaited_by_a_canvas():
             # A dropped step would leave its chain, callbacks, group or chord waiting for
             # ever: it waits for the owner's value instead.
@@ -863,13 +885,33 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise IdempotencyConflict(key, self.name, record.task_id)
         waits = int(request_header(self.request, WAITS_HEADER) or 0)
         headers: dict[str, Any] = {WAITS_HEADER: waits + 1}
-        if superseded:
-            headers[SUPERSEDED_HEADER] = True
+        if owed:
+            headers[SUPERSEDED_HEADER] = True  # its copies are owed it too
         self._republish_self(wait_for_owner(record, waits), None, headers)
+
+    def _owed_a_value(self) -> bool:
+        """Whether this call is no duplicate to drop or fail, whatever ``on_duplicate`` says,
+        though another call holds its key: dropped or failed, its callers would never get the
+        value (or a task id whose body succeeded would fail), so it waits for it.
+
+        Such are an owner taken over while its body ran (and the copies it waits with), the
+        retry of a call whose key another call took meanwhile, the message its key was queued
+        for at publish (a duplicate sent to a worker may take its key over as lost while it is
+        on its way), and a message the broker delivers again (its owner may have died, and a
+        duplicate taken its key over since).
+        """
+        request = self.request
+        return (
+            bool(request_header(request, SUPERSEDED_HEADER))
+            or request_header(request, PREVIOUS_OWNER_HEADER) is not None
+            or bool(request_header(request, RESERVED_HEADER))
+            or bool((request.delivery_info or {}).get("redelivered"))
+        )
 
     def _awaited_by_a_canvas(self) -> bool:
         """Whether work waits on this very call: callbacks, a chain's next steps (the last
-        step's id is the chain's result), a group or a chord collecting its result."""
+        step's id is the chain's result), a group or a chord collecting its result, or the
+        callers of a task that replaced itself with it."""
         request = self.request
         return bool(
             request.group
@@ -877,6 +919,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             or request.chain is not None
             or request.callbacks
             or request.errbacks
+            or getattr(request, "replaced_task_nesting", 0)
         )
 
     def _republish_self(
@@ -1099,3 +1142,15 @@ def _routing_of(signature: Any) -> dict[str, Any]:
         routing.setdefault("exchange", None)
         routing.setdefault("routing_key", None)
     return routing
+
+
+def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
+    """The task id of another call whose key this call (its ``attempt``, by default the
+    running one) took over, or the call it retries or waits for took over (see
+    ``TAKEN_FROM_HEADER``)."""
+    if attempt is None:
+        attempt = getattr(request, "idempotency_attempt", None)
+    if attempt is not None and attempt.taken_from_task_id is not None:
+        return attempt.taken_from_task_id
+    taken_from = request_header(request, TAKEN_FROM_HEADER)
+    return taken_from if isinstance(taken_from, str) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 import threading
@@ -12,7 +13,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any, overload
 
-from sqlalchemy import Connection, Engine, literal, select
+from sqlalchemy import Connection, Engine, literal, select, text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError
 
 from ..errors import CorruptRecord, StoreUnavailable
@@ -142,37 +143,62 @@ class DeadLetterQueue:
             "created_at": self._db(now),
             "updated_at": self._db(now),
         }
+        return self._insert_or_keep_without_arguments(row)
+
+    def _insert_or_keep_without_arguments(self, row: dict[str, Any]) -> DeadLetter:
+        """Insert ``row``; if the database refuses it twice for what it holds while it answers
+        queries, insert it without its arguments (written again later, it would never land).
+        ``StoreUnavailable`` when the database is down."""
         try:
             return self._insert(row)
         except StoreUnavailable as refused:
-            # Down, or this very row refused for good (MariaDB: arguments over its
-            # max_allowed_packet, or nested deeper than its JSON check takes): written again
-            # later, the latter would never land. A database that answers, and refuses the
-            # row again, gets it without its arguments.
-            if not _row_refused(refused) or not self._answers():
+            if not self._refused_for_good(refused, row):
                 raise
-            try:
-                return self._insert(row)
-            except StoreUnavailable as again:
-                if not _row_refused(again) or not self._answers():
-                    raise
-                logger.error(
-                    "the dead-letter database refused the failure of %s %s (%s): it is kept "
-                    "without its arguments, not to be retried",
-                    failure.task_name,
-                    failure.task_id,
-                    _first_line(again),
-                )
-                return self._insert(_without_arguments(row, _first_line(again)))
+        try:
+            return self._insert(row)  # once more: a passing error would pass now
+        except StoreUnavailable as again:
+            if not self._refused_for_good(again, row):
+                raise
+            reason = _first_line(again)
+        logger.error(
+            "the dead-letter database refused the failure of %s %s (%s): it is kept without "
+            "its arguments, not to be retried",
+            row["task_name"],
+            row["task_id"],
+            reason,
+        )
+        return self._insert(_without_arguments(row, reason))
 
-    def _answers(self) -> bool:
-        """Whether the database answers a query now."""
+    def _refused_for_good(self, error: StoreUnavailable, row: dict[str, Any]) -> bool:
+        """Whether a failed insert of ``row`` was the database refusing that row, not an
+        outage: a data error, one of MySQL's refusals of a row, or (MySQL) a dropped
+        connection while the row is over ``max_allowed_packet``; and the database answers."""
+        cause = error.__cause__
+        if not isinstance(cause, DBAPIError):
+            return False
+        if cause.connection_invalidated:
+            # MySQL drops the connection of a packet too big; so does an outage, or a proxy.
+            return self._over_packet_limit(row)
+        if not isinstance(cause, DataError) and not _refuses_the_row(cause.orig):
+            return False
         try:
             with self._begin() as connection:
                 connection.execute(select(literal(1)))
         except StoreUnavailable:
             return False
         return True
+
+    def _over_packet_limit(self, row: dict[str, Any]) -> bool:
+        """Whether ``row`` is bigger than a MySQL server's ``max_allowed_packet`` (which it
+        tells, so it answers); never on another database."""
+        if self.engine.dialect.name not in ("mysql", "mariadb"):
+            return False
+        try:
+            with self._begin() as connection:
+                limit = int(connection.execute(text("SELECT @@max_allowed_packet")).scalar_one())
+        except (StoreUnavailable, TypeError, ValueError):
+            return False
+        return _row_size(row) >= limit
 
     def _insert(self, row: dict[str, Any]) -> DeadLetter:
         """Insert ``row`` (a failure written before keeps its row); the item as it now is."""
@@ -213,9 +239,11 @@ class DeadLetterQueue:
                 connection.execute(queries.claim_for_sweep(ids, sweep_id, self._db(now)))
             with self._begin() as connection:
                 rows = connection.execute(queries.select_swept(sweep_id)).all()
-            if rows:
-                return self._readable_swept(rows, sweep_id, now)
-            # Another sweep took every row this one picked (SQLite, no row locks): pick again.
+            items = self._readable_swept(rows, sweep_id, now)
+            if items:
+                return items
+            # Another sweep took every row this one picked (SQLite, no row locks), or none it
+            # took could be read: pick again.
         return []
 
     def _readable_swept(
@@ -229,24 +257,31 @@ class DeadLetterQueue:
             try:
                 items.append(_item(row._mapping))
             except CorruptRecord as exc:
-                logger.error("%s: marked permanent_failure, not sent again", exc)
-                found = row._mapping
-                failure = f"{found['error_type']}: {found['error_message']}"
-                values = {
-                    "status": DeadLetterStatus.PERMANENT_FAILURE.value,
-                    "error_type": CorruptRecord.__name__,
-                    "error_message": _storable(f"{exc} (its failure was {failure})"),
-                    "sweep_id": None,
-                    "next_retry_at": None,
-                    "updated_at": self._db(now),
-                }
-                with self._begin() as connection:
-                    connection.execute(
-                        queries.record_retry_failure(
-                            found["id"], values, sweep_id, found["retry_count"]
-                        )
-                    )
+                self._give_up_unreadable(row._mapping, exc, sweep_id, now)
         return items
+
+    def _give_up_unreadable(
+        self, row: Any, error: CorruptRecord, sweep_id: str, now: datetime
+    ) -> None:
+        """Mark a row a sweep took but cannot read ``permanent_failure``, saying why (left
+        ``retrying`` if the database fails now: it comes back after its timeout)."""
+        failure = f"{row['error_type']}: {row['error_message']}"
+        values = {
+            "status": DeadLetterStatus.PERMANENT_FAILURE.value,
+            "error_type": CorruptRecord.__name__,
+            "error_message": _storable(f"{error} (its failure was {failure})"),
+            "sweep_id": None,
+            "next_retry_at": None,
+            "updated_at": self._db(now),
+        }
+        update = queries.record_retry_failure(row["id"], values, sweep_id, row["retry_count"])
+        try:
+            with self._begin() as connection:
+                connection.execute(update)
+        except StoreUnavailable as exc:
+            logger.error("%s, and could not be marked permanent_failure: %s", error, exc)
+            return
+        logger.error("%s: marked permanent_failure, not sent again", error)
 
     def recover_stuck(self, timeout: timedelta, framework: str | None = None) -> int:
         """Return items ``retrying`` for longer than ``timeout`` to ``pending`` (only those of
@@ -476,23 +511,21 @@ _PREVIEW_CHARS = 1000
 _KEPT_TRACEBACK_CHARS = 65536
 
 
-def _row_refused(error: StoreUnavailable) -> bool:
-    """Whether a failed insert may have been refused for the row itself, not for an outage:
-    a data error, one of MySQL's refusals, or a dropped connection (MySQL drops one whose
-    packet is too big; the database answering right after tells it from an outage)."""
-    cause = error.__cause__
-    if isinstance(cause, DataError):
-        return True
-    if not isinstance(cause, DBAPIError):
-        return False
-    if cause.connection_invalidated:
-        return True
-    original = cause.orig
+def _refuses_the_row(original: BaseException | None) -> bool:
+    """Whether a database error refuses a row for what it holds: PostgreSQL's data
+    exceptions and program limits, MySQL's refusals of a row."""
     sqlstate = getattr(original, "sqlstate", None)
-    if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "54"):  # data, program limit
+    if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "54"):
         return True
     code = original.args[0] if original is not None and original.args else None
     return code in _MYSQL_ROW_REFUSALS
+
+
+def _row_size(row: dict[str, Any]) -> int:
+    """About how many bytes ``row`` takes on the wire (its JSON columns and long texts)."""
+    texts = (row["traceback"] or "", row["error_message"] or "")
+    columns = [row["args"], row["kwargs"], row["options"]]
+    return len(json.dumps(columns, default=str).encode()) + sum(len(t.encode()) for t in texts)
 
 
 def _first_line(error: BaseException) -> str:

@@ -549,6 +549,21 @@ def test_a_row_edited_into_another_shape_is_given_up_on_and_the_sweep_goes_on(
     assert "its failure was RuntimeError: warehouse down" in row.error_message
 
 
+def test_a_batch_of_rows_it_cannot_read_does_not_end_the_take(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given two edited rows due first, then a readable one
+    edited = [_add_at(dlq, clock, T0), _add_at(dlq, clock, T0 + timedelta(seconds=1))]
+    for item in edited:
+        _edit_row(dlq, item.id, args={"not": "a list"})
+    readable = _add_at(dlq, clock, T0 + timedelta(minutes=1))
+    clock.now = T0 + timedelta(hours=1)
+    # When a sweep takes two at a time, then its first batch (both unreadable) does not end
+    # it: it takes again, and gets the readable one
+    assert _ids(dlq.take_due(limit=2)) == {readable.id}
+    assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 2
+
+
 @pytest.mark.parametrize(
     "columns", [{"status": "bogus"}, {"args": {"a": 1}}, {"options": "text"}], ids=str
 )

@@ -160,6 +160,24 @@ def slow_first(self: Any, name: str, sleep: float) -> dict[str, Any]:
     return {"name": name, "run": runs, "pid": os.getpid()}
 
 
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    autoretry_for=(TimeoutError,),
+    max_retries=3,
+    default_retry_delay=0.1,
+)
+def slow_first_then_flaky(self: Any, name: str, sleep: float) -> dict[str, Any]:
+    """Sleeps in its first run, fails its second (retried), succeeds from its third."""
+    runs = note("start", name)
+    if runs == 1:
+        time.sleep(sleep)
+    if runs == 2:
+        raise TimeoutError(f"run {runs} of {name} timed out")
+    note("finish", name)
+    return {"name": name, "run": runs}
+
+
 @app.task(base=IdempotentTask, idempotency_key_required=True)
 def must_have_key(name: str) -> str:
     note("start", name)

@@ -4,6 +4,7 @@ the task's ``on_duplicate``: it is no duplicate caller, and its body succeeded."
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import celery
@@ -169,3 +170,82 @@ def test_a_duplicate_of_a_replaced_call_waits_at_most_its_lease_for_the_result(
     assert waited.value.sig.options[_REPUBLISH][WAITS_HEADER] == 1
     # ... but not past the lease: then it is answered with None, rather than wait for ever
     assert _deliver(charge, "key-3", {WAIT_SINCE_HEADER: time.time() - 61}) is None
+
+
+def test_a_skipping_replacement_waits_for_the_value_its_replaced_task_is_owed(app: Celery) -> None:
+    @app.task(base=IdempotentTask, on_duplicate="skip", shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a key another call holds, running
+    other = charge._claim_request("key-5", ("k",), {}, "task-of-the-other-call", owner="other")
+    assert store_for(app).claim(other).outcome.value == "acquired"
+    # When a call that replaced a task (Task.replace: its callers wait on it) is a duplicate
+    charge.push_request(
+        id="the-replacement",
+        args=("k",),
+        kwargs={},
+        headers={KEY_HEADER: "key-5"},
+        called_directly=False,
+        delivery_info={"routing_key": "celery"},
+        replaced_task_nesting=1,
+        retries=0,
+    )
+    # Then it waits for the value rather than be dropped
+    try:
+        with pytest.raises(Retry):
+            charge("k")
+    finally:
+        charge.pop_request()
+    # (a plain duplicate is dropped, as skip says)
+    with pytest.raises(Ignore):
+        _deliver(charge, "key-5", {})
+
+
+@pytest.mark.parametrize("state", ["PENDING", "FAILURE", "SUCCESS"])
+def test_the_taken_over_call_is_answered_unless_it_has_a_result_already(
+    app: Celery, state: str
+) -> None:
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given the call whose key this one took over, in that state (an id of this test's own:
+    # the memory cache outlives the app)
+    taken_over = f"taken-over-call-{uuid.uuid4()}"
+    backend = charge.backend
+    if state == "FAILURE":
+        backend.store_result(taken_over, RuntimeError("declined"), state)
+    elif state == "SUCCESS":
+        backend.store_result(taken_over, "its own value", state)
+    # When this call answers it
+    charge.push_request(id="this-call", called_directly=False, is_eager=False)
+    try:
+        charge._answer_taken_over_call(taken_over, "the key's value")
+    finally:
+        charge.pop_request()
+    # Then a call without a result gets the key's value; one that ended keeps its own
+    answered = backend.get_task_meta(taken_over)
+    if state == "PENDING":
+        assert (answered["status"], answered["result"]) == ("SUCCESS", "the key's value")
+    else:
+        assert answered["status"] == state
+        assert answered["result"] != "the key's value"
+
+
+def test_an_rpc_backend_never_answers_a_taken_over_call_for_another_caller() -> None:
+    app = Celery("rpc-answer", set_as_current=False, broker="memory://", backend="rpc://")
+    app.conf.update(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    sent: list[Any] = []
+    charge.backend.store_result = lambda *args, **kwargs: sent.append(args)  # type: ignore[method-assign]
+    charge.push_request(id="this-call", called_directly=False, is_eager=False)
+    try:
+        charge._answer_taken_over_call("taken-over-call", "the key's value")
+    finally:
+        charge.pop_request()
+    assert sent == []  # rpc:// would reply to this call's caller, not that one's
