@@ -153,6 +153,8 @@ class MemoryStore:
             # is the same call: the key keeps the caller's fingerprint.
             same_call = found.task_id == request.task_id
             kept = found.fingerprint if same_call else request.fingerprint
+            # Replacing it, this claim takes the key from that call (see ClaimResult).
+            taken_from = None if same_call else found.task_id
             mismatch = (
                 request.validate and found.fingerprint != request.fingerprint and not same_call
             )
@@ -170,7 +172,7 @@ class MemoryStore:
                     created_at=found.created_at,
                     takeover=False,
                     fingerprint=kept,
-                    taken_from=None if same_call else found.task_id,
+                    taken_from=taken_from,
                 )
             if found.status is Status.PROCESSING and found.owner == request.owner:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
@@ -186,7 +188,7 @@ class MemoryStore:
                     created_at=found.created_at,
                     takeover=True,
                     fingerprint=kept,
-                    taken_from=None if same_call else found.task_id,
+                    taken_from=taken_from,
                 )
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
 

@@ -32,16 +32,20 @@ def app() -> Celery:
     return app
 
 
-def _deliver(task: Any, key: str, headers: dict[str, Any]) -> Any:
-    """Run ``task`` as a worker runs a delivered message with ``headers``."""
+def _deliver(task: Any, key: str, headers: dict[str, Any], **request: Any) -> Any:
+    """Run ``task`` as a worker runs a delivered message with ``headers`` (and ``request``
+    fields, such as its ``delivery_info``)."""
     task.push_request(
-        id="task-of-the-taken-over-owner",
-        args=("k",),
-        kwargs={},
-        headers={KEY_HEADER: key, **headers},
-        called_directly=False,
-        delivery_info={"routing_key": "celery", "exchange": ""},
-        retries=0,
+        **{
+            "id": "task-of-the-taken-over-owner",
+            "args": ("k",),
+            "kwargs": {},
+            "headers": {KEY_HEADER: key, **headers},
+            "called_directly": False,
+            "delivery_info": {"routing_key": "celery", "exchange": ""},
+            "retries": 0,
+            **request,
+        }
     )
     try:
         return task("k")
@@ -85,21 +89,15 @@ def test_the_keys_own_message_or_a_redelivery_waits_whatever_on_duplicate(
     # or its owner died and the broker redelivers it)
     other = charge._claim_request("key-3", ("k",), {}, "task-of-the-other-call", owner="other")
     assert store_for(app).claim(other).outcome.value == "acquired"
-    charge.push_request(
-        id="task-of-the-slow-call",
-        args=("k",),
-        kwargs={},
-        headers={KEY_HEADER: "key-3", **delivery.get("headers", {})},
-        called_directly=False,
-        delivery_info={"routing_key": "celery", **delivery.get("delivery_info", {})},
-        retries=0,
-    )
     # When it arrives, then it waits for the value (a Retry), and its copy waits too
-    try:
-        with pytest.raises(Retry) as waited:
-            charge("k")
-    finally:
-        charge.pop_request()
+    with pytest.raises(Retry) as waited:
+        _deliver(
+            charge,
+            "key-3",
+            delivery.get("headers", {}),
+            id="task-of-the-slow-call",
+            delivery_info={"routing_key": "celery", **delivery.get("delivery_info", {})},
+        )
     assert waited.value.sig.options[_REPUBLISH][SUPERSEDED_HEADER] is True
 
 
@@ -180,23 +178,10 @@ def test_a_skipping_replacement_waits_for_the_value_its_replaced_task_is_owed(ap
     # Given a key another call holds, running
     other = charge._claim_request("key-5", ("k",), {}, "task-of-the-other-call", owner="other")
     assert store_for(app).claim(other).outcome.value == "acquired"
-    # When a call that replaced a task (Task.replace: its callers wait on it) is a duplicate
-    charge.push_request(
-        id="the-replacement",
-        args=("k",),
-        kwargs={},
-        headers={KEY_HEADER: "key-5"},
-        called_directly=False,
-        delivery_info={"routing_key": "celery"},
-        replaced_task_nesting=1,
-        retries=0,
-    )
-    # Then it waits for the value rather than be dropped
-    try:
-        with pytest.raises(Retry):
-            charge("k")
-    finally:
-        charge.pop_request()
+    # When a call that replaced a task (Task.replace: its callers wait on it) is a duplicate,
+    # then it waits for the value rather than be dropped
+    with pytest.raises(Retry):
+        _deliver(charge, "key-5", {}, id="the-replacement", replaced_task_nesting=1)
     # (a plain duplicate is dropped, as skip says)
     with pytest.raises(Ignore):
         _deliver(charge, "key-5", {})
