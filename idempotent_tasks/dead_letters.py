@@ -140,13 +140,15 @@ def _log_item(item: DeadLetter) -> None:
     )
 
 
-def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> None:
-    """A re-published dead letter's run begins: its row is not stuck (so a sweep does not
-    send it again while it runs, or while its own retries wait). A database error is logged."""
+def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> bool:
+    """A re-published dead letter's run begins, or goes on: its row is not stuck (so a sweep
+    does not send it again while it runs, or while its own retries wait). Whether the row may
+    still be this sweep's ``retrying`` one: a database error is logged, and counts as yes."""
     try:
-        dlq_for(app).renew_retrying(dead_letter_id, sweep_id)
+        return dlq_for(app).renew_retrying(dead_letter_id, sweep_id)
     except StoreUnavailable as exc:
         module_logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
+        return True
 
 
 #: Renews the rows of re-published dead letters while their bodies run: a keeper of their own,
@@ -169,15 +171,9 @@ def retrying_kept_alive(app: Any, request: Any) -> AbstractContextManager[None]:
 def _row_renewed(app: Any, request: Any, dead_letter_id: str) -> Iterator[None]:
     sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
-
-    def still_retrying() -> bool:
-        try:
-            return dlq_for(app).renew_retrying(dead_letter_id, sweep_id)
-        except StoreUnavailable as exc:
-            module_logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
-            return True  # the next renewal tries again
-
-    lease = _row_keeper.add(still_retrying, lambda: None, timeout)
+    lease = _row_keeper.add(
+        lambda: renew_retrying(app, dead_letter_id, sweep_id), lambda: None, timeout
+    )
     try:
         yield
     finally:

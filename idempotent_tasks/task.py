@@ -299,11 +299,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is not None:
             extra_options.setdefault(KEY_HEADER, key)
         carried = extra_options.setdefault(_REPUBLISH, {})
-        for name, value in dead_letter_headers(request).items():
+        for name, value in _carried_headers(request).items():
             carried.setdefault(name, value)
-        taken_from = _taken_from(request)
-        if taken_from is not None:
-            carried.setdefault(TAKEN_FROM_HEADER, taken_from)
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         # The owner this delivery was issued is its own: the next one is issued another.
         headers = signature.options.get("headers") or {}
@@ -507,14 +504,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _requeued_pickup(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The guard's copy of this very message, handed back to the broker: the key stays
         queued for it, so it runs even if the broker loses it on the way back."""
-        return self._message_pickup(
-            key,
-            args,
-            kwargs,
-            0.0,
-            retries=self.request.retries,
-            taken_from=_taken_from(self.request),
-        )
+        return self._message_pickup(key, args, kwargs, 0.0, retries=self.request.retries)
 
     def on_replace(self, sig: Any) -> Any:
         """Celery's replacement of this call by ``sig``, under its task id.
@@ -561,7 +551,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             seconds_until(replacement.options.get("countdown"), replacement.options.get("eta")),
             retries=0,
             routing=_routing_of(replacement),
-            taken_from=_taken_from(self.request, attempt),
         )
         if pickup is not None:
             attempt.release_quietly(pickup)
@@ -622,9 +611,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             else:
                 attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
-            taken_from = _taken_from(self.request, attempt)
-            if taken_from is not None:
-                options[_REPUBLISH][TAKEN_FROM_HEADER] = taken_from
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Reject as rejected:
@@ -653,7 +639,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             retries=self.request.retries + 1,
             previous_owner=attempt.request.owner,
             routing=routing,
-            taken_from=_taken_from(self.request, attempt),
+            attempt=attempt,
         )
         attempt.release_quietly(pickup)
 
@@ -665,20 +651,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         wait: float,
         *,
         retries: int,
-        taken_from: str | None,
         previous_owner: str | None = None,
         routing: dict[str, Any] | None = None,
+        attempt: Attempt | None = None,
     ) -> Any:
         """This call's next message (a retry, a requeue) as the pickup guard keeps it, so it
         runs even if that message is lost; ``routing``: where it goes, if not back where this
-        one came from; ``taken_from``: the task id whose callers it answers too."""
+        one came from; ``attempt``: the one it follows, if not the running one."""
         request = self.request
         # The key is queued for this copy, as for a published call's message.
-        headers = {KEY_HEADER: key, RESERVED_HEADER: True, **dead_letter_headers(request)}
+        headers = {KEY_HEADER: key, RESERVED_HEADER: True, **_carried_headers(request, attempt)}
         if previous_owner is not None:
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
-        if taken_from is not None:
-            headers[TAKEN_FROM_HEADER] = taken_from
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
             **routing_options(request.delivery_info),
@@ -1145,12 +1129,23 @@ def _routing_of(signature: Any) -> dict[str, Any]:
 
 
 def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
-    """The task id of another call whose key this call (its ``attempt``, by default the
-    running one) took over, or the call it retries or waits for took over (see
-    ``TAKEN_FROM_HEADER``)."""
+    """The task id of another call whose key this call (its ``attempt``: by default the
+    running one, or the one retrying) took over, or the call it retries or waits for took over
+    (see ``TAKEN_FROM_HEADER``)."""
     if attempt is None:
-        attempt = getattr(request, "idempotency_attempt", None)
+        retrying = getattr(request, "idempotency_retrying", None)
+        attempt = getattr(request, "idempotency_attempt", None) or (retrying and retrying[0])
     if attempt is not None and attempt.taken_from_task_id is not None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)
     return taken_from if isinstance(taken_from, str) else None
+
+
+def _carried_headers(request: Any, attempt: Attempt | None = None) -> dict[str, Any]:
+    """What every next message of a call carries along (its retries, the copies it waits
+    with, the guard's copies): the dead letter it retries, the call whose key it took over."""
+    headers = dead_letter_headers(request)
+    taken_from = _taken_from(request, attempt)
+    if taken_from is not None:
+        headers[TAKEN_FROM_HEADER] = taken_from
+    return headers

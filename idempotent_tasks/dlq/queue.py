@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Any, overload
 
 from sqlalchemy import Connection, Engine, literal, select, text
@@ -239,32 +240,20 @@ class DeadLetterQueue:
                 connection.execute(queries.claim_for_sweep(ids, sweep_id, self._db(now)))
             with self._begin() as connection:
                 rows = connection.execute(queries.select_swept(sweep_id)).all()
-            items = self._readable_swept(rows, sweep_id, now)
+            items = _readable(rows, partial(self._give_up_unreadable, sweep_id=sweep_id, now=now))
             if items:
                 return items
             # Another sweep took every row this one picked (SQLite, no row locks), or none it
             # took could be read: pick again.
         return []
 
-    def _readable_swept(
-        self, rows: Sequence[Any], sweep_id: str, now: datetime
-    ) -> list[DeadLetter]:
-        """The items of the rows a sweep took; a row that cannot be read (edited by hand into
-        another shape) is kept, given up on (``permanent_failure``, the reason in its error)
-        for an operator to mend and retry, rather than stop the sweep of every other row."""
-        items = []
-        for row in rows:
-            try:
-                items.append(_item(row._mapping))
-            except CorruptRecord as exc:
-                self._give_up_unreadable(row._mapping, exc, sweep_id, now)
-        return items
-
     def _give_up_unreadable(
         self, row: Any, error: CorruptRecord, sweep_id: str, now: datetime
     ) -> None:
-        """Mark a row a sweep took but cannot read ``permanent_failure``, saying why (left
-        ``retrying`` if the database fails now: it comes back after its timeout)."""
+        """Mark a row a sweep took but cannot read (edited by hand into another shape)
+        ``permanent_failure``, saying why, for an operator to mend and retry, rather than stop
+        the sweep of every other row (left ``retrying`` if the database fails now: it comes
+        back after its timeout)."""
         failure = f"{row['error_type']}: {row['error_message']}"
         values = {
             "status": DeadLetterStatus.PERMANENT_FAILURE.value,
@@ -383,16 +372,14 @@ class DeadLetterQueue:
         status_value = DeadLetterStatus(status).value if status is not None else None
         with self._begin() as connection:
             rows = connection.execute(queries.select_items(status_value, task_name, limit)).all()
-        items = []
-        for row in rows:
-            try:
-                items.append(_item(row._mapping))
-            except CorruptRecord as exc:
-                if on_corrupt is None:
-                    logger.error("%s: left out", exc)
-                else:
-                    on_corrupt(exc)
-        return items
+
+        def left_out(_: Any, error: CorruptRecord) -> None:
+            if on_corrupt is None:
+                logger.error("%s: left out", error)
+            else:
+                on_corrupt(error)
+
+        return _readable(rows, left_out)
 
     def get(self, id: str) -> DeadLetter | None:
         """One item by id, or ``None``; ``CorruptRecord`` if its row cannot be read."""
@@ -575,6 +562,20 @@ def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> 
     if len(value) > limit:
         options[full_name] = value
     return fitted(value, limit)
+
+
+def _readable(
+    rows: Sequence[Any], on_corrupt: Callable[[Any, CorruptRecord], None]
+) -> list[DeadLetter]:
+    """The items of ``rows``; each row that cannot be read is handed to ``on_corrupt`` (with
+    its error) and left out."""
+    items = []
+    for row in rows:
+        try:
+            items.append(_item(row._mapping))
+        except CorruptRecord as exc:
+            on_corrupt(row._mapping, exc)
+    return items
 
 
 def _item(row: Any) -> DeadLetter:

@@ -223,12 +223,11 @@ class RedisStore:
         )
         outcome = Outcome(_text(reply[0]))
         if outcome is Outcome.ACQUIRED:
-            taken_from = _text(reply[3]) if len(reply) > 3 else ""
             return ClaimResult(
                 outcome=outcome,
                 token=int(reply[1]),
                 takeover=bool(reply[2]),
-                taken_from_task_id=taken_from or None,
+                taken_from_task_id=_text(reply[3]) or None,
             )
         record = _record(request.storage_key, _pairs(reply[3:]), read_at=int(reply[1]) / 1000)
         return ClaimResult(outcome=outcome, record=record)

@@ -188,7 +188,7 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
         reply_to="caller-oid",
     )
     try:
-        pickup = charge._message_pickup("k", None, None, 0.0, retries=1, taken_from=None)
+        pickup = charge._message_pickup("k", None, None, 0.0, retries=1)
     finally:
         charge.pop_request()
     assert pickup is not None

@@ -53,6 +53,12 @@ def _deliver(task: Any, key: str, headers: dict[str, Any], **request: Any) -> An
         task.pop_request()
 
 
+def _held_by_another_call(task: Any, key: str) -> None:
+    """Make ``key`` claimed, running, by another call (another task id)."""
+    other = task._claim_request(key, ("k",), {}, "task-of-the-other-call", owner="other")
+    assert store_for(task.app).claim(other).outcome.value == "acquired"
+
+
 @pytest.mark.parametrize("on_duplicate", ["skip", "raise"])
 def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
     app: Celery, on_duplicate: str
@@ -62,8 +68,7 @@ def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
         return order
 
     # Given a key another execution (another task id) holds, running
-    new_owner = charge._claim_request("key-1", ("k",), {}, "task-of-the-new-owner", owner="new")
-    assert store_for(app).claim(new_owner).outcome.value == "acquired"
+    _held_by_another_call(charge, "key-1")
     # When the owner it took the key over from comes back to wait for its value
     with pytest.raises(Retry):
         _deliver(charge, "key-1", {SUPERSEDED_HEADER: True})
@@ -75,20 +80,23 @@ def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
 @pytest.mark.parametrize("on_duplicate", ["skip", "raise"])
 @pytest.mark.parametrize(
     "delivery",
-    [{"headers": {RESERVED_HEADER: True}}, {"delivery_info": {"redelivered": True}}],
-    ids=["reserved-for-it", "redelivered"],
+    [
+        {"headers": {RESERVED_HEADER: True}},
+        {"delivery_info": {"redelivered": True}},
+        {"headers": {PREVIOUS_OWNER_HEADER: "first-owner"}},
+    ],
+    ids=["reserved-for-it", "redelivered", "a-retry"],
 )
-def test_the_keys_own_message_or_a_redelivery_waits_whatever_on_duplicate(
+def test_the_keys_own_message_a_redelivery_or_a_retry_waits_whatever_on_duplicate(
     app: Celery, on_duplicate: str, delivery: dict[str, Any]
 ) -> None:
     @app.task(base=IdempotentTask, on_duplicate=on_duplicate, shared=False)
     def charge(order: str) -> str:
         return order
 
-    # Given a key another call took over (the message it was queued for was slow to arrive,
-    # or its owner died and the broker redelivers it)
-    other = charge._claim_request("key-3", ("k",), {}, "task-of-the-other-call", owner="other")
-    assert store_for(app).claim(other).outcome.value == "acquired"
+    # Given a key another call took (the message it was queued for was slow to arrive, its
+    # owner died and the broker redelivers it, or it retried and its key was free meanwhile)
+    _held_by_another_call(charge, "key-3")
     # When it arrives, then it waits for the value (a Retry), and its copy waits too
     with pytest.raises(Retry) as waited:
         _deliver(
@@ -117,24 +125,6 @@ def test_apply_async_marks_only_the_message_its_key_is_queued_for(app: Celery) -
         charge.apply_async(("k",), idempotency_key="key-4", link=charge.s())
     assert sent[0][RESERVED_HEADER] is True
     assert RESERVED_HEADER not in sent[1]  # published for its callback, as a duplicate
-
-
-@pytest.mark.parametrize("on_duplicate", ["skip", "raise"])
-def test_a_retry_whose_key_another_call_took_meanwhile_waits_whatever_on_duplicate(
-    app: Celery, on_duplicate: str
-) -> None:
-    @app.task(base=IdempotentTask, on_duplicate=on_duplicate, shared=False)
-    def charge(order: str) -> str:
-        return order
-
-    # Given a call that retried, its key freed, and another call that claimed it meanwhile
-    other = charge._claim_request("key-2", ("k",), {}, "task-of-the-other-call", owner="other")
-    assert store_for(app).claim(other).outcome.value == "acquired"
-    # When the retry arrives (naming the owner it retried from), then it waits for the value
-    with pytest.raises(Retry) as waited:
-        _deliver(charge, "key-2", {PREVIOUS_OWNER_HEADER: "first-owner"})
-    # And keeps waiting on its next delivery
-    assert waited.value.sig.options[_REPUBLISH][SUPERSEDED_HEADER] is True
 
 
 def _replaced_key(task: Any, key: str) -> None:
@@ -176,8 +166,7 @@ def test_a_skipping_replacement_waits_for_the_value_its_replaced_task_is_owed(ap
         return order
 
     # Given a key another call holds, running
-    other = charge._claim_request("key-5", ("k",), {}, "task-of-the-other-call", owner="other")
-    assert store_for(app).claim(other).outcome.value == "acquired"
+    _held_by_another_call(charge, "key-5")
     # When a call that replaced a task (Task.replace: its callers wait on it) is a duplicate,
     # then it waits for the value rather than be dropped
     with pytest.raises(Retry):

@@ -77,7 +77,7 @@ end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   local token = tonumber(found[6])
   if token then
-    return {'acquired', token, 0}
+    return {'acquired', token, 0, ''}
   end
   return acquire(0, found[5], fingerprint, '')  -- its token cannot be read (corrupt): a new one
 end
