@@ -19,7 +19,7 @@ from .canvas_keys import required_key_error
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from .keys import MAX_TASK_ID_CHARS, derive_key, fitted, validate_key
 from .pickups import make_pickup, republish_taken, seconds_until
-from .records import ClaimRequest, Outcome, Record, Status
+from .records import ClaimRequest, Outcome, Pickup, Record, Status
 from .replacements import is_replaced
 
 if TYPE_CHECKING:
@@ -70,6 +70,31 @@ def continues(options: dict[str, Any], link: Any, link_error: Any) -> bool:
     return bool(link or link_error or in_chain or any(options.get(n) for n in CANVAS_OPTIONS))
 
 
+def prepare(
+    task: IdempotentTask,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: dict[str, Any],
+) -> tuple[ClaimRequest, Pickup | None]:
+    """The reservation of a call's key, and what the pickup guard keeps of its message
+    (``None``: the guard is off)."""
+    request = task._claim_request(key, args, kwargs, task_id, owner="")
+    wait = seconds_until(options.get("countdown"), options.get("eta"))
+    serializer = options.get("serializer") or task.serializer
+    # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes. A
+    # task's own expiry is counted from this publish, not from the copy's (kept as a moment).
+    options = {
+        **options,
+        "reply_to": options.get("reply_to") or task.app.thread_oid,
+        # An explicit expires=None clears the task's own, as in Celery.
+        "expires": options["expires"] if "expires" in options else task.expires,
+    }
+    pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
+    return request, pickup
+
+
 def reserve(
     task: IdempotentTask,
     key: str,
@@ -83,18 +108,7 @@ def reserve(
     Returns the reservation to cancel if the publish fails, and the result to return instead
     of publishing (``None``: publish).
     """
-    request = task._claim_request(key, args, kwargs, task_id, owner="")
-    wait = seconds_until(options.get("countdown"), options.get("eta"))
-    serializer = options.get("serializer") or task.serializer
-    # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes. A
-    # task's own expiry is counted from this publish, not from the copy's (kept as a moment).
-    options = {
-        **options,
-        "reply_to": options.get("reply_to") or task.app.thread_oid,
-        # An explicit expires=None clears the task's own, as in Celery.
-        "expires": options["expires"] if "expires" in options else task.expires,
-    }
-    pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
+    request, pickup = prepare(task, key, args, kwargs, task_id, options)
     store = store_for(task.app)
     try:
         if pickup is None:
@@ -104,12 +118,12 @@ def reserve(
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("publishing %s without a look at its key: %s", task.name, exc)
         return None, None
-    if record is None or _own_reservation(record, request):
+    if record is None or own_reservation(record, request):
         return (None if pickup is None else request), None
     return None, answer_from_record(task, record, request)
 
 
-def _own_reservation(record: Record, request: ClaimRequest) -> bool:
+def own_reservation(record: Record, request: ClaimRequest) -> bool:
     """The key is queued for this very message: the client sent the reservation again after
     losing the store's reply (redis-py retries a timed-out command), and the first one took."""
     return (

@@ -26,6 +26,7 @@ from kombu.utils.imports import symbol_by_name
 from . import (
     defaults,
     publishing,
+    reserve_and_push,
     revocations,  # noqa: F401  (connects the receiver of Celery's task_revoked)
     signals,
     startup,  # noqa: F401  (connects the worker_init check of the schema versions)
@@ -228,6 +229,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # In the message, and in the envelope the guard would publish again.
             options["headers"][RESERVED_HEADER] = True
             message_options = {**options, "link": link, "link_error": link_error}
+            if not publishing.continues(options, link, link_error):
+                celery_apply_async = super().apply_async
+                answer = reserve_and_push.publish(
+                    self,
+                    key,
+                    args,
+                    kwargs,
+                    task_id,
+                    message_options,
+                    producer,
+                    lambda ready: celery_apply_async(
+                        args, kwargs, task_id, ready, link, link_error, shadow, **options
+                    ),
+                )
+                if answer is not None:
+                    return answer
             reservation, short_circuit = publishing.reserve(
                 self, key, args, kwargs, task_id, message_options
             )

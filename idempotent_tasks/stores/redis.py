@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 from zlib import crc32
@@ -131,11 +132,20 @@ class RedisStore:
     def _shard(self, storage_key: str) -> str:
         return f"{self.prefix}:{{{crc32(storage_key.encode()) % SHARDS:02x}}}"
 
-    def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
+    def reserve(
+        self, request: ClaimRequest, pickup: Pickup, push: ListPush | None = None
+    ) -> Record | None:
+        """See :meth:`Store.reserve`; with ``push``, a key reserved has its message pushed onto
+        the broker's list in the same step, and a key found has nothing pushed."""
         record, _, index = self.names(request.storage_key)
+        keys = [record, index]
+        pushed: list[Any] = []
+        if push is not None:
+            keys.append(push.list_key)
+            pushed = [push.message, push.database]
         reply = self._run(
             "reserve",
-            [record, index],
+            keys,
             [
                 request.task_id,
                 request.fingerprint,
@@ -146,11 +156,20 @@ class RedisStore:
                 _ms(request.ttl_seconds),
                 pickup.envelope,
                 request.storage_key,
+                *pushed,
             ],
         )
         if not reply:
             return None
         return _record(request.storage_key, _pairs(reply[1:]), read_at=int(reply[0]) / 1000)
+
+    def same_server(self, pool: redis.ConnectionPool) -> bool:
+        """Whether connections of ``pool`` reach this store's Redis server as the store's do,
+        whatever their database: a script of the store may then write for them."""
+        if not isinstance(self.client, redis.Redis):
+            return False  # a cluster: its nodes are not one server
+        ours, theirs = _address(self.client.connection_pool), _address(pool)
+        return ours[:4] + ours[5:] == theirs[:4] + theirs[5:]
 
     def cancel_reservation(self, request: ClaimRequest) -> bool:
         record, _, index = self.names(request.storage_key)
@@ -286,7 +305,7 @@ class RedisStore:
     def shares_database_with(self, client: redis.Redis) -> bool:
         """Whether ``client`` talks to this store's Redis server and database, so a
         :class:`SideWrite` for it can be made beside a completion."""
-        return _address(self.client) == _address(client)
+        return _address(self.client.connection_pool) == _address(client.connection_pool)
 
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         record, fence, index = self.names(request.storage_key)
@@ -353,6 +372,16 @@ class RedisStore:
                 finally:
                     kept.lock.release()
         return self.client.evalsha(sha, len(keys), *keys, *args)
+
+
+@dataclass(frozen=True)
+class ListPush:
+    """A broker message that :meth:`RedisStore.reserve` pushes onto a list of the same Redis
+    server (kombu's Redis transport: a queue is a list), in the same step as the reservation."""
+
+    database: int
+    list_key: str
+    message: str | bytes
 
 
 class _KeptConnection:
@@ -471,9 +500,8 @@ def _translated_errors() -> Iterator[None]:
         raise StoreUnavailable(f"Redis store cannot be used: {exc}") from exc
 
 
-def _address(client: redis.Redis) -> tuple[Any, ...]:
-    """Where a client connects and as whom: server, database and credentials."""
-    pool = client.connection_pool
+def _address(pool: redis.ConnectionPool) -> tuple[Any, ...]:
+    """Where a pool's connections go and as whom: server, database and credentials."""
     kwargs = pool.connection_kwargs
     port, db = kwargs.get("port"), kwargs.get("db")
     return (

@@ -27,6 +27,7 @@ from tests.integration.helpers import (
     IDLE_QUEUE,
     fresh,
     ledger_events,
+    publish_in_two_trips,
     queue_length,
     set_pickup_timeout,
     wait_until,
@@ -294,8 +295,9 @@ def test_a_failed_publish_leaves_no_reservation(monkeypatch: pytest.MonkeyPatch)
 def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
     monkeypatch: pytest.MonkeyPatch, worker_and_beat: Any
 ) -> None:
-    # Given a call whose publish fails because the broker cannot be reached, after a
-    # duplicate (a client retrying, say) joined its reservation
+    # Given a call whose publish fails because the broker (apart from the store) cannot be
+    # reached, after a duplicate (a client retrying, say) joined its reservation
+    publish_in_two_trips(monkeypatch)
     name, key = fresh("refused"), fresh("key")
     send_task, joined = app.send_task, []
 

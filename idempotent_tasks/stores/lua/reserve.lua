@@ -4,8 +4,11 @@
 -- ARGV[1]  task id          ARGV[2]  fingerprint       ARGV[3]  the caller's key
 -- ARGV[4]  task name        ARGV[5]  due in, ms        ARGV[6]  re-publication timeout, ms
 -- ARGV[7]  ttl, ms          ARGV[8]  envelope          ARGV[9]  storage key (index member)
--- Returns  {} when reserved (status "queued"), else {now in ms, field, value, ...}: the time
---          and the record found
+-- With a message to publish in the same step (the broker is this Redis server):
+-- KEYS[3]  the broker's list (queue) to push it on, in database ARGV[11]
+-- ARGV[10] the message, as the broker's transport encodes it
+-- Returns  {} when reserved (status "queued", the message pushed), else {now in ms, field,
+--          value, ...}: the time and the record found (the message not pushed)
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -26,4 +29,10 @@ redis.call('HSET', KEYS[1],
   'pickup_timeout', ARGV[6], 'republished', '0', 'due_at', due_at)
 redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
 redis.call('ZADD', KEYS[2], due_at, ARGV[9])
+if KEYS[3] then
+  -- Last: were the push refused, the reservation stands and the caller publishes by itself.
+  -- A SELECT in a script changes the database for the script alone.
+  redis.call('SELECT', ARGV[11])
+  redis.call('LPUSH', KEYS[3], ARGV[10])
+end
 return {}
