@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 logger = get_task_logger(__name__)
 
 
+#: Header of the message its key was queued for at publish: its caller, and every duplicate
+#: caller handed its ``AsyncResult``, wait for its value, so it is never dropped or failed as
+#: a duplicate (another call may take its key over while it is on its way: a slow queue).
+RESERVED_HEADER = "idempotency_reserved"
+
 #: Longest task name the claim and dead-letter tables keep (their ``task_name`` columns).
 MAX_TASK_NAME_CHARS = 255
 

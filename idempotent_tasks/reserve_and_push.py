@@ -7,12 +7,18 @@ producer then makes one round trip per call, as plain Celery does, instead of tw
 producer can die between reserving a key and publishing its message.
 
 The message is the one Celery builds: the call goes through Celery's ``apply_async`` as usual,
-and only the last step, kombu's push onto the list (``Channel._put``), is taken over for that
-one message. So it is kept to the plain case: a call made outside a running task (whose
-children Celery records as it publishes), not part of a canvas, with the pickup guard on, and
-whose key this process has not published lately (a key sent again is likely answered from its
-record, which this path learns only after Celery has built the whole message). Everything else
-takes :func:`idempotent_tasks.publishing.reserve`'s two round trips, with the same outcome.
+and only kombu's last step, the push of that one message onto its list, is taken over. kombu's
+Redis channel class has its ``_put`` wrapped, once per process; the wrapper hands every other
+message straight on, and reserves the pending call's key as its message is pushed: in the same
+script on the store's server, else by a reservation just before kombu's own push (a broker
+elsewhere, a key prefix, a batch). So it holds on every channel, a producer's own
+(``apply_async(connection=...)``) and one kombu opens again after a connection error alike.
+
+It is kept to the plain case: a call made outside a running task (whose children Celery
+records as it publishes), not part of a canvas, with the pickup guard on, and whose key this
+process has not published lately (a key sent again is likely answered from its record, which
+this path learns only after Celery has built the whole message). Everything else takes
+:func:`idempotent_tasks.publishing.reserve`'s two round trips, with the same outcomes.
 """
 
 from __future__ import annotations
@@ -44,24 +50,22 @@ logger = logging.getLogger(__name__)
 RECENT_KEYS = 4096
 
 #: What this module uses of kombu's Redis channel (kombu 5).
-_KOMBU_NAMES = ("_put", "_q_for_pri", "_get_message_priority", "_expires")
-#: Marks a kombu channel whose ``_put`` this module took over.
-_HOOKED = "_idempotent_tasks_reserving_put"
+_KOMBU_NAMES = ("_put", "_q_for_pri", "_get_message_priority", "_expires", "global_keyprefix")
+#: Marks kombu's ``_put`` as wrapped by this module.
+_WRAPPED = "_idempotent_tasks_reserving"
+_wrap_lock = threading.Lock()
 
 
 @dataclass
 class _Pending:
-    """The reservation to make with one message's push, and what became of it."""
+    """The reservation to make as one message is pushed, and what became of it."""
 
     store: RedisStore
     request: ClaimRequest
     pickup: Pickup
-    database: int
-    #: kombu was about to push the message (the reservation was tried).
+    #: kombu was about to push the message: the reservation was tried.
     reached: bool = False
-    #: The store holds this call's reservation (whether or not the message went out).
-    reserved: bool = False
-    #: The record the key had: nothing was pushed.
+    #: The record the key had: the message was not pushed.
     found: Record | None = None
 
 
@@ -104,41 +108,41 @@ def publish(
     producer: Any,
     send: Callable[[Any], AsyncResult],
 ) -> Any:
-    """Publish a keyed call reserving its key in the same round trip, or answer it from the
+    """Publish a keyed call reserving its key as its message is pushed, or answer it from the
     key's record; ``None`` when that cannot be done here (publish it the two-trip way).
 
     ``options`` are the call's options, as :func:`publishing.reserve` takes them; ``send``
     publishes the message through Celery with the producer it is given.
     """
-    if _recent.seen(task.name, key) or _PENDING.get() is not None:
-        return None
     conf = task.app.conf
     if (
-        task.app.current_worker_task is not None
+        _PENDING.get() is not None
+        or task.app.current_worker_task is not None
         or conf.task_always_eager
-        # Its monitors would see a task-sent event for a message never sent.
+        # Its monitors would see a task-sent event for a duplicate never sent.
         or conf.task_send_sent_event
+        or conf.task_protocol == 1  # the task id is not in the message's headers
     ):
         return None
     store = _redis_store(store_for(task.app))
-    if store is None:
+    if store is None or _recent.seen(task.name, key):
         return None
     request, pickup = publishing.prepare(task, key, args, kwargs, task_id, options)
     if pickup is None:
         return None
     with task.app.producer_or_acquire(producer) as ready_producer:
-        database = _broker_database(ready_producer.channel, store)
-        if database is None:
+        if not _wrapped(ready_producer.channel):
             return None
-        pending = _Pending(store, request, pickup, database)
+        pending = _Pending(store, request, pickup)
         token = _PENDING.set(pending)
         try:
             result = send(ready_producer)
-        except OperationalError:
+        except OperationalError as error:
             if pending.reached:
                 # As with two trips: the call, if reserved, stays for the guard to publish.
                 hand_to_guard(store, request.storage_key, request.task_id)
-            raise
+                raise
+            return _reserve_unpublished(task, pending, error)
         except Exception:
             if pending.reached:  # a reservation made, or maybe made, before the push failed
                 publishing.cancel_reservation(task, request)
@@ -154,10 +158,28 @@ def publish(
     return publishing.answer_from_record(task, pending.found, request)
 
 
+def _reserve_unpublished(task: IdempotentTask, pending: _Pending, error: Exception) -> Any:
+    """What a call whose publish failed with ``error`` before its push (the broker unreachable)
+    gets, as with two trips: the answer from its key's record; else its key is queued for the
+    pickup guard to publish, and ``error`` raised."""
+    request = pending.request
+    try:
+        found = pending.store.reserve(request, pending.pickup)
+    except (StoreUnavailable, CorruptRecord):
+        raise error from None
+    answer = None
+    if found is not None and not publishing.own_reservation(found, request):
+        answer = publishing.answer_from_record(task, found, request)
+    if answer is None:
+        hand_to_guard(pending.store, request.storage_key, request.task_id)
+        raise error
+    return answer
+
+
 def _reserve_after(store: RedisStore, request: ClaimRequest, pickup: Pickup) -> None:
     """Reserve the key of a message kombu published another way than a list push (a fanout
-    exchange, an older message protocol), for the pickup guard: as the reservation before the
-    publish would have, but for the record of a claim or a duplicate that came first."""
+    exchange), for the pickup guard: as the reservation before the publish would have, but
+    for the record of a claim or a duplicate that came first (its message is out already)."""
     try:
         store.reserve(request, pickup)
     except (StoreUnavailable, CorruptRecord) as exc:
@@ -172,41 +194,38 @@ def _redis_store(store: Any) -> RedisStore | None:
     return store if isinstance(store, RedisStore) else None
 
 
-def _broker_database(channel: Any, store: RedisStore) -> int | None:
-    """The database of the broker's queues when ``channel`` is kombu's Redis transport on
-    ``store``'s server (its ``_put`` then taken over for pending calls), else ``None``."""
+def _wrapped(channel: Any) -> bool:
+    """Whether kombu pushes ``channel``'s messages through this module's wrapper (wrapping
+    kombu's Redis channel class the first time)."""
     try:
         from kombu.transport.redis import Channel
     except ImportError:
-        return None
-    if not isinstance(channel, Channel) or channel.global_keyprefix:
-        return None
-    if not all(hasattr(channel, name) for name in _KOMBU_NAMES):
-        return None  # a kombu whose Redis channel pushes otherwise
-    pool = channel.pool
-    if not store.same_server(pool):
-        return None
-    if not channel.__dict__.get(_HOOKED):
-        setattr(channel, "_put", _reserving_put(channel, channel._put))  # noqa: B010
-        channel.__dict__[_HOOKED] = True
-    return int(pool.connection_kwargs.get("db") or 0)
+        return False
+    if not isinstance(channel, Channel) or not all(hasattr(channel, n) for n in _KOMBU_NAMES):
+        return False
+    if not getattr(Channel._put, _WRAPPED, False):
+        with _wrap_lock:
+            if not getattr(Channel._put, _WRAPPED, False):
+                setattr(Channel, "_put", _reserving_put(Channel._put))  # noqa: B010
+    return bool(getattr(type(channel)._put, _WRAPPED, False))  # a subclass may push otherwise
 
 
-def _reserving_put(channel: Any, push: Callable[..., None]) -> Callable[..., None]:
-    """kombu's ``_put`` of ``channel``, reserving the pending call's key as it pushes that
-    call's message (a message kombu pushes onto several queues is reserved on the first)."""
+def _reserving_put(push: Callable[..., None]) -> Callable[..., None]:
+    """kombu's ``Channel._put``, reserving the pending call's key as it pushes that call's
+    message (a message kombu pushes onto several queues is reserved on the first)."""
 
-    def put(queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+    def put(channel: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         pending = _PENDING.get()
         if pending is None or (message.get("headers") or {}).get("id") != pending.request.task_id:
-            push(queue, message, **kwargs)
+            push(channel, queue, message, **kwargs)
         elif pending.reached:
             if pending.found is None:
-                push(queue, message, **kwargs)
+                push(channel, queue, message, **kwargs)
         else:
             pending.reached = True
             _reserve_pushing(channel, pending, queue, message, kwargs, push)
 
+    setattr(put, _WRAPPED, True)
     return put
 
 
@@ -219,34 +238,46 @@ def _reserve_pushing(
     push: Callable[..., None],
 ) -> None:
     """Reserve the pending call's key, pushing its message in the same step when kombu would
-    push it with a plain ``LPUSH``; push it apart otherwise, only if reserved."""
-    on_list = _list_push(channel, queue, message, kwargs, pending.database)
+    push it with a plain ``LPUSH`` on the store's server; push it apart otherwise, if
+    reserved."""
+    on_list = _list_push(channel, pending.store, queue, message, kwargs)
     request = pending.request
     try:
         found = pending.store.reserve(request, pending.pickup, on_list)
     except (StoreUnavailable, CorruptRecord) as exc:
-        logger.warning("publishing %s without a look at its key: %s", request.task_name, exc)
-        push(queue, message, **kwargs)
+        # As with two trips, the message goes out unguarded, marked as not reserved. (Were the
+        # store's reply lost after its script pushed it, it goes out twice under one task id:
+        # the claim runs it once.)
+        logger.warning("publishing %s without its key reserved: %s", request.task_name, exc)
+        message.get("headers", {}).pop(publishing.RESERVED_HEADER, None)
+        push(channel, queue, message, **kwargs)
         return
     if found is not None and publishing.own_reservation(found, request):
         found = None  # reserved (and pushed) by a first try whose reply was lost
     pending.found = found
-    pending.reserved = found is None
     if found is None and on_list is None:
-        push(queue, message, **kwargs)
+        push(channel, queue, message, **kwargs)
 
 
 def _list_push(
-    channel: Any, queue: str, message: dict[str, Any], kwargs: dict[str, Any], database: int
+    channel: Any, store: RedisStore, queue: str, message: dict[str, Any], kwargs: dict[str, Any]
 ) -> ListPush | None:
-    """kombu's push of ``message`` onto ``queue`` as a list push, if that is all it would be
-    (not a batch, not a queue with an expiry to renew)."""
+    """kombu's push of ``message`` onto ``queue`` as the store's script can make it: a plain
+    ``LPUSH`` on the store's server (no key prefix, not a batch, no queue expiry to renew)."""
     from kombu.utils.json import dumps
 
     from .stores.redis import ListPush
 
-    if kwargs.get("_publish_batch") is not None or queue in (channel._expires or {}):
+    if (
+        channel.global_keyprefix
+        or kwargs.get("_publish_batch") is not None
+        or queue in (channel._expires or {})
+    ):
+        return None
+    pool = channel.pool
+    if not store.same_server(pool):
         return None
     priority = channel._get_message_priority(message, reverse=False)
     encoded = dumps(message)  # type: ignore[no-untyped-call]
+    database = int(pool.connection_kwargs.get("db") or 0)
     return ListPush(database, channel._q_for_pri(queue, priority), encoded)

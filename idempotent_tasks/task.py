@@ -74,6 +74,7 @@ from .keys import (
     validate_key,
 )
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
+from .publishing import RESERVED_HEADER
 from .records import ClaimRequest, Outcome, Record, SideWrite
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
 from .settings import app_setting, positive_seconds, resolve
@@ -98,10 +99,6 @@ PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
 WAITS_HEADER = "idempotency_waits"
 #: Header of an owner whose claim was taken over while its body ran, waiting for the new owner.
 SUPERSEDED_HEADER = "idempotency_superseded"
-#: Header of the message its key was queued for at publish: its caller, and every duplicate
-#: caller handed its ``AsyncResult``, wait for its value, so it is never dropped or failed as
-#: a duplicate (another call may take its key over while it is on its way: a slow queue).
-RESERVED_HEADER = "idempotency_reserved"
 #: Header naming the task id of another call whose key this call (or the call it retries or
 #: waits for) took over: this call answers that call's callers too.
 TAKEN_FROM_HEADER = "idempotency_taken_from"

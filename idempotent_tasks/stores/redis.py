@@ -142,7 +142,8 @@ class RedisStore:
         pushed: list[Any] = []
         if push is not None:
             keys.append(push.list_key)
-            pushed = [push.message, push.database]
+            own_database = _address(self.client.connection_pool)[4]
+            pushed = [push.message, "" if push.database == own_database else push.database]
         reply = self._run(
             "reserve",
             keys,

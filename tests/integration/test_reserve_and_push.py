@@ -13,10 +13,13 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult, EagerResult
 from kombu import Exchange
+from kombu.exceptions import OperationalError
 
 from idempotent_tasks import IdempotentTask, reserve_and_push
 from idempotent_tasks.app_store import store_for
+from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.keys import storage_key
+from idempotent_tasks.publishing import RESERVED_HEADER
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
 from tests.integration.conftest import BACKEND_DB, BROKER_DB
@@ -30,25 +33,19 @@ def every_process_new(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reserve_and_push, "_recent", reserve_and_push._RecentKeys(0))
 
 
-class _KombuPushes:
-    """A producer on a connection of its own (not from the pool, which apps on one broker
-    share) whose channel counts the pushes kombu makes itself."""
+class _Reserves:
+    """Every reservation an app's store makes: whether with its message's push."""
 
-    def __init__(self, app: Celery) -> None:
-        self.queues: list[str] = []
-        self._connection = app.connection_for_write()
-        self.producer = app.amqp.Producer(self._connection)
-        channel = self.producer.channel
-        push = channel._put
+    def __init__(self, app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.with_push: list[bool] = []
+        store = store_for(app)
+        reserve = store.reserve
 
-        def counted(queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-            self.queues.append(queue)
-            push(queue, message, **kwargs)
+        def counted(request: Any, pickup: Any, push: Any = None) -> Any:
+            self.with_push.append(push is not None)
+            return reserve(request, pickup, push)
 
-        channel._put = counted
-
-    def close(self) -> None:
-        self._connection.release()
+        monkeypatch.setattr(store, "reserve", counted)
 
 
 def _app(redis_url: str, **transport_options: Any) -> Celery:
@@ -58,65 +55,81 @@ def _app(redis_url: str, **transport_options: Any) -> Celery:
 
 
 @pytest.fixture()
-def one_trip_app(redis_url: str) -> Iterator[tuple[Celery, Any, _KombuPushes]]:
-    """A new app (its own producer pool) on the integration databases, its task and pushes."""
+def one_trip_app(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Celery, Any, _Reserves]]:
+    """A new app on the integration databases, its task, and its store's reservations."""
     app = _app(redis_url)
 
     @app.task(base=IdempotentTask, name=fresh("one_trip.add"))
     def add(x: int, y: int) -> int:
         return x + y
 
-    pushes = _KombuPushes(app)
-    yield app, add, pushes
-    pushes.close()
+    yield app, add, _Reserves(app, monkeypatch)
+    monkeypatch.undo()
     store_for(app).close()
 
 
-def _queued(queue: str, db: int = BROKER_DB, prefix: str = "") -> list[dict[str, Any]]:
-    broker = redis.Redis(db=db)
+def _queued(queue: str, prefix: str = "") -> list[dict[str, Any]]:
+    broker = redis.Redis.from_url(worker_app.app.conf.broker_url)
     return [json.loads(raw) for raw in broker.lrange(prefix + queue, 0, -1)]
 
 
 def test_a_keyed_call_is_reserved_and_pushed_in_the_same_step(
-    one_trip_app: tuple[Celery, Any, _KombuPushes], every_process_new: None
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
-    app, add, pushes = one_trip_app
+    app, add, reserves = one_trip_app
     queue, key = fresh("queue"), fresh("key")
-    result = add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
-    # kombu pushed nothing itself: the reservation script did, onto the queue's list
-    assert pushes.queues == []
+    result = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    # One reservation, which pushed the message; kombu pushed none of its own
+    assert reserves.with_push == [True]
     [message] = _queued(queue)
     assert message["headers"]["id"] == result.id
+    assert message["headers"][RESERVED_HEADER] is True
     record = store_for(app).get(storage_key(add.name, key))
     assert record is not None and record.status is Status.QUEUED
     assert record.task_id == result.id
 
 
 def test_a_key_found_pushes_nothing_and_answers_with_its_owner(
-    one_trip_app: tuple[Celery, Any, _KombuPushes], every_process_new: None
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
-    _, add, pushes = one_trip_app
+    _, add, reserves = one_trip_app
     queue, key = fresh("queue"), fresh("key")
-    first = add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
-    again = add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
+    first = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    again = add.apply_async((1, 2), idempotency_key=key, queue=queue)
     assert isinstance(again, AsyncResult) and again.id == first.id
+    assert reserves.with_push == [True, True]
     assert len(_queued(queue)) == 1
-    assert pushes.queues == []
 
 
 def test_a_priority_message_goes_on_the_list_kombu_reads_for_it(
-    one_trip_app: tuple[Celery, Any, _KombuPushes], every_process_new: None
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
-    _, add, pushes = one_trip_app
+    app, add, reserves = one_trip_app
     queue = fresh("queue")
     add.apply_async((1, 2), idempotency_key=fresh("key"), queue=queue, priority=9)
-    channel = pushes.producer.channel
-    assert _queued(channel._q_for_pri(queue, 9)) != []
+    assert reserves.with_push == [True]
+    with app.producer_or_acquire() as producer:
+        priority_list = producer.channel._q_for_pri(queue, 9)
+    assert priority_list != queue
+    assert len(_queued(priority_list)) == 1
     assert _queued(queue) == []
 
 
+def test_a_producer_on_a_connection_of_its_own_reserves_in_one_trip(
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
+) -> None:
+    app, add, reserves = one_trip_app
+    queue = fresh("queue")
+    with app.connection_for_write() as connection:
+        add.apply_async((1, 2), idempotency_key=fresh("key"), queue=queue, connection=connection)
+    assert reserves.with_push == [True]
+    assert len(_queued(queue)) == 1
+
+
 def test_a_broker_with_a_key_prefix_takes_two_trips(
-    redis_url: str, every_process_new: None
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, every_process_new: None
 ) -> None:
     # kombu writes every key of such a broker under the prefix: the store's script does not
     app = _app(redis_url, global_keyprefix="pfx:")
@@ -125,68 +138,115 @@ def test_a_broker_with_a_key_prefix_takes_two_trips(
     def prefixed(x: int) -> int:
         return x
 
-    pushes = _KombuPushes(app)
+    reserves = _Reserves(app, monkeypatch)
     try:
         queue, key = fresh("queue"), fresh("key")
-        prefixed.apply_async((1,), idempotency_key=key, queue=queue, producer=pushes.producer)
-        assert pushes.queues == [queue]
+        prefixed.apply_async((1,), idempotency_key=key, queue=queue)
+        assert reserves.with_push == [False]
         assert len(_queued(queue, prefix="pfx:")) == 1
         record = store_for(app).get(storage_key(prefixed.name, key))
         assert record is not None and record.status is Status.QUEUED
     finally:
-        pushes.close()
+        monkeypatch.undo()
         store_for(app).close()
 
 
 def test_a_key_this_process_sent_before_takes_two_trips(
-    one_trip_app: tuple[Celery, Any, _KombuPushes],
+    one_trip_app: tuple[Celery, Any, _Reserves],
 ) -> None:
-    _, add, pushes = one_trip_app
+    _, add, reserves = one_trip_app
     queue, key = fresh("queue"), fresh("key")
-    first = add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
-    # Forgotten (its message lost, say): sent again, the two-trip way, which kombu pushes
+    first = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    # Forgotten (its message lost, say): sent again, the two-trip way
     store_for(add.app).forget(storage_key(add.name, key))
-    second = add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
-    assert pushes.queues == [queue]
+    second = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    assert reserves.with_push == [True, False]
     assert [m["headers"]["id"] for m in _queued(queue)] == [second.id, first.id]
 
 
 def test_a_message_kombu_sends_another_way_has_its_key_reserved_after(
-    one_trip_app: tuple[Celery, Any, _KombuPushes], every_process_new: None
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
     # A fanout exchange: kombu publishes to its subscribers, and never pushes onto a list
-    app, add, pushes = one_trip_app
+    app, add, reserves = one_trip_app
     key = fresh("key")
     result = add.apply_async(
         (1, 2),
         idempotency_key=key,
         exchange=Exchange(fresh("fanout"), type="fanout"),
         routing_key="any",
-        producer=pushes.producer,
     )
     # Its key is still queued for it, for the pickup guard
+    assert reserves.with_push == [False]
     record = store_for(app).get(storage_key(add.name, key))
     assert record is not None and record.status is Status.QUEUED
     assert record.task_id == result.id
 
 
 def test_an_app_that_sends_task_sent_events_takes_two_trips(
-    one_trip_app: tuple[Celery, Any, _KombuPushes], every_process_new: None
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
     # A duplicate found in one trip would have had its task-sent event sent
-    app, add, pushes = one_trip_app
+    app, add, reserves = one_trip_app
     app.conf.task_send_sent_event = True
     queue, key = fresh("queue"), fresh("key")
-    add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
-    add.apply_async((1, 2), idempotency_key=key, queue=queue, producer=pushes.producer)
-    assert pushes.queues == [queue]
+    add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    assert reserves.with_push == [False, False]
+    assert len(_queued(queue)) == 1
+
+
+def test_a_store_that_fails_the_reservation_lets_the_message_out_marked_unreserved(
+    one_trip_app: tuple[Celery, Any, _Reserves],
+    monkeypatch: pytest.MonkeyPatch,
+    every_process_new: None,
+) -> None:
+    app, add, _ = one_trip_app
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:
+        raise StoreUnavailable("Redis store unreachable")
+
+    monkeypatch.setattr(store_for(app), "reserve", unreachable)
+    queue, key = fresh("queue"), fresh("key")
+    result = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    # Published as with two trips: unguarded, and not marked as reserved
+    [message] = _queued(queue)
+    assert message["headers"]["id"] == result.id
+    assert RESERVED_HEADER not in message["headers"]
+
+
+def test_a_broker_failing_before_the_push_answers_a_key_found_or_keeps_the_call(
+    one_trip_app: tuple[Celery, Any, _Reserves],
+    monkeypatch: pytest.MonkeyPatch,
+    every_process_new: None,
+) -> None:
+    app, add, reserves = one_trip_app
+    queue, key = fresh("queue"), fresh("key")
+    first = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    assert reserves.with_push == [True]
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(app.amqp, "send_task_message", unreachable)
+    # A key with a record is answered from it, as it would be before any publish
+    again = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    assert again.id == first.id
+    # A new key gets the broker's error, and is kept queued, due at once, for the guard
+    other = fresh("key")
+    with pytest.raises(OperationalError):
+        add.apply_async((1, 2), idempotency_key=other, queue=queue)
+    record = store_for(app).get(storage_key(add.name, other))
+    assert record is not None and record.status is Status.QUEUED
+    assert record.lease_expires_at <= record.store_time()
     assert len(_queued(queue)) == 1
 
 
 @pytest.mark.usefixtures("two_workers")
 def test_thirty_callers_reserving_in_one_trip_at_once_run_the_body_once(
-    every_process_new: None,
+    monkeypatch: pytest.MonkeyPatch, every_process_new: None
 ) -> None:
+    reserves = _Reserves(worker_app.app, monkeypatch)
     order, key = fresh("order"), fresh("key")
     with ThreadPoolExecutor(max_workers=30) as pool:
         results = list(
@@ -198,6 +258,7 @@ def test_thirty_callers_reserving_in_one_trip_at_once_run_the_body_once(
             )
         )
     values = [result.get(timeout=60) for result in results]
+    assert reserves.with_push == [True] * 30
     assert ledger_events(order, "start") == 1
     assert all(value == values[0] for value in values)
     # A later caller is answered from the cached value, and nothing is published

@@ -5,7 +5,7 @@
 -- ARGV[4]  task name        ARGV[5]  due in, ms        ARGV[6]  re-publication timeout, ms
 -- ARGV[7]  ttl, ms          ARGV[8]  envelope          ARGV[9]  storage key (index member)
 -- With a message to publish in the same step (the broker is this Redis server):
--- KEYS[3]  the broker's list (queue) to push it on, in database ARGV[11]
+-- KEYS[3]  the broker's list (queue) to push it on, in database ARGV[11] ('': the store's)
 -- ARGV[10] the message, as the broker's transport encodes it
 -- Returns  {} when reserved (status "queued", the message pushed), else {now in ms, field,
 --          value, ...}: the time and the record found (the message not pushed)
@@ -31,8 +31,9 @@ redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
 redis.call('ZADD', KEYS[2], due_at, ARGV[9])
 if KEYS[3] then
   -- Last: were the push refused, the reservation stands and the caller publishes by itself.
-  -- A SELECT in a script changes the database for the script alone.
-  redis.call('SELECT', ARGV[11])
+  if ARGV[11] ~= '' then
+    redis.call('SELECT', ARGV[11])  -- for the script alone, not for the connection
+  end
   redis.call('LPUSH', KEYS[3], ARGV[10])
 end
 return {}
