@@ -39,7 +39,7 @@ READY_KEY = "bench:worker-ready"
 #: Environment variable naming a folder: each pool process writes a cProfile dump there.
 PROFILE_ENV = "BENCH_PROFILE_DIR"
 
-IMPLEMENTATIONS = ("plain", "late", "bare3", "once", "idempotent")
+IMPLEMENTATIONS = ("plain", "late", "bare3", "once", "idempotent", "twotrips")
 
 
 def db_url(db: int) -> str:
@@ -140,12 +140,21 @@ def idempotent_task(item: int) -> dict[str, Any]:
     return _body("idempotent", item)
 
 
+@app.task(name="benchmarks.twotrips", base=IdempotentTask)
+def two_trips_task(item: int) -> dict[str, Any]:
+    """idempotent_tasks published in two round trips (the reservation, then kombu's push), as
+    with a broker apart from the store: the producer sets ``idempotency_publish_in_one_trip``
+    off (see ``benchmarks.produce``)."""
+    return _body("twotrips", item)
+
+
 TASKS: dict[str, Any] = {
     "plain": plain_task,
     "late": late_ack_task,
     "bare3": bare_round_trips_task,
     "once": once_task,
     "idempotent": idempotent_task,
+    "twotrips": two_trips_task,
 }
 
 

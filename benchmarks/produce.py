@@ -27,6 +27,7 @@ from . import cpu
 from .app import (
     IMPLEMENTATIONS,
     TASKS,
+    app,
     bare_round_trip_key,
     counter_client,
     expected_result,
@@ -69,7 +70,7 @@ def calls(workload: str, n: int, keys: int) -> list[tuple[int, str]]:
 def publish(impl: str, item: int, key: str) -> AsyncResult:
     """Send one call the way a user of ``impl`` would."""
     task = TASKS[impl]
-    if impl == "idempotent":
+    if impl in ("idempotent", "twotrips"):
         return task.apply_async((item,), idempotency_key=key)
     if impl == "bare3":
         store_db_client().get(bare_round_trip_key(item))  # the publish-side look's round trip
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--worker-pid", type=int, help="worker main process, for CPU figures")
     args = parser.parse_args(argv)
+    if args.impl == "twotrips":
+        app.conf.idempotency_publish_in_one_trip = False
     result = measure(
         args.impl, args.workload, args.n, args.keys, args.warmup, args.timeout, args.worker_pid
     )

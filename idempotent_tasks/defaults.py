@@ -51,6 +51,7 @@ APP_SETTINGS: Final[dict[str, Any]] = {
     "idempotency_result_serializer": None,
     "idempotency_allow_pickle": False,
     "idempotency_pickup_timeout": None,
+    "idempotency_publish_in_one_trip": True,
     "idempotency_dlq_base_delay": DLQ_BASE_DELAY,
     "idempotency_dlq_max_retries": DLQ_MAX_RETRIES,
     "idempotency_dlq_poll_interval": DLQ_POLL_INTERVAL,

@@ -20,7 +20,7 @@ from idempotent_tasks.app_store import store_for
 from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.publishing import RESERVED_HEADER
-from idempotent_tasks.records import Status
+from idempotent_tasks.records import Record, Status
 from tests.integration import worker_app
 from tests.integration.conftest import BACKEND_DB, BROKER_DB
 from tests.integration.helpers import IDLE_QUEUE, fresh, ledger_events, queue_length
@@ -75,6 +75,13 @@ def _queued(queue: str, prefix: str = "") -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in broker.lrange(prefix + queue, 0, -1)]
 
 
+def _queued_record(app: Celery, task: Any, key: str) -> Record:
+    """The record of ``task``'s ``key``, which must be queued."""
+    record = store_for(app).get(storage_key(task.name, key))
+    assert record is not None and record.status is Status.QUEUED
+    return record
+
+
 def test_a_keyed_call_is_reserved_and_pushed_in_the_same_step(
     one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
@@ -86,9 +93,7 @@ def test_a_keyed_call_is_reserved_and_pushed_in_the_same_step(
     [message] = _queued(queue)
     assert message["headers"]["id"] == result.id
     assert message["headers"][RESERVED_HEADER] is True
-    record = store_for(app).get(storage_key(add.name, key))
-    assert record is not None and record.status is Status.QUEUED
-    assert record.task_id == result.id
+    assert _queued_record(app, add, key).task_id == result.id
 
 
 def test_a_key_found_pushes_nothing_and_answers_with_its_owner(
@@ -144,8 +149,7 @@ def test_a_broker_with_a_key_prefix_takes_two_trips(
         prefixed.apply_async((1,), idempotency_key=key, queue=queue)
         assert reserves.with_push == [False]
         assert len(_queued(queue, prefix="pfx:")) == 1
-        record = store_for(app).get(storage_key(prefixed.name, key))
-        assert record is not None and record.status is Status.QUEUED
+        _queued_record(app, prefixed, key)
     finally:
         monkeypatch.undo()
         store_for(app).close()
@@ -178,9 +182,7 @@ def test_a_message_kombu_sends_another_way_has_its_key_reserved_after(
     )
     # Its key is still queued for it, for the pickup guard
     assert reserves.with_push == [False]
-    record = store_for(app).get(storage_key(add.name, key))
-    assert record is not None and record.status is Status.QUEUED
-    assert record.task_id == result.id
+    assert _queued_record(app, add, key).task_id == result.id
 
 
 def test_an_app_that_sends_task_sent_events_takes_two_trips(
@@ -193,6 +195,17 @@ def test_an_app_that_sends_task_sent_events_takes_two_trips(
     add.apply_async((1, 2), idempotency_key=key, queue=queue)
     add.apply_async((1, 2), idempotency_key=key, queue=queue)
     assert reserves.with_push == [False, False]
+    assert len(_queued(queue)) == 1
+
+
+def test_an_app_can_publish_in_two_trips(
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
+) -> None:
+    app, add, reserves = one_trip_app
+    app.conf.idempotency_publish_in_one_trip = False
+    queue = fresh("queue")
+    add.apply_async((1, 2), idempotency_key=fresh("key"), queue=queue)
+    assert reserves.with_push == [False]
     assert len(_queued(queue)) == 1
 
 
@@ -236,8 +249,7 @@ def test_a_broker_failing_before_the_push_answers_a_key_found_or_keeps_the_call(
     other = fresh("key")
     with pytest.raises(OperationalError):
         add.apply_async((1, 2), idempotency_key=other, queue=queue)
-    record = store_for(app).get(storage_key(add.name, other))
-    assert record is not None and record.status is Status.QUEUED
+    record = _queued_record(app, add, other)
     assert record.lease_expires_at <= record.store_time()
     assert len(_queued(queue)) == 1
 
