@@ -133,7 +133,13 @@ def publish(
     if pickup is None:
         return None
     with task.app.producer_or_acquire(producer) as ready_producer:
-        if not _wrapped(ready_producer.channel):
+        try:
+            channel = ready_producer.channel  # connects to the broker
+        except Exception:
+            # Unreachable, say: the two trips reserve first (a key with a record is answered,
+            # a new one kept for the guard), then meet the same error publishing.
+            return None
+        if not _wrapped(channel):
             return None
         pending = _Pending(store, request, pickup)
         token = _PENDING.set(pending)

@@ -254,6 +254,29 @@ def test_a_broker_failing_before_the_push_answers_a_key_found_or_keeps_the_call(
     assert len(_queued(queue)) == 1
 
 
+def test_a_broker_down_apart_from_the_store_keeps_the_call_as_two_trips_do(
+    redis_url: str, every_process_new: None
+) -> None:
+    # A broker nobody answers at, the store on a Redis that does
+    app = Celery("broker-down", broker="redis://127.0.0.1:1/0", backend=f"{redis_url}/{BACKEND_DB}")
+    app.conf.broker_transport_options = {"max_retries": 1, "interval_start": 0}
+    app.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0}
+
+    @app.task(base=IdempotentTask, name=fresh("one_trip.unsent"))
+    def unsent(x: int) -> int:
+        return x
+
+    try:
+        key = fresh("key")
+        with pytest.raises(OperationalError):
+            unsent.apply_async((1,), idempotency_key=key)
+        # The call is kept, queued and due at once, for the guard to publish
+        record = _queued_record(app, unsent, key)
+        assert record.lease_expires_at <= record.store_time()
+    finally:
+        store_for(app).close()
+
+
 @pytest.mark.usefixtures("two_workers")
 def test_thirty_callers_reserving_in_one_trip_at_once_run_the_body_once(
     monkeypatch: pytest.MonkeyPatch, every_process_new: None
