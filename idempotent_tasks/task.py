@@ -30,6 +30,7 @@ from . import (
     revocations,  # noqa: F401  (connects the receiver of Celery's task_revoked)
     signals,
     startup,  # noqa: F401  (connects the worker_init check of the schema versions)
+    unknown_tasks,  # noqa: F401  (connects the receiver of Celery's task_unknown)
 )
 from .app_store import store_for
 from .canvas_keys import check_following_keys

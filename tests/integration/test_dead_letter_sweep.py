@@ -6,9 +6,11 @@ The sweeps run in this process, against real databases (an SQLite file, Redis fo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 from rq.job import JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
@@ -35,6 +38,8 @@ from idempotent_tasks.rq.dead_letters import mark_succeeded, row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
 from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
+from tests.integration.conftest import BROKER_DB
+from tests.integration.helpers import wait_until
 from tests.integration.rq_support import RQ_DB
 
 POLL_INTERVAL = 30
@@ -130,6 +135,54 @@ def test_rows_a_down_broker_refuses_are_due_again_later_and_the_sweep_ends(
             later += 1
     assert later == 2
     assert len(queue.take_due()) == 1
+
+
+@contextmanager
+def _root_logging_kept() -> Iterator[None]:
+    """Put the root logger back as it was after an in-process worker set it up (its level
+    and handlers), for the tests after this one that read what is logged."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.handlers = handlers
+
+
+def test_a_row_sent_to_a_worker_without_its_task_uses_a_retry(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    queue_name = f"unknown-{uuid.uuid4().hex}"
+    app = Celery("unknown", set_as_current=False, broker=f"{redis_url}/{BROKER_DB}")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_dlq_url=dlq_url,
+        task_default_queue=queue_name,
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(name=f"unknown.known.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def known() -> None:
+        return None
+
+    # Given a dead letter of a task no worker has any more (renamed since it failed)
+    row = queue.add(
+        dataclasses.replace(_failure(options={"queue": queue_name}), task_name="unknown.renamed")
+    )
+    # When a sweep sends it again, to a worker that discards it as unregistered
+    with _root_logging_kept(), start_worker(app, pool="solo", perform_ping_check=False):
+        assert app.tasks[SWEEP_TASK].run() == 1
+        found = wait_until(
+            lambda: (item := queue.get(row.id)) is not None and item.retry_count == 1 and item,
+            timeout=20,
+            what="the unknown task's retry recorded on its row",
+        )
+    # Then that retry counts as failed: the row waits for its next try, a retry used (left
+    # retrying, it would be sent again at its timeout, for ever)
+    assert found.status is DeadLetterStatus.PENDING
+    assert found.error_type == "NotRegistered"
+    assert "unknown.renamed" in (found.error_message or "")
 
 
 def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
