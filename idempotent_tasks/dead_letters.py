@@ -191,6 +191,21 @@ def mark_succeeded(app: Any, dead_letter_id: str) -> bool:
     return True
 
 
+def record_unrun_retry(
+    app: Any, dead_letter_id: str, sweep_id: str | None, error_type: str, how: str
+) -> None:
+    """A re-published dead letter that the worker ended without running its code (revoked,
+    terminated, its task unknown there): record that on its row as a failed retry (of the sweep
+    ``sweep_id``). Left ``retrying``, the row would be sent again once its timeout passed,
+    with no retry used. A database error is logged."""
+    try:
+        dlq_for(app).record_retry_failure(str(dead_letter_id), error_type, how, None, sweep_id)
+    except StoreUnavailable as exc:
+        module_logger.warning(
+            "could not record %s on dead letter %s: %s", error_type, dead_letter_id, exc
+        )
+
+
 def republish(app: Any, item: DeadLetter) -> None:
     """Send a dead letter's task again: same name, id, arguments, key and routing.
 

@@ -101,19 +101,14 @@ def prepare(
 
 
 def reserve(
-    task: IdempotentTask,
-    key: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    task_id: str,
-    options: dict[str, Any],
+    task: IdempotentTask, request: ClaimRequest, pickup: Pickup | None
 ) -> tuple[ClaimRequest | None, Any]:
-    """Queue the key for this message, or answer from its record.
+    """Queue the key for this message (as :func:`prepare` made them), or answer from its
+    record; with the guard off, only look at the record.
 
     Returns the reservation to cancel if the publish fails, and the result to return instead
     of publishing (``None``: publish).
     """
-    request, pickup = prepare(task, key, args, kwargs, task_id, options)
     store = store_for(task.app)
     try:
         if pickup is None:

@@ -101,19 +101,16 @@ _recent = _RecentKeys(RECENT_KEYS)
 
 def publish(
     task: IdempotentTask,
-    key: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    task_id: str,
-    options: dict[str, Any],
+    request: ClaimRequest,
+    pickup: Pickup,
     producer: Any,
     send: Callable[[Any], AsyncResult],
 ) -> Any:
     """Publish a keyed call reserving its key as its message is pushed, or answer it from the
     key's record; ``None`` when that cannot be done here (publish it the two-trip way).
 
-    ``options`` are the call's options, as :func:`publishing.reserve` takes them; ``send``
-    publishes the message through Celery with the producer it is given.
+    ``request`` and ``pickup`` are the call's reservation, as :func:`publishing.prepare` made
+    them; ``send`` publishes the message through Celery with the producer it is given.
     """
     conf = task.app.conf
     if (
@@ -127,10 +124,7 @@ def publish(
     ):
         return None
     store = _redis_store(store_for(task.app))
-    if store is None or _recent.seen(task.name, key):
-        return None
-    request, pickup = publishing.prepare(task, key, args, kwargs, task_id, options)
-    if pickup is None:
+    if store is None or _recent.seen(task.name, request.key):
         return None
     with task.app.producer_or_acquire(producer) as ready_producer:
         try:

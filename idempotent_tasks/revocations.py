@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from celery.signals import task_revoked
 
 from . import publishing
-from .app_store import dlq_for, store_for
+from .app_store import store_for
 from .core import Attempt
-from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER
+from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER, record_unrun_retry
 from .errors import CorruptRecord, StoreUnavailable
 from .keys import storage_key
 from .records import Status
@@ -67,21 +67,11 @@ def _call_of(task: IdempotentTask, request: Any) -> tuple[tuple[Any, ...], dict[
 def _record_on_dead_letter(
     task: IdempotentTask, request: Any, how: str = "revoked before it ran"
 ) -> None:
-    """A dead letter's retry that was revoked records that on its row, as a failed retry:
-    left ``retrying``, the row would be sent again once its timeout passed."""
+    """A dead letter's retry that was revoked records that on its row, as a failed retry."""
     dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
-    if dead_letter_id is None:
-        return
-    try:
-        dlq_for(task.app).record_retry_failure(
-            str(dead_letter_id),
-            "TaskRevokedError",
-            how,
-            None,
-            request_header(request, DEAD_LETTER_SWEEP_HEADER),
-        )
-    except StoreUnavailable as exc:
-        logger.warning("could not record the revoke on dead letter %s: %s", dead_letter_id, exc)
+    if dead_letter_id is not None:
+        sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
+        record_unrun_retry(task.app, dead_letter_id, sweep_id, "TaskRevokedError", how)
 
 
 def end_terminated_call(task: IdempotentTask, request: Any) -> None:

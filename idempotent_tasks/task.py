@@ -227,15 +227,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # In the message, and in the envelope the guard would publish again.
             options["headers"][RESERVED_HEADER] = True
             message_options = {**options, "link": link, "link_error": link_error}
-            if not publishing.continues(options, link, link_error):
+            request, pickup = publishing.prepare(self, key, args, kwargs, task_id, message_options)
+            if pickup is not None and not publishing.continues(options, link, link_error):
                 celery_apply_async = super().apply_async
                 answer = reserve_and_push.publish(
                     self,
-                    key,
-                    args,
-                    kwargs,
-                    task_id,
-                    message_options,
+                    request,
+                    pickup,
                     producer,
                     lambda ready: celery_apply_async(
                         args, kwargs, task_id, ready, link, link_error, shadow, **options
@@ -243,9 +241,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
                 if answer is not None:
                     return answer
-            reservation, short_circuit = publishing.reserve(
-                self, key, args, kwargs, task_id, message_options
-            )
+            reservation, short_circuit = publishing.reserve(self, request, pickup)
             if reservation is None:
                 del options["headers"][RESERVED_HEADER]  # the key was not queued for it
             if short_circuit is not None and not publishing.continues(options, link, link_error):

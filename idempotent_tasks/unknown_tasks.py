@@ -15,9 +15,7 @@ from typing import Any
 
 from celery.signals import task_unknown
 
-from .app_store import dlq_for
-from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER
-from .errors import StoreUnavailable
+from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER, record_unrun_retry
 
 logger = logging.getLogger(__name__)  # the worker's main process: no task runs here
 
@@ -31,17 +29,10 @@ def _on_task_unknown(
     app = getattr(sender, "app", None)
     if dead_letter_id is None or app is None:
         return
+    how = f"the worker that received its retry has no task named {name!r}"
     try:
-        dlq_for(app).record_retry_failure(
-            str(dead_letter_id),
-            "NotRegistered",
-            f"the worker that received its retry has no task named {name!r}",
-            None,
-            headers.get(DEAD_LETTER_SWEEP_HEADER),
+        record_unrun_retry(
+            app, dead_letter_id, headers.get(DEAD_LETTER_SWEEP_HEADER), "NotRegistered", how
         )
-    except StoreUnavailable as exc:
-        logger.warning(
-            "could not record the unknown task on dead letter %s: %s", dead_letter_id, exc
-        )
-    except Exception:
+    except Exception:  # never break the worker's consumer
         logger.exception("could not record the unknown task on dead letter %s", dead_letter_id)

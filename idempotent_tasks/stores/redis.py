@@ -17,8 +17,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from zlib import crc32
 
 import redis
@@ -142,8 +143,8 @@ class RedisStore:
         pushed: list[Any] = []
         if push is not None:
             keys.append(push.list_key)
-            own_database = _address(self.client.connection_pool)[4]
-            pushed = [push.message, "" if push.database == own_database else push.database]
+            same_database = push.database == self._own_address.db
+            pushed = [push.message, "" if same_database else push.database]
         reply = self._run(
             "reserve",
             keys,
@@ -169,8 +170,11 @@ class RedisStore:
         whatever their database: a script of the store may then write for them."""
         if not isinstance(self.client, redis.Redis):
             return False  # a cluster: its nodes are not one server
-        ours, theirs = _address(self.client.connection_pool), _address(pool)
-        return ours[:4] + ours[5:] == theirs[:4] + theirs[5:]
+        return self._own_address._replace(db=None) == _address(pool)._replace(db=None)
+
+    @cached_property
+    def _own_address(self) -> _Address:
+        return _address(self.client.connection_pool)
 
     def cancel_reservation(self, request: ClaimRequest) -> bool:
         record, _, index = self.names(request.storage_key)
@@ -306,7 +310,7 @@ class RedisStore:
     def shares_database_with(self, client: redis.Redis) -> bool:
         """Whether ``client`` talks to this store's Redis server and database, so a
         :class:`SideWrite` for it can be made beside a completion."""
-        return _address(self.client.connection_pool) == _address(client.connection_pool)
+        return self._own_address == _address(client.connection_pool)
 
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         record, fence, index = self.names(request.storage_key)
@@ -501,11 +505,23 @@ def _translated_errors() -> Iterator[None]:
         raise StoreUnavailable(f"Redis store cannot be used: {exc}") from exc
 
 
-def _address(pool: redis.ConnectionPool) -> tuple[Any, ...]:
+class _Address(NamedTuple):
     """Where a pool's connections go and as whom: server, database and credentials."""
+
+    connection_class: Any
+    host: str | None
+    path: str | None
+    port: int
+    db: int | None
+    username: str | None
+    password: str | None
+    credential_provider: int
+
+
+def _address(pool: redis.ConnectionPool) -> _Address:
     kwargs = pool.connection_kwargs
     port, db = kwargs.get("port"), kwargs.get("db")
-    return (
+    return _Address(
         pool.connection_class,
         kwargs.get("host"),
         kwargs.get("path"),
