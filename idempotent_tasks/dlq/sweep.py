@@ -16,6 +16,11 @@ class AlreadySucceeded(Exception):
     then): the sweep marks it ``succeeded`` rather than send it again."""
 
 
+class ResendLater(Exception):
+    """A dead letter not to be sent now, and not failed either (its job is still queued, say):
+    due again later, with no retry used."""
+
+
 class CannotResend(Exception):
     """A dead letter that cannot be sent again as it is kept (its arguments are kept only as
     text, say): sending it would run the task with the wrong values."""
@@ -32,12 +37,14 @@ def resend_due(
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
 
-    An item ``resend`` refuses with :class:`CannotResend` counts as a failed retry (so it gives
-    up at its limit, with the reason as its error). An item that could not be sent for another
-    reason (a broker down, say) is due again ``retry_delay`` seconds later, with no retry used:
-    later sweeps try it again, and this one, not taking it again, ends. An error of the
-    ``unreachable`` types (the broker cannot be reached) ends the sweep at once, the rest of
-    the batch handed back untried, so a long outage does not cost a publish timeout per row.
+    An error of the ``unreachable`` types (the broker cannot be reached) costs no retry: the item
+    is due again ``retry_delay`` seconds later, and the sweep ends at once, the rest of the
+    batch handed back untried, so a long outage does not cost a publish timeout per row. An
+    item ``resend`` puts off (:class:`ResendLater`) is due again then too, with no retry used,
+    and the sweep goes on. Any other error of ``resend`` (:class:`CannotResend`, a router or
+    serializer that raises, a broker refusing the message) counts as a failed retry, with its
+    error: the item is tried again on its backoff and gives up at its limit, rather than be
+    sent every ``retry_delay`` for ever.
     """
     sent = 0
     while True:
@@ -52,6 +59,14 @@ def resend_due(
                 for untried in items[index:]:
                     queue.unclaim(untried.id, delay=retry_delay)
                 return sent
+            except ResendLater as exc:
+                logger.warning(
+                    "dead letter %s not sent again now (due again in %ss): %s",
+                    item.id,
+                    retry_delay,
+                    exc,
+                )
+                queue.unclaim(item.id, delay=retry_delay)
             except AlreadySucceeded:
                 logger.warning("dead letter %s had succeeded: marked so, not sent again", item.id)
                 queue.mark_succeeded(item.id)
@@ -59,13 +74,10 @@ def resend_due(
                 logger.error("dead letter %s cannot be sent again: %s", item.id, exc)
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
             except Exception as exc:
-                logger.error(
-                    "could not send dead letter %s again (due again in %ss): %s",
-                    item.id,
-                    retry_delay,
-                    exc,
-                )
-                queue.unclaim(item.id, delay=retry_delay)
+                # Not the broker's absence: most likely the same error at every try (a router,
+                # a serializer, a message the broker refuses), so it uses a retry.
+                logger.error("could not send dead letter %s again (a retry used): %r", item.id, exc)
+                queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
             else:
                 sent += 1
         if len(items) < batch:

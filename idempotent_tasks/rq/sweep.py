@@ -37,7 +37,7 @@ from ..dlq import DeadLetter, DeadLetterQueue
 from ..dlq.arguments import ArgumentsUnreadable, restored_arguments
 from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
-from ..dlq.sweep import AlreadySucceeded, CannotResend, resend_due
+from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
 from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob
 from .options import FRAMEWORK, META_KEY
@@ -190,8 +190,8 @@ def _enqueue(
     )
 
 
-class JobStillLive(Exception):
-    """The dead letter's job is queued or running again already."""
+class JobStillLive(ResendLater):
+    """The dead letter's job is queued or running again already: the row waits for it."""
 
 
 #: Statuses of a job that will run (or runs) by itself.

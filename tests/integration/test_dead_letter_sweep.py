@@ -150,6 +150,64 @@ def _root_logging_kept() -> Iterator[None]:
         root.handlers = handlers
 
 
+def test_rows_a_failing_router_refuses_use_a_retry_each_sweep_and_then_give_up(
+    app: Celery, queue: DeadLetterQueue
+) -> None:
+    # Given more due rows than one batch, and a router that fails for every message (an
+    # error each publish meets again, unlike a broker that is down)
+    def broken_router(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no route for this task")
+
+    app.conf.task_routes = (broken_router,)
+    items = [queue.add(_failure()) for _ in range(3)]
+    # When a sweep runs in batches of two, then it tries every row (not ending at the first)
+    assert app.tasks[SWEEP_TASK].run(batch=2) == 0
+    # And each row used a retry, saying why, due again on its backoff
+    for item in items:
+        row = queue.get(item.id)
+        assert row is not None
+        assert (row.status, row.retry_count, row.error_type) == (
+            DeadLetterStatus.PENDING,
+            1,
+            "RuntimeError",
+        )
+        assert row.error_message == "no route for this task"
+    # And when sweeps go on meeting it (each row made due at once rather than waiting out
+    # its backoff), each row gives up at its limit (3) instead of being sent every poll
+    # interval for ever
+    for _ in range(2):
+        for item in items:
+            assert queue.retry_now(item.id)
+        app.tasks[SWEEP_TASK].run(batch=2)
+    for item in items:
+        row = queue.get(item.id)
+        assert row is not None
+        assert (row.status, row.retry_count) == (DeadLetterStatus.PERMANENT_FAILURE, 3)
+
+
+def test_rows_a_broker_drops_with_its_own_connection_error_use_no_retry(
+    app: Celery, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given due rows, and publishes that fail with the Redis transport's own connection error
+    # (what kombu lets through with task_publish_retry off once connected)
+    items = [queue.add(_failure()) for _ in range(2)]
+    attempts: list[str] = []
+
+    def dropped(name: str, *_: Any, **__: Any) -> Any:
+        attempts.append(name)
+        raise redis.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(app, "send_task", dropped)
+    # When a sweep runs, then it ends at the first row, as for any broker outage
+    assert app.tasks[SWEEP_TASK].run(batch=5) == 0
+    assert len(attempts) == 1
+    # And no row used a retry
+    for item in items:
+        row = queue.get(item.id)
+        assert row is not None
+        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+
+
 def test_a_row_sent_to_a_worker_without_its_task_uses_a_retry(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
