@@ -56,6 +56,7 @@ CARRIED_OPTIONS = (
     "headers",
     "retries",
     "reply_to",
+    "stamped_headers",
 )
 #: Header of a message the guard published again: how many times it was (1 the first time).
 REPUBLISHED_HEADER = "idempotency_pickup_republished"
@@ -101,6 +102,10 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
             value = _absolute_expiry(value)
         if value is not None:
             carried[name] = value
+    # Celery's stamps: each an option of its own, named by ``stamped_headers``.
+    for name in carried.get("stamped_headers") or ():
+        if name in options:
+            carried.setdefault(name, options[name])
     message = {"args": list(args), "kwargs": kwargs, "options": carried}
     try:
         return dumps(message).encode()

@@ -226,7 +226,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             task_id = task_id or uuid()
             # In the message, and in the envelope the guard would publish again.
             options["headers"][RESERVED_HEADER] = True
-            message_options = {**options, "link": link, "link_error": link_error}
+            if shadow is None and not self.__v2_compat__:
+                # Named once, as Celery would: for the message and for the guard's copy alike.
+                shadow = self.shadow_name(args, kwargs, options)
+            message_options = {**options, "link": link, "link_error": link_error, "shadow": shadow}
             request, pickup = publishing.prepare(self, key, args, kwargs, task_id, message_options)
             if pickup is not None and not publishing.continues(options, link, link_error):
                 celery_apply_async = super().apply_async
@@ -676,6 +679,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
+            **_stamps_of(request),  # first: a stamp takes no option of ours over
             **routing_options(request.delivery_info),
             **(routing or {}),
             "headers": headers,
@@ -1122,6 +1126,19 @@ def _timeout_requeues(task: Task) -> bool:
     if acks is None:
         acks = task.acks_on_failure_or_timeout
     return acks is not None and not acks
+
+
+def _stamps_of(request: Any) -> dict[str, Any]:
+    """The stamps of the running message, as ``apply_async`` options (Celery's stamping API:
+    ``stamped_headers`` names them, each an option of its own)."""
+    names = getattr(request, "stamped_headers", None)
+    stamps = getattr(request, "stamps", None)
+    if not names or not stamps:
+        return {}
+    return {
+        "stamped_headers": list(names),
+        **{name: stamps[name] for name in names if name in stamps},
+    }
 
 
 def _routing_of(signature: Any) -> dict[str, Any]:

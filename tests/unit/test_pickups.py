@@ -164,7 +164,7 @@ def test_an_envelope_keeps_canvas_signatures_whole_and_an_expiry_as_a_moment() -
     )
 
 
-def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None:
+def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_shadow_and_stamps() -> None:
     app = _app(idempotency_store_url="memory://")
 
     @app.task(base=IdempotentTask, shared=False)
@@ -186,6 +186,8 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
         shadow="charge (shadow)",
         ignore_result=True,
         reply_to="caller-oid",
+        stamped_headers=["on_behalf", "queue"],
+        stamps={"on_behalf": "ops", "queue": "elsewhere"},
     )
     try:
         pickup = charge._message_pickup("k", None, None, 0.0, retries=1)
@@ -206,6 +208,10 @@ def test_a_retrys_pickup_keeps_its_chord_expiry_time_limits_and_shadow() -> None
         "payments",
         1,
     )
+    # Its stamps go along, as Celery's retry sends them; one named like an option of the
+    # message's own does not move it elsewhere
+    assert options["stamped_headers"] == ["on_behalf", "queue"]
+    assert options["on_behalf"] == "ops"
 
 
 def test_a_sweep_that_meets_an_unreachable_broker_ends_and_hands_every_key_back_uncounted() -> None:
