@@ -264,26 +264,12 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         framework="celery",
         batch=batch,
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
-        unreachable=_broker_unreachable_errors(app),
+        # kombu raises every error of the transport's during send_task as OperationalError
+        # (connection lost, Redis out of memory or read-only): the broker's, not the row's.
+        unreachable=(OperationalError,),
     )
     _count_rows(queue)
     return published
-
-
-def _broker_unreachable_errors(app: Any) -> tuple[type[BaseException], ...]:
-    """What a publish raises when the broker cannot be reached: kombu's ``OperationalError``
-    (publish retries on), or the transport's own connection errors (``task_publish_retry``
-    off: a Redis ``ConnectionError``, say). Reading them opens no connection."""
-    connection = app.connection_for_write()
-    try:
-        transport_errors = connection.connection_errors
-    finally:
-        connection.release()
-    # kombu's Redis transport counts KeyError among them: a router's KeyError is no outage.
-    return (
-        OperationalError,
-        *(error for error in transport_errors if not issubclass(error, LookupError)),
-    )
 
 
 def _count_rows(queue: Any) -> None:

@@ -112,7 +112,11 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
     except (TypeError, ValueError):
         pass
     # Some option is not JSON (an exotic callback, say): keep the options that are.
-    message["options"] = {name: value for name, value in carried.items() if _jsonable(value)}
+    kept = {name: value for name, value in carried.items() if _jsonable(value)}
+    if "stamped_headers" in kept:
+        # A stamp left out is no longer named: Celery would look for it when publishing.
+        kept["stamped_headers"] = [name for name in kept["stamped_headers"] if name in kept]
+    message["options"] = kept
     try:
         return dumps(message).encode()
     except (TypeError, ValueError):

@@ -9,7 +9,7 @@ import time
 import warnings
 from functools import cached_property
 from traceback import format_exception
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, cast
 
 import celery
 from celery import Task, states
@@ -226,9 +226,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             task_id = task_id or uuid()
             # In the message, and in the envelope the guard would publish again.
             options["headers"][RESERVED_HEADER] = True
-            if shadow is None and not self.__v2_compat__:
-                # Named once, as Celery would: for the message and for the guard's copy alike.
-                shadow = self.shadow_name(args, kwargs, options)
+            shadow = shadow or self._shadow_of(args, kwargs, options)
             message_options = {**options, "link": link, "link_error": link_error, "shadow": shadow}
             request, pickup = publishing.prepare(self, key, args, kwargs, task_id, message_options)
             if pickup is not None and not publishing.continues(options, link, link_error):
@@ -265,6 +263,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
         )
+
+    def _shadow_of(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+    ) -> str | None:
+        """The name a task's own ``shadow_name`` gives a call, computed once for its message
+        and the pickup guard's copy of it; ``None`` when the task names none, or its
+        ``shadow_name`` fails (Celery then calls it itself, and raises as it would, after its
+        own check of the arguments)."""
+        if self.__v2_compat__ or type(self).shadow_name is Task.shadow_name:
+            return None
+        try:
+            return cast(str | None, self.shadow_name(args, kwargs, dict(options))) or None
+        except Exception:
+            return None
 
     def apply(
         self,

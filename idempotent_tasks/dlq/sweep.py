@@ -37,18 +37,25 @@ def resend_due(
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
 
-    An error of the ``unreachable`` types (the broker cannot be reached) costs no retry: the item
-    is due again ``retry_delay`` seconds later, and the sweep ends at once, the rest of the
-    batch handed back untried, so a long outage does not cost a publish timeout per row. An
-    item ``resend`` puts off (:class:`ResendLater`) is due again then too, with no retry used,
-    and the sweep goes on. Any other error of ``resend`` (:class:`CannotResend`, a router or
-    serializer that raises, a broker refusing the message) counts as a failed retry, with its
-    error: the item is tried again on its backoff and gives up at its limit, rather than be
-    sent every ``retry_delay`` for ever.
+    An error of the ``unreachable`` types (the broker cannot be reached, or cannot take
+    messages now) costs no retry: the item is due again ``retry_delay`` seconds later, and the
+    sweep ends at once, the rest of the batch handed back untried, so a long outage does not
+    cost a publish timeout per row. An item ``resend`` puts off (:class:`ResendLater`) is due
+    again then too, with no retry used, and the sweep goes on. Any other error of ``resend``
+    (:class:`CannotResend`, a router or serializer that raises) counts as a failed retry, with
+    its error: the item is tried again on its backoff and gives up at its limit, rather than be
+    sent every ``retry_delay`` for ever. An item is tried once per sweep, however short its
+    backoff.
     """
     sent = 0
+    tried: set[str] = set()
     while True:
-        items = queue.take_due(batch, framework=framework)
+        taken = queue.take_due(batch, framework=framework)
+        items = [item for item in taken if item.id not in tried]
+        for again in taken:
+            if again.id in tried:  # due again already (a backoff of about nothing)
+                queue.unclaim(again.id)
+        tried.update(item.id for item in items)
         for index, item in enumerate(items):
             try:
                 resend(item)
@@ -75,10 +82,10 @@ def resend_due(
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
             except Exception as exc:
                 # Not the broker's absence: most likely the same error at every try (a router,
-                # a serializer, a message the broker refuses), so it uses a retry.
+                # a serializer), so it uses a retry.
                 logger.error("could not send dead letter %s again (a retry used): %r", item.id, exc)
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
             else:
                 sent += 1
-        if len(items) < batch:
+        if len(items) < batch:  # the last batch, or one that came round to items tried
             return sent

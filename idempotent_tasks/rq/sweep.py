@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
@@ -112,8 +113,20 @@ def _sweep(
         framework=FRAMEWORK,
         batch=batch,
         retry_delay=defaults.DLQ_POLL_INTERVAL,
-        unreachable=(RedisConnectionError, RedisTimeoutError),
+        unreachable=_REDIS_UNAVAILABLE,
     )
+
+
+#: What RQ's Redis raises while it cannot take jobs for now: unreachable, or a replica during
+#: a failover, out of memory, a cluster reshaping (as kombu's OperationalError for Celery).
+_REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    OutOfMemoryError,
+    ClusterDownError,
+    TryAgainError,
+)
 
 
 def _enqueue(

@@ -40,6 +40,7 @@ from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
 from tests.integration.conftest import BROKER_DB
 from tests.integration.helpers import wait_until
+from tests.integration.redis_server import RedisServer, free_port
 from tests.integration.rq_support import RQ_DB
 
 POLL_INTERVAL = 30
@@ -150,13 +151,15 @@ def _root_logging_kept() -> Iterator[None]:
         root.handlers = handlers
 
 
+@pytest.mark.parametrize("error", [RuntimeError, FileNotFoundError])
 def test_rows_a_failing_router_refuses_use_a_retry_each_sweep_and_then_give_up(
-    app: Celery, queue: DeadLetterQueue
+    app: Celery, queue: DeadLetterQueue, error: type[Exception]
 ) -> None:
     # Given more due rows than one batch, and a router that fails for every message (an
-    # error each publish meets again, unlike a broker that is down)
+    # error each publish meets again, unlike a broker that is down; an OSError of the
+    # router's own is no outage either)
     def broken_router(*_: Any, **__: Any) -> Any:
-        raise RuntimeError("no route for this task")
+        raise error("no route for this task")
 
     app.conf.task_routes = (broken_router,)
     items = [queue.add(_failure()) for _ in range(3)]
@@ -169,7 +172,7 @@ def test_rows_a_failing_router_refuses_use_a_retry_each_sweep_and_then_give_up(
         assert (row.status, row.retry_count, row.error_type) == (
             DeadLetterStatus.PENDING,
             1,
-            "RuntimeError",
+            error.__name__,
         )
         assert row.error_message == "no route for this task"
     # And when sweeps go on meeting it (each row made due at once rather than waiting out
@@ -185,27 +188,85 @@ def test_rows_a_failing_router_refuses_use_a_retry_each_sweep_and_then_give_up(
         assert (row.status, row.retry_count) == (DeadLetterStatus.PERMANENT_FAILURE, 3)
 
 
-def test_rows_a_broker_drops_with_its_own_connection_error_use_no_retry(
-    app: Celery, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+def test_a_sweep_tries_each_row_once_however_short_its_backoff(app: Celery, dlq_url: str) -> None:
+    # Given a backoff of nothing, more due rows than one batch, and a router that always fails
+    def broken_router(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no route for this task")
+
+    app.conf.update(idempotency_dlq_base_delay=0, task_routes=(broken_router,))
+    queue = DeadLetterQueue(dlq_url, base_delay=0)
+    try:
+        items = [queue.add(_failure()) for _ in range(3)]
+        # When one sweep runs in batches of two, then each row used one retry, not all three
+        assert app.tasks[SWEEP_TASK].run(batch=2) == 0
+        for item in items:
+            row = queue.get(item.id)
+            assert row is not None
+            assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
+    finally:
+        queue.dispose()
+
+
+@pytest.mark.parametrize("refusal", ["read-only replica", "out of memory"])
+def test_rq_rows_a_redis_that_cannot_take_jobs_refuses_use_no_retry(
+    dlq_url: str, queue: DeadLetterQueue, tmp_path: Path, refusal: str
 ) -> None:
-    # Given due rows, and publishes that fail with the Redis transport's own connection error
-    # (what kombu lets through with task_publish_retry off once connected)
-    items = [queue.add(_failure()) for _ in range(2)]
-    attempts: list[str] = []
+    # Given due RQ rows, and RQ's Redis unable to take writes for now: a replica during a
+    # failover (READONLY), or full with no eviction (OOM)
+    server = RedisServer(tmp_path, persistent=False)
+    connection = redis.Redis.from_url(server.url)
+    try:
+        items = [
+            queue.add(_failure(RQ_FRAMEWORK, row_options(f"sweep-{uuid.uuid4().hex[:8]}")))
+            for _ in range(2)
+        ]
+        if refusal == "read-only replica":
+            connection.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        else:
+            connection.config_set("maxmemory", "1")
+            connection.config_set("maxmemory-policy", "noeviction")
+        # When the sweep runs, then it ends having enqueued nothing
+        assert rq_retry_dead_letters(connection, dlq_url) == 0
+        # And no row used a retry: they are due again later, as for a Redis that is down
+        for item in items:
+            row = queue.get(item.id)
+            assert row is not None
+            assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+    finally:
+        connection.close()
+        server.stop()
 
-    def dropped(name: str, *_: Any, **__: Any) -> Any:
-        attempts.append(name)
-        raise redis.ConnectionError("Connection closed by server.")
 
-    monkeypatch.setattr(app, "send_task", dropped)
-    # When a sweep runs, then it ends at the first row, as for any broker outage
-    assert app.tasks[SWEEP_TASK].run(batch=5) == 0
-    assert len(attempts) == 1
-    # And no row used a retry
-    for item in items:
-        row = queue.get(item.id)
-        assert row is not None
-        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+@pytest.mark.parametrize("refusal", ["read-only replica", "out of memory"])
+def test_celery_rows_a_broker_that_cannot_take_messages_refuses_use_no_retry(
+    dlq_url: str, queue: DeadLetterQueue, tmp_path: Path, refusal: str
+) -> None:
+    # Given due rows, and a Redis broker that answers but cannot take messages for now
+    server = RedisServer(tmp_path, persistent=False)
+    broker = redis.Redis.from_url(server.url)
+    app = Celery("sweeps", set_as_current=False, broker=server.url)
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_dlq_url=dlq_url,
+        idempotency_dlq_poll_interval=POLL_INTERVAL,
+        task_publish_retry=False,
+    )
+    try:
+        items = [queue.add(_failure()) for _ in range(2)]
+        if refusal == "read-only replica":
+            broker.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        else:
+            broker.config_set("maxmemory", "1")
+            broker.config_set("maxmemory-policy", "noeviction")
+        # When the sweep runs, then it ends having sent nothing, and no row used a retry
+        assert app.tasks[SWEEP_TASK].run(batch=5) == 0
+        for item in items:
+            row = queue.get(item.id)
+            assert row is not None
+            assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+    finally:
+        broker.close()
+        server.stop()
 
 
 def test_a_row_sent_to_a_worker_without_its_task_uses_a_retry(

@@ -21,9 +21,13 @@ from tests.integration.helpers import fresh
 
 
 class _ShadowedByOrder(IdempotentTask):
-    """Names each call after its order in logs and monitoring (Celery's ``shadow_name``)."""
+    """Names each call after its order in logs and monitoring (Celery's ``shadow_name``, as in
+    Celery's own example: it reads the arguments unchecked), counting how often it is asked."""
+
+    named = 0
 
     def shadow_name(self, args: Any, kwargs: Any, options: Any) -> str:
+        _ShadowedByOrder.named += 1
         return f"charge order {args[0]}"
 
 
@@ -90,7 +94,23 @@ def test_a_guard_copy_keeps_the_shadow_name_the_task_computed(app: Celery) -> No
 
     # Given a keyed call of a task that names its calls itself, whose message the broker loses
     queue, key = f"guard-{uuid.uuid4().hex[:8]}", f"order-{uuid.uuid4().hex[:8]}"
+    named = _ShadowedByOrder.named
     charge.apply_async(("o-8",), idempotency_key=key, queue=queue)
+    assert _ShadowedByOrder.named == named + 1  # named once, as Celery alone would
     # When the guard publishes it again, then the copy has the name the call was sent with
     headers = _lose_and_guard(app, charge, key, queue)
     assert headers["sent"]["shadow"] == headers["copy"]["shadow"] == "charge order o-8"
+
+
+def test_a_call_that_does_not_fit_the_task_fails_as_celery_fails_it(app: Celery) -> None:
+    @app.task(base=_ShadowedByOrder, name=fresh("guard.shadowed"), shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a keyed call missing its argument, of a task whose shadow_name reads it unchecked,
+    # when it is published, then Celery's own check of the arguments refuses it (TypeError),
+    # not the shadow_name's IndexError, and nothing is queued
+    queue = f"guard-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(TypeError, match="order"):
+        charge.apply_async((), idempotency_key=f"order-{uuid.uuid4().hex[:8]}", queue=queue)
+    assert _messages(app, queue) == []

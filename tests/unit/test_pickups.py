@@ -62,6 +62,18 @@ def test_envelope_keeps_arguments_and_routing_and_drops_the_rest() -> None:
     }
 
 
+def test_envelope_keeps_stamps_and_drops_with_its_name_a_stamp_json_cannot_hold() -> None:
+    body = envelope(
+        ("o",),
+        {},
+        {"stamped_headers": ["on_behalf", "monitor"], "on_behalf": "ops", "monitor": object()},
+    )
+    assert body is not None
+    options = loads(body.decode())["options"]
+    # Celery publishes each name of stamped_headers from the options: none may be missing
+    assert options == {"stamped_headers": ["on_behalf"], "on_behalf": "ops"}
+
+
 def test_arguments_that_are_not_json_give_no_envelope() -> None:
     assert envelope((object(),), {}, {}) is None
 
