@@ -264,8 +264,9 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         framework="celery",
         batch=batch,
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
-        # kombu raises every error of the transport's during send_task as OperationalError
-        # (connection lost, Redis out of memory or read-only): the broker's, not the row's.
+        # kombu raises the transport's connection and channel errors during send_task as
+        # OperationalError (for Redis: a lost connection, out of memory, read-only, any error
+        # reply): the broker's state, not the row's, so they use no retry.
         unreachable=(OperationalError,),
     )
     _count_rows(queue)

@@ -270,7 +270,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The name a task's own ``shadow_name`` gives a call, computed once for its message
         and the pickup guard's copy of it; ``None`` when the task names none, or its
         ``shadow_name`` fails (Celery then calls it itself, and raises as it would, after its
-        own check of the arguments)."""
+        own check of the arguments). A name that is empty Celery asks for again, as it asks
+        when given none. Asked for a keyed call a record then answers too (nothing published):
+        the envelope is made before the store is asked."""
         if self.__v2_compat__ or type(self).shadow_name is Task.shadow_name:
             return None
         try:

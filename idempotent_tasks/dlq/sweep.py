@@ -45,7 +45,7 @@ def resend_due(
     (:class:`CannotResend`, a router or serializer that raises) counts as a failed retry, with
     its error: the item is tried again on its backoff and gives up at its limit, rather than be
     sent every ``retry_delay`` for ever. An item is tried once per sweep, however short its
-    backoff.
+    backoff: a batch that comes round to items tried already is the sweep's last.
     """
     sent = 0
     tried: set[str] = set()

@@ -110,7 +110,11 @@ def test_a_call_that_does_not_fit_the_task_fails_as_celery_fails_it(app: Celery)
     # Given a keyed call missing its argument, of a task whose shadow_name reads it unchecked,
     # when it is published, then Celery's own check of the arguments refuses it (TypeError),
     # not the shadow_name's IndexError, and nothing is queued
-    queue = f"guard-{uuid.uuid4().hex[:8]}"
+    queue, key = f"guard-{uuid.uuid4().hex[:8]}", f"order-{uuid.uuid4().hex[:8]}"
     with pytest.raises(TypeError, match="order"):
-        charge.apply_async((), idempotency_key=f"order-{uuid.uuid4().hex[:8]}", queue=queue)
+        charge.apply_async((), idempotency_key=key, queue=queue)
     assert _messages(app, queue) == []
+    # And its key is left free: the call made right is published
+    charge.apply_async(("o-9",), idempotency_key=key, queue=queue)
+    [sent] = _messages(app, queue)
+    assert sent["headers"]["shadow"] == "charge order o-9"
