@@ -207,76 +207,83 @@ def test_a_sweep_tries_each_row_once_however_short_its_backoff(app: Celery, dlq_
         queue.dispose()
 
 
-@pytest.mark.parametrize("refusal", ["read-only replica", "out of memory"])
-def test_rq_rows_a_redis_that_cannot_take_jobs_refuses_use_no_retry(
-    dlq_url: str, queue: DeadLetterQueue, tmp_path: Path, refusal: str
-) -> None:
-    # Given due RQ rows, and RQ's Redis unable to take writes for now: a replica during a
-    # failover (READONLY), or full with no eviction (OOM)
-    server = RedisServer(tmp_path, persistent=False)
-    connection = redis.Redis.from_url(server.url)
-    try:
-        items = [
-            queue.add(_failure(RQ_FRAMEWORK, row_options(f"sweep-{uuid.uuid4().hex[:8]}")))
-            for _ in range(2)
-        ]
-        if refusal == "read-only replica":
-            connection.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
-        else:
-            connection.config_set("maxmemory", "1")
-            connection.config_set("maxmemory-policy", "noeviction")
-        # When the sweep runs, then it ends having enqueued nothing
-        assert rq_retry_dead_letters(connection, dlq_url) == 0
-        # And no row used a retry: they are due again later, as for a Redis that is down
-        for item in items:
-            row = queue.get(item.id)
-            assert row is not None
-            assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
-    finally:
-        connection.close()
-        server.stop()
-
-
-@pytest.mark.parametrize("refusal", ["read-only replica", "out of memory"])
-def test_celery_rows_a_broker_that_cannot_take_messages_refuses_use_no_retry(
-    dlq_url: str, queue: DeadLetterQueue, tmp_path: Path, refusal: str
-) -> None:
-    # Given due rows, and a Redis broker that answers but cannot take messages for now
-    server = RedisServer(tmp_path, persistent=False)
-    broker = redis.Redis.from_url(server.url)
-    app = Celery("sweeps", set_as_current=False, broker=server.url)
+def _sweeping_app(broker_url: str, dlq_url: str, **conf: Any) -> Celery:
+    """An app whose sweep sends the rows of ``dlq_url`` to ``broker_url`` (its store in memory)."""
+    app = Celery("sweeps", set_as_current=False, broker=broker_url)
     app.conf.update(
         idempotency_store_url="memory://",
         idempotency_dlq_url=dlq_url,
         idempotency_dlq_poll_interval=POLL_INTERVAL,
-        task_publish_retry=False,
+        **conf,
     )
+    return app
+
+
+@contextmanager
+def _redis_unable_to_take_writes(directory: Path, refusal: str) -> Iterator[redis.Redis]:
+    """A Redis server of the test's own that answers but takes no write for now: a replica
+    during a failover (READONLY), or full with no eviction (OOM)."""
+    server = RedisServer(directory, persistent=False)
+    client = redis.Redis.from_url(server.url)
     try:
-        items = [queue.add(_failure()) for _ in range(2)]
         if refusal == "read-only replica":
-            broker.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+            client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
         else:
-            broker.config_set("maxmemory", "1")
-            broker.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", "1")
+            client.config_set("maxmemory-policy", "noeviction")
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
+def _none_used_a_retry(queue: DeadLetterQueue, items: list[Any]) -> None:
+    """Each row is due again later, no retry used, as for a broker that is down."""
+    for item in items:
+        row = queue.get(item.id)
+        assert row is not None
+        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+
+
+REFUSALS = ["read-only replica", "out of memory"]
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_rq_rows_a_redis_that_cannot_take_jobs_refuses_use_no_retry(
+    dlq_url: str, queue: DeadLetterQueue, tmp_path: Path, refusal: str
+) -> None:
+    # Given due RQ rows, and RQ's Redis unable to take writes for now
+    items = [
+        queue.add(_failure(RQ_FRAMEWORK, row_options(f"sweep-{uuid.uuid4().hex[:8]}")))
+        for _ in range(2)
+    ]
+    with _redis_unable_to_take_writes(tmp_path, refusal) as connection:
+        # When the sweep runs, then it ends having enqueued nothing, and no row used a retry
+        assert rq_retry_dead_letters(connection, dlq_url) == 0
+    _none_used_a_retry(queue, items)
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_celery_rows_a_broker_that_cannot_take_messages_refuses_use_no_retry(
+    dlq_url: str, queue: DeadLetterQueue, tmp_path: Path, refusal: str
+) -> None:
+    # Given due rows, and a Redis broker that answers but cannot take messages for now
+    items = [queue.add(_failure()) for _ in range(2)]
+    with _redis_unable_to_take_writes(tmp_path, refusal) as broker:
+        port = broker.connection_pool.connection_kwargs["port"]
+        app = _sweeping_app(f"redis://127.0.0.1:{port}/0", dlq_url, task_publish_retry=False)
         # When the sweep runs, then it ends having sent nothing, and no row used a retry
         assert app.tasks[SWEEP_TASK].run(batch=5) == 0
-        for item in items:
-            row = queue.get(item.id)
-            assert row is not None
-            assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
-    finally:
-        broker.close()
-        server.stop()
+    _none_used_a_retry(queue, items)
 
 
 def test_a_row_sent_to_a_worker_without_its_task_uses_a_retry(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
     queue_name = f"unknown-{uuid.uuid4().hex}"
-    app = Celery("unknown", set_as_current=False, broker=f"{redis_url}/{BROKER_DB}")
-    app.conf.update(
-        idempotency_store_url="memory://",
-        idempotency_dlq_url=dlq_url,
+    app = _sweeping_app(
+        f"{redis_url}/{BROKER_DB}",
+        dlq_url,
         task_default_queue=queue_name,
         broker_connection_retry_on_startup=True,
     )
