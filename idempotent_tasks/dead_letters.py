@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -75,6 +76,32 @@ def routing_options(delivery_info: dict[str, Any] | None) -> dict[str, Any]:
     return options
 
 
+def stamp_options(request: Any) -> dict[str, Any]:
+    """The stamps of the message ``request`` runs, as ``apply_async`` options (Celery's
+    stamping API: ``stamped_headers`` names them, each an option of its own)."""
+    stamps = getattr(request, "stamps", None) or {}
+    names = [name for name in getattr(request, "stamped_headers", None) or () if name in stamps]
+    return {"stamped_headers": names, **{name: stamps[name] for name in names}} if names else {}
+
+
+def _json_stamp_options(request: Any) -> dict[str, Any]:
+    """:func:`stamp_options` that JSON holds as they are (a stamp it cannot is left out)."""
+    stamps = stamp_options(request)
+    names = [
+        name
+        for name in stamps.get("stamped_headers", ())
+        if name in stamps and _plain_json(stamps[name])
+    ]
+    return {"stamped_headers": names, **{name: stamps[name] for name in names}} if names else {}
+
+
+def _plain_json(value: Any) -> bool:
+    try:
+        return bool(json.loads(json.dumps(value)) == value)
+    except (TypeError, ValueError):
+        return False
+
+
 #: Options of a dead letter holding signatures (kept in the table's JSON form).
 CANVAS_OPTIONS = ("link", "chain")
 
@@ -82,16 +109,19 @@ CANVAS_OPTIONS = ("link", "chain")
 def continuation_options(request: Any) -> dict[str, Any]:
     """The options of the call ``request`` runs that its dead letter keeps, so that a retry
     that succeeds goes on as the call would have: its callbacks (``link``), the rest of its
-    chain, its time limits. Its errbacks ran when it failed, and its expiry will have passed:
-    those are not kept; nor are callbacks or a chain JSON cannot hold (a pickle-serialized
-    canvas), which a warning says."""
+    chain, its time limits, its shadow name and stamps. Its errbacks ran when it failed, and
+    its expiry will have passed: those are not kept; nor are callbacks or a chain JSON cannot
+    hold (a pickle-serialized canvas), which a warning says, nor a stamp JSON cannot hold."""
     time_limit, soft_time_limit = getattr(request, "timelimit", None) or (None, None)
     wanted = {
         "link": getattr(request, "callbacks", None),
         "chain": getattr(request, "chain", None),
         "time_limit": time_limit,
         "soft_time_limit": soft_time_limit,
+        "shadow": getattr(request, "shadow", None),
     }
+    # First: a stamp takes no option of the dead letter's own over.
+    stamps = _json_stamp_options(request)
     kept = {name: value for name, value in wanted.items() if value}
     try:
         stored = as_table_json(kept)
@@ -99,8 +129,9 @@ def continuation_options(request: Any) -> dict[str, Any]:
         module_logger.warning(
             "its callbacks or chain are not JSON: a retry of its dead letter will not run them"
         )
-        return {name: kept[name] for name in ("time_limit", "soft_time_limit") if name in kept}
-    return dict(stored)
+        plain = ("time_limit", "soft_time_limit", "shadow")
+        return {**stamps, **{name: kept[name] for name in plain if name in kept}}
+    return {**stamps, **stored}
 
 
 def write_failure(

@@ -102,9 +102,12 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
             value = _absolute_expiry(value)
         if value is not None:
             carried[name] = value
-    # Celery's stamps: each an option of its own, named by ``stamped_headers``.
-    for name in carried.get("stamped_headers") or ():
-        if name in options:
+    # Celery's stamps: each an option of its own, named by ``stamped_headers`` (a name without
+    # its option is left out: Celery would look for it when publishing).
+    stamped = [name for name in carried.pop("stamped_headers", None) or () if name in options]
+    if stamped:
+        carried["stamped_headers"] = stamped
+        for name in stamped:
             carried.setdefault(name, options[name])
     message = {"args": list(args), "kwargs": kwargs, "options": carried}
     try:

@@ -49,6 +49,7 @@ from .dead_letters import (
     renew_retrying,
     retrying_kept_alive,
     routing_options,
+    stamp_options,
     write_failure,
 )
 from .dlq import Failure
@@ -693,7 +694,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
-            **_stamps_of(request),  # first: a stamp takes no option of ours over
+            **stamp_options(request),  # first: a stamp takes no option of ours over
             **routing_options(request.delivery_info),
             **(routing or {}),
             "headers": headers,
@@ -751,7 +752,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"
             )
         task_id = publishing.fitted_task_id(request.id)
-        options = {**routing_options(request.delivery_info), **continuation_options(request)}
+        # Routing last: a stamp named like a routing option does not move the retry elsewhere.
+        options = {**continuation_options(request), **routing_options(request.delivery_info)}
         if not faithful:
             options[ARGS_LOSSY] = True  # the sweep refuses to send it again
         failure = Failure(
@@ -1140,19 +1142,6 @@ def _timeout_requeues(task: Task) -> bool:
     if acks is None:
         acks = task.acks_on_failure_or_timeout
     return acks is not None and not acks
-
-
-def _stamps_of(request: Any) -> dict[str, Any]:
-    """The stamps of the running message, as ``apply_async`` options (Celery's stamping API:
-    ``stamped_headers`` names them, each an option of its own)."""
-    names = getattr(request, "stamped_headers", None)
-    stamps = getattr(request, "stamps", None)
-    if not names or not stamps:
-        return {}
-    return {
-        "stamped_headers": list(names),
-        **{name: stamps[name] for name in names if name in stamps},
-    }
 
 
 def _routing_of(signature: Any) -> dict[str, Any]:

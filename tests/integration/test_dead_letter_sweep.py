@@ -6,6 +6,7 @@ The sweeps run in this process, against real databases (an SQLite file, Redis fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -333,6 +334,47 @@ def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
     after = queue.get(row.id)
     assert after is not None
     assert (after.status, after.error_type) == (DeadLetterStatus.PERMANENT_FAILURE, "CannotResend")
+
+
+def test_a_dead_letters_retry_keeps_the_calls_shadow_name_and_stamps(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a call sent with a shadow name and a stamp (one more stamp JSON cannot hold), that
+    # failed for good
+    queue_name = f"stamped-{uuid.uuid4().hex[:8]}"
+    app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url)
+
+    @app.task(base=IdempotentTask, name=f"sweep.stamped.{uuid.uuid4().hex}", shared=False)
+    def charge(order: str) -> None:
+        raise RuntimeError("declined")
+
+    task_id = str(uuid.uuid4())
+    charge.push_request(
+        id=task_id,
+        retries=0,
+        delivery_info={"routing_key": queue_name},
+        shadow="charge order o-7",
+        stamped_headers=["on_behalf", "probe"],
+        stamps={"on_behalf": "ops", "probe": object()},
+    )
+    try:
+        charge.on_final_failure(RuntimeError("declined"), None, ("o-7",), {})
+    finally:
+        charge.pop_request()
+    (row,) = [item for item in queue.items() if item.task_id == task_id]
+    # When the sweep sends it again
+    assert queue.retry_now(row.id)
+    assert app.tasks[SWEEP_TASK].run(batch=5) == 1
+    # Then the message carries the call's shadow name and the stamp JSON could keep
+    broker = redis.Redis.from_url(f"{redis_url}/{BROKER_DB}")
+    try:
+        [raw] = broker.lrange(queue_name, 0, -1)
+        broker.delete(queue_name)
+    finally:
+        broker.close()
+    headers = json.loads(raw)["headers"]
+    assert (headers["id"], headers["shadow"]) == (task_id, "charge order o-7")
+    assert (headers["stamped_headers"], headers["stamps"]) == (["on_behalf"], {"on_behalf": "ops"})
 
 
 @pytest.mark.parametrize("key", ["", "   "])

@@ -74,6 +74,12 @@ def test_envelope_keeps_stamps_and_drops_with_its_name_a_stamp_json_cannot_hold(
     assert options == {"stamped_headers": ["on_behalf"], "on_behalf": "ops"}
 
 
+def test_envelope_names_no_stamp_it_does_not_hold() -> None:
+    body = envelope(("o",), {}, {"stamped_headers": ["on_behalf", "gone"], "on_behalf": "ops"})
+    assert body is not None
+    assert loads(body.decode())["options"] == {"stamped_headers": ["on_behalf"], "on_behalf": "ops"}
+
+
 def test_arguments_that_are_not_json_give_no_envelope() -> None:
     assert envelope((object(),), {}, {}) is None
 
