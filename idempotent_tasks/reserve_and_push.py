@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
+from kombu.utils.json import dumps
 
 from . import publishing
 from .app_store import store_for
@@ -98,6 +99,10 @@ class _RecentKeys:
 
 _recent = _RecentKeys(RECENT_KEYS)
 
+#: What :func:`publish` returns for a call whose key's record it found and this call takes
+#: over: publish it without a reservation, as the two-trip path would after its own look.
+TAKE_OVER = object()
+
 
 def publish(
     task: IdempotentTask,
@@ -107,7 +112,8 @@ def publish(
     send: Callable[[Any], AsyncResult],
 ) -> Any:
     """Publish a keyed call reserving its key as its message is pushed, or answer it from the
-    key's record; ``None`` when that cannot be done here (publish it the two-trip way).
+    key's record; ``None`` when that cannot be done here (publish it the two-trip way), and
+    :data:`TAKE_OVER` for a record the call takes over (publish it unreserved).
 
     ``request`` and ``pickup`` are the call's reservation, as :func:`publishing.prepare` made
     them; ``send`` publishes the message through Celery with the producer it is given.
@@ -157,7 +163,10 @@ def publish(
     if pending.found is None:
         return result  # reserved and pushed; or pushed without a look, the store unreachable
     del result  # never published: dropping it ends its result subscription
-    return publishing.answer_from_record(task, pending.found, request)
+    answer = publishing.answer_from_record(task, pending.found, request)
+    # None: a key this call takes over (a dead owner's, an unreadable value); the two-trip
+    # publish need not look at the record again.
+    return TAKE_OVER if answer is None else answer
 
 
 def _reserve_unpublished(task: IdempotentTask, pending: _Pending, error: Exception) -> Any:
@@ -266,9 +275,7 @@ def _list_push(
 ) -> ListPush | None:
     """kombu's push of ``message`` onto ``queue`` as the store's script can make it: a plain
     ``LPUSH`` on the store's server (no key prefix, not a batch, no queue expiry to renew)."""
-    from kombu.utils.json import dumps
-
-    from .stores.redis import ListPush
+    from .stores.redis import ListPush  # redis-py is an optional dependency
 
     if (
         channel.global_keyprefix

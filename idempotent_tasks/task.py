@@ -230,6 +230,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             shadow = shadow or self._shadow_of(args, kwargs, options)
             message_options = {**options, "link": link, "link_error": link_error, "shadow": shadow}
             request, pickup = publishing.prepare(self, key, args, kwargs, task_id, message_options)
+            answer = None
             if pickup is not None and not publishing.continues(options, link, link_error):
                 celery_apply_async = super().apply_async
                 answer = reserve_and_push.publish(
@@ -241,9 +242,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         args, kwargs, task_id, ready, link, link_error, shadow, **options
                     ),
                 )
-                if answer is not None:
-                    return answer
-            reservation, short_circuit = publishing.reserve(self, request, pickup)
+            if answer is reserve_and_push.TAKE_OVER:
+                reservation, short_circuit = None, None  # its record looked at already
+            elif answer is not None:
+                return answer
+            else:
+                reservation, short_circuit = publishing.reserve(self, request, pickup)
             if reservation is None:
                 del options["headers"][RESERVED_HEADER]  # the key was not queued for it
             if short_circuit is not None and not publishing.continues(options, link, link_error):

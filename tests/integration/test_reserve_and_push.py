@@ -3,9 +3,10 @@ backend and store on one Redis server), with real Redis and real prefork workers
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -20,10 +21,16 @@ from idempotent_tasks.app_store import store_for
 from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.publishing import RESERVED_HEADER
-from idempotent_tasks.records import Record, Status
+from idempotent_tasks.records import Outcome, Record, Status
 from tests.integration import worker_app
 from tests.integration.conftest import BACKEND_DB, BROKER_DB
-from tests.integration.helpers import IDLE_QUEUE, fresh, ledger_events, queue_length
+from tests.integration.helpers import (
+    IDLE_QUEUE,
+    charge_at_once,
+    fresh,
+    ledger_events,
+    queue_length,
+)
 
 
 @pytest.fixture()
@@ -106,6 +113,28 @@ def test_a_key_found_pushes_nothing_and_answers_with_its_owner(
     assert isinstance(again, AsyncResult) and again.id == first.id
     assert reserves.with_push == [True, True]
     assert len(_queued(queue)) == 1
+
+
+def test_a_dead_owners_key_is_taken_over_with_one_look_at_its_record(
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
+) -> None:
+    app, add, reserves = one_trip_app
+    # Given a key whose owner died (its 0.2 s lease has ended), its message not counted as lost
+    queue, key = fresh("queue"), fresh("key")
+    owner = dataclasses.replace(
+        add._claim_request(key, (1, 2), {}, fresh("dead-task"), owner="dead-owner"),
+        lease_seconds=0.2,
+    )
+    assert store_for(app).claim(owner).outcome is Outcome.ACQUIRED
+    time.sleep(0.3)
+    # When a call of the key is published, then its one look at the record (the reservation
+    # that found it) is the only one: its message goes out marked unreserved, to take the
+    # key over
+    result = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+    assert reserves.with_push == [True]
+    [message] = _queued(queue)
+    assert message["headers"]["id"] == result.id != owner.task_id
+    assert RESERVED_HEADER not in message["headers"]
 
 
 def test_a_priority_message_goes_on_the_list_kombu_reads_for_it(
@@ -283,16 +312,7 @@ def test_thirty_callers_reserving_in_one_trip_at_once_run_the_body_once(
 ) -> None:
     reserves = _Reserves(worker_app.app, monkeypatch)
     order, key = fresh("order"), fresh("key")
-    with ThreadPoolExecutor(max_workers=30) as pool:
-        results = list(
-            pool.map(
-                lambda _: worker_app.charge.apply_async(
-                    (order, 990), {"sleep": 0.5}, idempotency_key=key
-                ),
-                range(30),
-            )
-        )
-    values = [result.get(timeout=60) for result in results]
+    values = charge_at_once(30, order, key)
     assert reserves.with_push == [True] * 30
     assert ledger_events(order, "start") == 1
     assert all(value == values[0] for value in values)
