@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,3 +84,18 @@ def publish_in_two_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     from idempotent_tasks import reserve_and_push
 
     monkeypatch.setattr(reserve_and_push, "publish", lambda *args, **kwargs: None)
+
+
+def charge_at_once(callers: int, order: str, key: str) -> list[Any]:
+    """``callers`` threads publishing the same keyed charge of ``order`` (a body that sleeps
+    half a second) at the same moment; every caller's value."""
+    with ThreadPoolExecutor(max_workers=callers) as pool:
+        results = list(
+            pool.map(
+                lambda _: worker_app.charge.apply_async(
+                    (order, 990), {"sleep": 0.5}, idempotency_key=key
+                ),
+                range(callers),
+            )
+        )
+    return [result.get(timeout=60) for result in results]

@@ -21,6 +21,7 @@ from idempotent_tasks.revocations import end_revoked_call
 from tests.integration import worker_app
 from tests.integration.helpers import (
     IDLE_QUEUE,
+    charge_at_once,
     fresh,
     ledger_events,
     queue_length,
@@ -36,15 +37,8 @@ charge = worker_app.charge
 def test_thirty_duplicates_at_once_on_two_workers_run_the_body_once() -> None:
     # Given 30 callers publishing the same key at the same moment
     order, key = fresh("order"), fresh("key")
-    with ThreadPoolExecutor(max_workers=30) as pool:
-        results = list(
-            pool.map(
-                lambda _: charge.apply_async((order, 990), {"sleep": 0.5}, idempotency_key=key),
-                range(30),
-            )
-        )
     # When every result is collected
-    values = [result.get(timeout=60) for result in results]
+    values = charge_at_once(30, order, key)
     # Then the body ran once and every caller got its value
     assert ledger_events(order, "start") == 1
     assert ledger_events(order, "finish") == 1

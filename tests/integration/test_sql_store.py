@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,13 @@ from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
 from tests.integration.databases import fresh_pg_database, set_schema_version
-from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
+from tests.integration.helpers import (
+    app_store_url,
+    charge_at_once,
+    fresh,
+    ledger_events,
+    wait_until,
+)
 from tests.integration.workers import WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -49,16 +54,7 @@ def test_duplicates_at_once_on_two_workers_run_once(start_worker: Any) -> None:
     start_worker()
     start_worker()
     order, key = fresh("sql-order"), fresh("key")
-    with ThreadPoolExecutor(max_workers=20) as pool:
-        results = list(
-            pool.map(
-                lambda _: worker_app.charge.apply_async(
-                    (order, 990), {"sleep": 0.5}, idempotency_key=key
-                ),
-                range(20),
-            )
-        )
-    values = [result.get(timeout=60) for result in results]
+    values = charge_at_once(20, order, key)
     assert ledger_events(order, "start") == 1
     assert all(value == values[0] for value in values)
     record = store_for(worker_app.app).get(storage_key(worker_app.charge.name, key))
