@@ -272,6 +272,23 @@ def republish(app: Any, item: DeadLetter) -> None:
     )
 
 
+def _broker_cannot_take(error: BaseException) -> bool:
+    """Whether ``error``, raised publishing a dead letter again, is the broker's state (it
+    cannot be reached, or cannot take messages for now) rather than the message's.
+
+    kombu raises a transport's connection and channel errors as ``OperationalError``; for
+    Redis that is any error reply too, out of memory and read-only as much as ``WRONGTYPE``
+    (the queue's key holds something else), which would refuse the row at every sweep.
+    """
+    if not isinstance(error, OperationalError):
+        return False
+    try:  # redis-py is an optional dependency
+        from .redis_unavailable import is_refusal
+    except ImportError:
+        return True
+    return not is_refusal(error.__cause__)
+
+
 @shared_task(name=SWEEP_TASK, bind=True, ignore_result=False)  # type: ignore[untyped-decorator]
 def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     """Re-publish every due dead letter, in batches; returns how many were re-published.
@@ -295,10 +312,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         framework="celery",
         batch=batch,
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
-        # kombu raises the transport's connection and channel errors during send_task as
-        # OperationalError (for Redis: a lost connection, out of memory, read-only, any error
-        # reply): the broker's state, not the row's, so they use no retry.
-        unreachable=(OperationalError,),
+        unreachable=_broker_cannot_take,
     )
     _count_rows(queue)
     return published

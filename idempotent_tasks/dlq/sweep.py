@@ -33,16 +33,17 @@ def resend_due(
     framework: str,
     batch: int,
     retry_delay: float,
-    unreachable: tuple[type[BaseException], ...] = (),
+    unreachable: Callable[[BaseException], bool] = lambda _error: False,
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
 
-    An error of the ``unreachable`` types (the broker cannot be reached, or cannot take
+    An error ``unreachable`` says is the broker's (it cannot be reached, or cannot take
     messages now) costs no retry: the item is due again ``retry_delay`` seconds later, and the
     sweep ends at once, the rest of the batch handed back untried, so a long outage does not
     cost a publish timeout per row. An item ``resend`` puts off (:class:`ResendLater`) is due
     again then too, with no retry used, and the sweep goes on. Any other error of ``resend``
-    (:class:`CannotResend`, a router or serializer that raises) counts as a failed retry, with
+    (:class:`CannotResend`, a router or serializer that raises, a queue the broker refuses
+    to push onto) counts as a failed retry, with
     its error: the item is tried again on its backoff and gives up at its limit, rather than be
     sent every ``retry_delay`` for ever. An item is tried once per sweep, however short its
     backoff: a batch that comes round to items tried already is the sweep's last.
@@ -59,13 +60,6 @@ def resend_due(
         for index, item in enumerate(items):
             try:
                 resend(item)
-            except unreachable as exc:
-                logger.error(
-                    "could not send dead letters again (due again in %ss): %s", retry_delay, exc
-                )
-                for untried in items[index:]:
-                    queue.unclaim(untried.id, delay=retry_delay)
-                return sent
             except ResendLater as exc:
                 logger.warning(
                     "dead letter %s not sent again now (due again in %ss): %s",
@@ -81,8 +75,17 @@ def resend_due(
                 logger.error("dead letter %s cannot be sent again: %s", item.id, exc)
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
             except Exception as exc:
+                if unreachable(exc):
+                    logger.error(
+                        "could not send dead letters again (due again in %ss): %s",
+                        retry_delay,
+                        exc,
+                    )
+                    for untried in items[index:]:
+                        queue.unclaim(untried.id, delay=retry_delay)
+                    return sent
                 # Not the broker's absence: most likely the same error at every try (a router,
-                # a serializer), so it uses a retry.
+                # a serializer, a queue's key of the wrong type), so it uses a retry.
                 logger.error("could not send dead letter %s again (a retry used): %r", item.id, exc)
                 queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
             else:

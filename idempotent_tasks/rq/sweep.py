@@ -25,9 +25,6 @@ from datetime import timedelta
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus, get_current_job
 from rq.queue import Queue
@@ -39,6 +36,7 @@ from ..dlq.arguments import ArgumentsUnreadable, restored_arguments
 from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
 from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
+from ..redis_unavailable import is_unavailable
 from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob
 from .options import FRAMEWORK, META_KEY
@@ -113,20 +111,8 @@ def _sweep(
         framework=FRAMEWORK,
         batch=batch,
         retry_delay=defaults.DLQ_POLL_INTERVAL,
-        unreachable=_REDIS_UNAVAILABLE,
+        unreachable=is_unavailable,
     )
-
-
-#: What RQ's Redis raises while it cannot take jobs for now: unreachable, or a replica during
-#: a failover, out of memory, a cluster reshaping (as kombu's OperationalError for Celery).
-_REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ReadOnlyError,
-    OutOfMemoryError,
-    ClusterDownError,
-    TryAgainError,
-)
 
 
 def _enqueue(

@@ -5,9 +5,11 @@ The sweeps run in this process, against real databases (an SQLite file, Redis fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -223,19 +225,45 @@ def _sweeping_app(broker_url: str, dlq_url: str, **conf: Any) -> Celery:
 @contextmanager
 def _redis_unable_to_take_writes(directory: Path, refusal: str) -> Iterator[redis.Redis]:
     """A Redis server of the test's own that answers but takes no write for now: a replica
-    during a failover (READONLY), or full with no eviction (OOM)."""
+    during a failover (READONLY), full with no eviction (OOM), or running a script past its
+    time (BUSY, a reply redis-py has no class for)."""
     server = RedisServer(directory, persistent=False)
     client = redis.Redis.from_url(server.url)
+    script: threading.Thread | None = None
     try:
         if refusal == "read-only replica":
             client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
-        else:
+        elif refusal == "out of memory":
             client.config_set("maxmemory", "1")
             client.config_set("maxmemory-policy", "noeviction")
+        else:
+            client.config_set("busy-reply-threshold", "10")
+            script = threading.Thread(target=_run_for_ever, args=(server.url,))
+            script.start()
+            wait_until(lambda: _answers_busy(client), 10, "the script to keep Redis busy")
         yield client
     finally:
+        if script is not None:
+            with contextlib.suppress(redis.ResponseError):  # NOTBUSY: it never started
+                client.script_kill()
+            script.join(timeout=10)
         client.close()
         server.stop()
+
+
+def _run_for_ever(url: str) -> None:
+    """Run a script that loops until it is killed (its end, or the wait's, is no concern: it
+    runs on in the server whoever waits for it)."""
+    with redis.Redis.from_url(url) as connection, contextlib.suppress(redis.RedisError):
+        connection.eval("while true do end", 0)
+
+
+def _answers_busy(client: redis.Redis) -> bool:
+    try:
+        client.ping()
+    except redis.ResponseError as exc:
+        return str(exc).startswith("BUSY ")
+    return False
 
 
 def _none_used_a_retry(queue: DeadLetterQueue, items: list[Any]) -> None:
@@ -246,7 +274,7 @@ def _none_used_a_retry(queue: DeadLetterQueue, items: list[Any]) -> None:
         assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
 
 
-REFUSALS = ["read-only replica", "out of memory"]
+REFUSALS = ["read-only replica", "out of memory", "busy script"]
 
 
 @pytest.mark.parametrize("refusal", REFUSALS)
@@ -276,6 +304,60 @@ def test_celery_rows_a_broker_that_cannot_take_messages_refuses_use_no_retry(
         # When the sweep runs, then it ends having sent nothing, and no row used a retry
         assert app.tasks[SWEEP_TASK].run(batch=5) == 0
     _none_used_a_retry(queue, items)
+
+
+def test_a_celery_row_whose_queue_the_broker_refuses_uses_a_retry_and_the_sweep_goes_on(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a due row for a queue whose Redis key holds a string (WRONGTYPE at every push),
+    # due before a row for a queue that takes messages
+    broker = redis.Redis.from_url(f"{redis_url}/{BROKER_DB}")
+    refused, taken = f"refused-{uuid.uuid4().hex}", f"taken-{uuid.uuid4().hex}"
+    broker.set(refused, "not a list")
+    try:
+        stuck = queue.add(_failure(options={"queue": refused}))
+        sent = queue.add(_failure(options={"queue": taken}))
+        app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url, task_publish_retry=False)
+        # When the sweep runs, then it goes on past the refused row and sends the other
+        assert app.tasks[SWEEP_TASK].run(batch=5) == 1
+        assert broker.llen(taken) == 1
+        # And the refused row used a retry, saying why, so it gives up at its limit rather
+        # than end every sweep
+        row = queue.get(stuck.id)
+        assert row is not None
+        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
+        assert "WRONGTYPE" in row.error_message
+        other = queue.get(sent.id)
+        assert other is not None and other.retry_count == 0
+    finally:
+        broker.delete(refused, taken)
+        broker.close()
+
+
+def test_an_rq_row_whose_queue_redis_refuses_uses_a_retry_and_the_sweep_goes_on(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a due RQ row for a queue whose Redis key holds a string, due before a row for a
+    # queue that takes jobs
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    refused = Queue(f"refused-{uuid.uuid4().hex[:8]}", connection=connection)
+    taken = Queue(f"taken-{uuid.uuid4().hex[:8]}", connection=connection)
+    connection.set(refused.key, "not a list")
+    try:
+        stuck = queue.add(_failure(RQ_FRAMEWORK, row_options(refused.name)))
+        queue.add(_failure(RQ_FRAMEWORK, row_options(taken.name)))
+        # When the sweep runs, then it goes on past the refused row and enqueues the other
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        assert taken.count == 1
+        # And the refused row used a retry, saying why
+        row = queue.get(stuck.id)
+        assert row is not None
+        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
+        assert "WRONGTYPE" in row.error_message
+    finally:
+        taken.delete(delete_jobs=True)
+        connection.delete(refused.key)
+        connection.close()
 
 
 def test_a_row_sent_to_a_worker_without_its_task_uses_a_retry(
