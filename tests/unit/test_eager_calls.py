@@ -160,9 +160,11 @@ def test_an_eager_call_that_replaces_itself_runs_each_replacement(per_call_key: 
 
 
 def test_the_claim_s_warnings_go_through_celery_s_task_logger(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # (a worker's task logger prefixes each line with the task's name and id)
+    # (a worker's task logger prefixes each line with the task's name and id; a worker
+    # started earlier in this process left it at ERROR, not propagating to caplog's handler)
+    monkeypatch.setattr(task_logger, "propagate", True)
     app = Celery("eager-log", set_as_current=False, broker="memory://")
     app.conf.update(
         idempotency_store_url="memory://",
@@ -175,7 +177,7 @@ def test_the_claim_s_warnings_go_through_celery_s_task_logger(
         return "z" * 100
 
     # When a keyed call's result is too big to cache
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("WARNING", logger=task_logger.name):
         assert big.apply(headers={KEY_HEADER: "k"}).get() == "z" * 100
     # Then the warning saying so comes from a Celery task logger
     warned = [record for record in caplog.records if "not cached" in record.getMessage()]
