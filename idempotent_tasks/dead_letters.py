@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -16,7 +15,7 @@ from kombu.exceptions import OperationalError
 
 from . import defaults, signals
 from .app_store import dlq_for, store_for
-from .dlq import DeadLetter, Failure
+from .dlq import DeadLetter, Failure, renewal
 from .dlq.arguments import (
     as_table_json,
     from_table_json,
@@ -26,7 +25,6 @@ from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
 from .errors import StoreUnavailable
-from .heartbeat import LeaseKeeper
 from .keys import validate_key
 from .pickups import republish_lost
 from .settings import app_setting
@@ -175,16 +173,7 @@ def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> bool:
     """A re-published dead letter's run begins, or goes on: its row is not stuck (so a sweep
     does not send it again while it runs, or while its own retries wait). Whether the row may
     still be this sweep's ``retrying`` one: a database error is logged, and counts as yes."""
-    try:
-        return dlq_for(app).renew_retrying(dead_letter_id, sweep_id)
-    except StoreUnavailable as exc:
-        module_logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
-        return True
-
-
-#: Renews the rows of re-published dead letters while their bodies run: a keeper of their own,
-#: so a stalled dead-letter database never holds up the renewal of the claims' leases.
-_row_keeper = LeaseKeeper()
+    return renewal.renew_retrying(lambda: dlq_for(app), dead_letter_id, sweep_id)
 
 
 def retrying_kept_alive(app: Any, request: Any) -> AbstractContextManager[None]:
@@ -195,20 +184,12 @@ def retrying_kept_alive(app: Any, request: Any) -> AbstractContextManager[None]:
     dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
     if dead_letter_id is None:
         return nullcontext()
-    return _row_renewed(app, request, dead_letter_id)
-
-
-@contextmanager
-def _row_renewed(app: Any, request: Any, dead_letter_id: str) -> Iterator[None]:
-    sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
-    timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
-    lease = _row_keeper.add(
-        lambda: renew_retrying(app, dead_letter_id, sweep_id), lambda: None, timeout
+    return renewal.kept_retrying(
+        lambda: dlq_for(app),
+        dead_letter_id,
+        request_header(request, DEAD_LETTER_SWEEP_HEADER),
+        float(app_setting(app.conf, "idempotency_dlq_retrying_timeout")),
     )
-    try:
-        yield
-    finally:
-        _row_keeper.remove(lease)
 
 
 def mark_succeeded(app: Any, dead_letter_id: str) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from traceback import format_exc
 from typing import Any
 
@@ -28,7 +30,7 @@ from rq.timeouts import JobTimeoutException
 from .. import defaults, signals
 from ..codec import ResultCodec
 from ..core import Attempt, despite_time_limit, new_owner, wait_for_owner
-from ..dlq import Failure
+from ..dlq import Failure, renewal
 from ..dlq.arguments import error_text, stored_arguments
 from ..errors import (
     DeadLettered,
@@ -326,11 +328,12 @@ class IdempotentJob(Job):
         state: dict[str, Any],
     ) -> Any:
         try:
-            if attempt is None:
-                value = super().perform()
-            else:
-                with attempt.heartbeat():
+            with self._dead_letter_kept_retrying(state):
+                if attempt is None:
                     value = super().perform()
+                else:
+                    with attempt.heartbeat():
+                        value = super().perform()
         except Exception as exc:
             # A synchronous queue (is_async=False) never retries: its failure is final.
             will_retry = super().should_retry and not self._is_sync
@@ -602,6 +605,26 @@ class IdempotentJob(Job):
                 serializer=self.serializer,
             )
             queue._enqueue_job(self, pipeline=pipeline)
+
+    @contextmanager
+    def _dead_letter_kept_retrying(self, state: dict[str, Any]) -> Iterator[None]:
+        """While a dead letter's re-enqueued job runs, its row is renewed (see
+        :mod:`idempotent_tasks.dlq.renewal`): the sweep's retrying timeout then counts from
+        the run's last renewal, not from the re-enqueue."""
+        dead_letter_id = state.get("dead_letter_id")
+        if not dead_letter_id:
+            yield
+            return
+        sweep_id = state.get("dead_letter_sweep")
+        dlq_url = state.get("dlq_url")
+        renewal.renew_retrying(lambda: dead_letter_queue(dlq_url), str(dead_letter_id), sweep_id)
+        with renewal.kept_retrying(
+            lambda: dead_letter_queue(dlq_url),
+            str(dead_letter_id),
+            sweep_id,
+            defaults.DLQ_RETRYING_TIMEOUT,
+        ):
+            yield
 
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
         dead_letter_id = state.get("dead_letter_id")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import redis
 
+from idempotent_tasks.dlq import DeadLetterQueue
 from idempotent_tasks.rq import idempotent
 
 LEDGER_URL_ENV = "IT_RQ_LEDGER_URL"
@@ -144,3 +146,21 @@ def slow_first_long_lease(name: str, seconds: float) -> dict[str, Any]:
 def slow_first_without_dlq(name: str, seconds: float) -> dict[str, Any]:
     """:func:`slow_first`, whose final failures are not dead-lettered."""
     return slow_first(name, seconds)
+
+
+#: What each run of :func:`fails_after_recovering` found stuck, in this process.
+recovered_while_running: list[int] = []
+
+
+def fails_after_recovering(dlq_url: str, seconds: float, timeout: float) -> None:
+    """Run ``seconds``, then do what a sweep would at that moment (make rows ``retrying`` for
+    over ``timeout`` due again, noting how many), and fail."""
+    time.sleep(seconds)
+    queue = DeadLetterQueue(dlq_url)
+    try:
+        recovered_while_running.append(
+            queue.recover_stuck(timedelta(seconds=timeout), framework="rq")
+        )
+    finally:
+        queue.dispose()
+    raise RuntimeError("declined again")

@@ -28,7 +28,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from idempotent_tasks import IdempotentTask
+from idempotent_tasks import IdempotentTask, defaults
 from idempotent_tasks.dead_letters import (
     DEAD_LETTER_HEADER,
     DEAD_LETTER_SWEEP_HEADER,
@@ -586,6 +586,37 @@ def test_a_dead_letters_run_longer_than_the_retrying_timeout_keeps_its_row_and_i
     found = queue.get(row.id)
     assert found is not None
     assert (found.status, found.retry_count) == (DeadLetterStatus.PENDING, 1)
+
+
+def test_an_rq_dead_letters_run_longer_than_the_retrying_timeout_keeps_its_row_and_is_counted(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeout = 1.5
+    monkeypatch.setattr(defaults, "DLQ_RETRYING_TIMEOUT", timeout)
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = Queue(f"sweep-{uuid.uuid4().hex[:8]}", connection=connection)
+    # Given an RQ dead letter whose job, sent again by the sweep, outlasts the retrying timeout
+    # (a sweep at its end would find the row stuck) and fails again
+    row = queue.add(
+        dataclasses.replace(
+            _failure(RQ_FRAMEWORK, row_options(rq_queue.name)),
+            task_name=f"{rq_jobs.__name__}.fails_after_recovering",
+            args=[dlq_url, timeout * 1.7, timeout],
+        )
+    )
+    rq_jobs.recovered_while_running.clear()
+    try:
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        # When a worker runs it
+        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(burst=True)
+        # Then no sweep could have taken the row for stuck meanwhile, and the failure is
+        # counted: the row waits for its next backoff step, not sent again at once
+        assert rq_jobs.recovered_while_running == [0]
+        found = queue.get(row.id)
+        assert found is not None
+        assert (found.status, found.retry_count) == (DeadLetterStatus.PENDING, 1)
+    finally:
+        rq_queue.delete(delete_jobs=True)
 
 
 def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(

@@ -1,0 +1,53 @@
+"""Keeping a re-sent dead letter's row ``retrying`` while its run lasts, for Celery and RQ.
+
+A sweep takes a row that stayed ``retrying`` longer than its timeout for one whose sweep died:
+it makes the row due and sends it again. A run that is merely long would then be sent a second
+time, and its failure, reported under the first sweep, be dropped as another sweep's: the row
+would run on every poll interval, its retries never counted. So while the run lasts its row is
+renewed, every third of the timeout, from a thread of its own (a stalled dead-letter database
+never holds up the renewal of the claims' leases).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from ..errors import StoreUnavailable
+from ..heartbeat import LeaseKeeper
+from .queue import DeadLetterQueue
+
+logger = logging.getLogger(__name__)
+
+_row_keeper = LeaseKeeper()
+
+
+def renew_retrying(
+    queue_of: Callable[[], DeadLetterQueue], dead_letter_id: str, sweep_id: str | None
+) -> bool:
+    """A re-sent dead letter's run begins, or goes on: renew its row. Whether the row may still
+    be ``sweep_id``'s ``retrying`` one: a database error is logged, and counts as yes."""
+    try:
+        return queue_of().renew_retrying(dead_letter_id, sweep_id)
+    except StoreUnavailable as exc:
+        logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
+        return True
+
+
+@contextmanager
+def kept_retrying(
+    queue_of: Callable[[], DeadLetterQueue],
+    dead_letter_id: str,
+    sweep_id: str | None,
+    timeout: float,
+) -> Iterator[None]:
+    """Renew the row of ``dead_letter_id`` every third of ``timeout`` seconds while the block
+    runs."""
+    lease = _row_keeper.add(
+        lambda: renew_retrying(queue_of, dead_letter_id, sweep_id), lambda: None, timeout
+    )
+    try:
+        yield
+    finally:
+        _row_keeper.remove(lease)
