@@ -68,7 +68,11 @@ class RedisServer:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=10)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # busy in a script, it takes no SIGTERM
+                self.process.kill()
+                self.process.wait(timeout=10)
         self.process = None
 
     def restart(self, down_for: float = 0.0) -> None:

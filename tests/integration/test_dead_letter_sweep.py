@@ -243,12 +243,14 @@ def _redis_unable_to_take_writes(directory: Path, refusal: str) -> Iterator[redi
             wait_until(lambda: _answers_busy(client), 10, "the script to keep Redis busy")
         yield client
     finally:
-        if script is not None:
-            with contextlib.suppress(redis.ResponseError):  # NOTBUSY: it never started
-                client.script_kill()
-            script.join(timeout=10)
-        client.close()
-        server.stop()
+        try:
+            if script is not None:
+                with contextlib.suppress(redis.ResponseError):  # NOTBUSY: it never started
+                    client.script_kill()
+                script.join(timeout=10)
+        finally:
+            client.close()
+            server.stop()  # killed if a script still keeps it busy
 
 
 def _run_for_ever(url: str) -> None:
