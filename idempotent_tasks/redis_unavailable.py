@@ -1,9 +1,10 @@
-"""Telling a Redis that cannot take writes for now from a write it will never take.
+"""Telling a Redis that cannot take writes for now from a write it refuses.
 
-A dead letter sent to such a Redis (unreachable, a replica during a failover, out of memory, a
-cluster reshaping, a failing snapshot) is sent again later with no retry used: the server's
-state is not the row's fault. An error reply that waiting does not change (``WRONGTYPE``: the
-queue's key holds something else; ``NOPERM``) is the row's to count.
+A server unreachable, a replica during a failover, out of memory, failing to save snapshots,
+busy with a script that will not end, short of replicas, or a cluster reshaping: asked again
+later, it may well answer. Callers then fail closed and try again (a claim, a dead letter's
+publish) with nothing counted against the call. An error reply that waiting does not change
+(``WRONGTYPE``: the key holds something else; ``NOPERM``; a script's error) is the write's own.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-#: What redis-py raises while the server cannot take writes for now (a server still loading
-#: its data raises ``BusyLoadingError``, a ``ConnectionError``).
-UNAVAILABLE: tuple[type[BaseException], ...] = (
+#: Errors redis-py raises for a server that cannot take writes for now. It strips the code from
+#: the replies it has a class for (``READONLY``, ``OOM``, ``TRYAGAIN``, ``CLUSTERDOWN``,
+#: ``MASTERDOWN``, a ``ClusterDownError``; ``LOADING``, a ``ConnectionError``), hence classes.
+_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,
     ReadOnlyError,
@@ -28,19 +30,31 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     ClusterDownError,
     TryAgainError,
 )
-#: Such error replies redis-py has no class for: writes refused while snapshots fail to save,
-#: a script running too long.
-_UNAVAILABLE_REPLIES = ("MISCONF ", "BUSY ")
+#: The codes of such replies, for those it keeps whole (and for redis-py versions with fewer
+#: classes).
+_UNAVAILABLE_CODES = frozenset(
+    {
+        "READONLY",
+        "OOM",
+        "MISCONF",
+        "BUSY",
+        "NOREPLICAS",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "LOADING",
+    }
+)
 
 
 def is_unavailable(error: BaseException | None) -> bool:
     """Whether ``error``, raised by redis-py, means the server cannot take writes for now."""
-    return isinstance(error, UNAVAILABLE) or (
-        isinstance(error, ResponseError) and str(error).startswith(_UNAVAILABLE_REPLIES)
-    )
+    if isinstance(error, _UNAVAILABLE_ERRORS):
+        return True
+    return isinstance(error, ResponseError) and str(error).split(" ", 1)[0] in _UNAVAILABLE_CODES
 
 
 def is_refusal(error: BaseException | None) -> bool:
     """Whether ``error`` is an error reply of a Redis that can take writes: the write itself
-    is refused, and will be again."""
+    is refused, and would be again."""
     return isinstance(error, ResponseError) and not is_unavailable(error)

@@ -42,11 +42,11 @@ def resend_due(
     sweep ends at once, the rest of the batch handed back untried, so a long outage does not
     cost a publish timeout per row. An item ``resend`` puts off (:class:`ResendLater`) is due
     again then too, with no retry used, and the sweep goes on. Any other error of ``resend``
-    (:class:`CannotResend`, a router or serializer that raises, a queue the broker refuses
-    to push onto) counts as a failed retry, with
-    its error: the item is tried again on its backoff and gives up at its limit, rather than be
-    sent every ``retry_delay`` for ever. An item is tried once per sweep, however short its
-    backoff: a batch that comes round to items tried already is the sweep's last.
+    (:class:`CannotResend`, a router or serializer that raises, a queue the broker refuses to
+    push onto) counts as a failed retry, with its error: the item is tried again on its
+    backoff and gives up at its limit, rather than be sent every ``retry_delay`` for ever.
+    An item is tried once per sweep, however short its backoff: a batch that comes round to
+    items tried already is the sweep's last.
     """
     sent = 0
     tried: set[str] = set()

@@ -15,6 +15,7 @@ letters to ``dlq_url``, else ``$IDEMPOTENT_TASKS_DLQ_URL``, else the local SQLit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -616,13 +617,10 @@ class IdempotentJob(Job):
             yield
             return
         sweep_id = state.get("dead_letter_sweep")
-        dlq_url = state.get("dlq_url")
-        renewal.renew_retrying(lambda: dead_letter_queue(dlq_url), str(dead_letter_id), sweep_id)
+        queue_of = functools.partial(dead_letter_queue, state.get("dlq_url"))
+        renewal.renew_retrying(queue_of, str(dead_letter_id), sweep_id)
         with renewal.kept_retrying(
-            lambda: dead_letter_queue(dlq_url),
-            str(dead_letter_id),
-            sweep_id,
-            defaults.DLQ_RETRYING_TIMEOUT,
+            queue_of, str(dead_letter_id), sweep_id, defaults.DLQ_RETRYING_TIMEOUT
         ):
             yield
 

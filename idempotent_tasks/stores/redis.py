@@ -25,7 +25,7 @@ from zlib import crc32
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
-from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, ReadOnlyError
+from redis.exceptions import NoPermissionError, NoScriptError
 from redis.retry import Retry
 
 from .. import defaults
@@ -42,6 +42,7 @@ from ..records import (
     SideWrite,
     Status,
 )
+from ..redis_unavailable import is_refusal, is_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ class RedisStore:
             return self._complete(request, token, result, side_write)
         except (StoreUnavailable, CorruptRecord) as exc:
             refusal = exc.__cause__
-            if side_write is None or not _refused_for_good(refusal):
+            if side_write is None or not is_refusal(refusal):
                 raise
             # Perhaps only the side write is refused (a cluster proxy's CROSSSLOT, an ACL's
             # NOPERM on Celery's keys): the completion is made again without it.
@@ -466,24 +467,6 @@ def _own_kept_connection(pool: Any) -> _KeptConnection | None:
     return kept if kept is not None and kept.pid == os.getpid() else None
 
 
-#: Error replies of a Redis that cannot run the store's scripts now but may later: a replica (a
-#: failover under way), a full memory, a failed snapshot, a script that will not end, a
-#: cluster changing. redis-py names some by their class and strips their code.
-_TRANSIENT_CODES = frozenset(
-    {"READONLY", "OOM", "MISCONF", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN"}
-)
-_TRANSIENT_ERRORS = (ReadOnlyError, OutOfMemoryError)
-
-
-def _transient(reply: redis.ResponseError) -> bool:
-    return isinstance(reply, _TRANSIENT_ERRORS) or str(reply).split(" ", 1)[0] in _TRANSIENT_CODES
-
-
-def _refused_for_good(cause: BaseException | None) -> bool:
-    """Whether ``cause`` is an error reply that asking again later would not change."""
-    return isinstance(cause, redis.ResponseError) and not _transient(cause)
-
-
 @contextmanager
 def _translated_errors() -> Iterator[None]:
     """Every Redis error as the store's: unreachable or refusing for now (the claim then fails
@@ -493,7 +476,7 @@ def _translated_errors() -> Iterator[None]:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailable(f"Redis store unreachable: {exc}") from exc
     except redis.ResponseError as exc:
-        if _transient(exc) or isinstance(exc, NoPermissionError):
+        if is_unavailable(exc) or isinstance(exc, NoPermissionError):
             raise StoreUnavailable(f"Redis store refuses the store's commands: {exc}") from exc
         if "WRONGTYPE" in str(exc):
             raise CorruptRecord(f"Redis key holds something else than a record: {exc}") from exc

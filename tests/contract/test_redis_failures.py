@@ -219,6 +219,31 @@ def test_a_read_only_replica_is_an_unavailable_store(replica: str) -> None:
     store.close()
 
 
+def test_a_cluster_node_that_serves_no_slot_is_an_unavailable_store(tmp_path: Path) -> None:
+    # Given a store on a Redis Cluster node that serves none of the slots (CLUSTERDOWN, as
+    # while a cluster reshapes or fails over)
+    node = RedisServer(
+        tmp_path,
+        persistent=False,
+        options=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+    )
+    store = RedisStore.from_url(node.url, prefix="cluster")
+    request = _request("k")
+    try:
+        # Then its operations say the store is unavailable for now (the call is tried again
+        # later), not that the key's record is corrupt (which dead-letters the call)
+        for operation in (
+            lambda: store.claim(request),
+            lambda: store.reserve(request, Pickup(envelope=b"m", due_in=1, timeout=1)),
+            lambda: store.complete(request, 1, None),
+        ):
+            with pytest.raises(StoreUnavailable, match="refuses"):
+                operation()
+    finally:
+        store.close()
+        node.stop()
+
+
 def test_a_user_the_acl_forbids_scripts_is_an_unavailable_store(url: str) -> None:
     admin = redis.Redis.from_url(url)
     user = f"no-scripts-{uuid.uuid4().hex[:8]}"

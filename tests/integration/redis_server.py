@@ -21,15 +21,17 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """``redis-server`` in the foreground of a subprocess; ``persistent`` turns AOF on."""
+    """``redis-server`` in the foreground of a subprocess; ``persistent`` turns AOF on, and
+    ``options`` are more of its command-line options."""
 
-    def __init__(self, directory: Path, persistent: bool) -> None:
+    def __init__(self, directory: Path, persistent: bool, options: tuple[str, ...] = ()) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.directory = directory
         self.persistent = persistent
+        self.options = options
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
@@ -51,6 +53,7 @@ class RedisServer:
                 "yes" if self.persistent else "no",
                 "--appendfsync",
                 "always",
+                *self.options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,0 +1,55 @@
+"""Which Redis error replies mean "not now" (fail closed, try again later) and which refuse the
+write itself, as redis-py's own parser hands them over (it strips the code of the replies it
+has a class for)."""
+
+from __future__ import annotations
+
+import pytest
+from redis._parsers.base import BaseParser
+
+from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
+from idempotent_tasks.redis_unavailable import is_refusal, is_unavailable
+from idempotent_tasks.stores.redis import _translated_errors
+
+NOT_NOW = [
+    "READONLY You can't write against a read only replica.",
+    "OOM command not allowed when used memory > 'maxmemory'.",
+    "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist",
+    "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
+    "NOREPLICAS Not enough good replicas to write.",
+    "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    "TRYAGAIN Multiple keys request during rehashing of slot",
+    "CLUSTERDOWN Hash slot not served",
+    "LOADING Redis is loading the dataset in memory",
+]
+REFUSED = [
+    "WRONGTYPE Operation against a key holding the wrong kind of value",
+    "NOPERM User has no permissions to run the 'evalsha' command",
+    "ERR Error running script (call to f_0123): user_script:1: attempt to compare nil",
+]
+
+
+@pytest.mark.parametrize("reply", NOT_NOW)
+def test_a_server_that_cannot_take_writes_now_is_unavailable(reply: str) -> None:
+    error = BaseParser.parse_error(reply)
+    assert is_unavailable(error)
+    assert not is_refusal(error)
+
+
+@pytest.mark.parametrize("reply", REFUSED)
+def test_a_write_the_server_refuses_is_a_refusal(reply: str) -> None:
+    error = BaseParser.parse_error(reply)
+    assert is_refusal(error)
+    assert not is_unavailable(error)
+
+
+@pytest.mark.parametrize("reply", NOT_NOW)
+def test_the_store_fails_closed_on_a_server_that_cannot_take_writes_now(reply: str) -> None:
+    # (a claim then is tried again later, never taken for a corrupt record to overwrite)
+    with pytest.raises(StoreUnavailable), _translated_errors():
+        raise BaseParser.parse_error(reply)
+
+
+def test_the_store_takes_a_key_of_another_type_for_a_corrupt_record() -> None:
+    with pytest.raises(CorruptRecord), _translated_errors():
+        raise BaseParser.parse_error(REFUSED[0])
