@@ -621,6 +621,57 @@ def test_an_rq_dead_letters_run_longer_than_the_retrying_timeout_keeps_its_row_a
         rq_queue.delete(delete_jobs=True)
 
 
+def test_a_row_left_retrying_by_a_sweep_that_died_is_sent_again_once_its_timeout_passed(
+    dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeout = 1.0
+    app = _sweeping_app("memory://", dlq_url, idempotency_dlq_retrying_timeout=timeout)
+    sent: list[str] = []
+    send_task = app.send_task
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs["task_id"])
+        return send_task(*args, **kwargs)
+
+    monkeypatch.setattr(app, "send_task", recorded)
+    # Given a row a sweep took (marked retrying) and then died before sending
+    row = queue.add(_failure())
+    [taken] = queue.take_due()
+    # When a sweep runs within the timeout, then it leaves the row to the sweep that took it
+    assert app.tasks[SWEEP_TASK].run() == 0
+    # And when one runs after the timeout, it makes the row due again and sends it
+    time.sleep(timeout + 0.2)
+    assert app.tasks[SWEEP_TASK].run() == 1
+    assert sent == [row.task_id]
+    found = queue.get(row.id)
+    assert found is not None and found.status is DeadLetterStatus.RETRYING
+    assert found.sweep_id not in (None, taken.sweep_id)
+
+
+def test_an_rq_row_left_retrying_by_a_sweep_that_died_is_enqueued_once_its_timeout_passed(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeout = 1.0
+    monkeypatch.setattr(defaults, "DLQ_RETRYING_TIMEOUT", timeout)
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = Queue(f"sweep-{uuid.uuid4().hex[:8]}", connection=connection)
+    # Given an RQ row a sweep took (marked retrying) and then died before enqueueing
+    row = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name)))
+    [taken] = queue.take_due(framework=RQ_FRAMEWORK)
+    try:
+        # When a sweep runs within the timeout, then it leaves the row alone
+        assert rq_retry_dead_letters(connection, dlq_url) == 0
+        # And when one runs after the timeout, it enqueues the row's job
+        time.sleep(timeout + 0.2)
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        assert rq_queue.job_ids == [row.task_id]
+        found = queue.get(row.id)
+        assert found is not None and found.status is DeadLetterStatus.RETRYING
+        assert found.sweep_id not in (None, taken.sweep_id)
+    finally:
+        rq_queue.delete(delete_jobs=True)
+
+
 def test_an_rq_row_whose_failed_job_left_its_registry_is_enqueued_from_that_job(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
