@@ -17,7 +17,7 @@ import redis
 
 from idempotent_tasks import CorruptRecord
 from idempotent_tasks.app_store import dlq_for, store_for
-from idempotent_tasks.keys import storage_key
+from idempotent_tasks.keys import KEY_HEADER, storage_key
 from idempotent_tasks.records import Record, Status
 from tests.integration import worker_app
 from tests.integration.helpers import app_store_url, fresh, ledger_events, wait_until
@@ -36,8 +36,14 @@ def _record(key: str, task_name: str = slow_first.name) -> Record | None:
 def start_worker(it_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
     started: list[WorkerProcess] = []
 
-    def start(concurrency: int = 1, **env: str) -> WorkerProcess:
-        worker = WorkerProcess(f"crash{len(started)}", {**it_env, **env}, tmp_path, concurrency)
+    def start(concurrency: int = 1, queue: str | None = None, **env: str) -> WorkerProcess:
+        worker = WorkerProcess(
+            f"crash{len(started)}",
+            {**it_env, **env},
+            tmp_path,
+            concurrency,
+            extra_args=("-Q", queue) if queue else (),
+        )
         started.append(worker)
         return worker
 
@@ -73,6 +79,40 @@ def test_worker_killed_mid_task_is_taken_over_after_the_lease(start_worker: Any)
     record = _record(key)
     assert record is not None
     assert (record.status, record.token) == (Status.COMPLETED, 2)
+
+
+def test_a_waiting_duplicate_takes_the_key_over_once_its_dead_owners_lease_ends(
+    start_worker: Any,
+) -> None:
+    # Given an owner running a keyed task with a 2 s lease, whose message will not come back
+    # within the test (a visibility timeout of an hour)
+    env = {"IT_LEASE": "2", "IT_VISIBILITY_TIMEOUT": "3600"}
+    owner_worker = start_worker(**env)
+    name, key = fresh("waiter"), fresh("key")
+    owner = slow_first.apply_async((name, 30.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the owner's run to start")
+    # and a duplicate of its key (sent past the publish-side look), waiting on another worker
+    queue = fresh("waiters")
+    waiter_worker = start_worker(queue=queue, **env)
+    duplicate = worker_app.app.send_task(
+        slow_first.name, args=(name, 30.0), headers={KEY_HEADER: key}, queue=queue
+    )
+    wait_until(
+        lambda: f"{duplicate.id}] retry: Retry in" in waiter_worker.log(),
+        30,
+        "the duplicate to wait",
+    )
+    # When the owner's worker is killed with SIGKILL
+    owner_worker.kill()
+    # Then the waiting duplicate takes the key over once the lease has run out, runs the body
+    # (its second start) to its end once, and both callers get its value
+    value = duplicate.get(timeout=60)
+    assert value["run"] == 2
+    assert ledger_events(name, "finish") == 1
+    assert owner.get(timeout=30) == value
+    record = _record(key)
+    assert record is not None
+    assert (record.status, record.token, record.task_id) == (Status.COMPLETED, 2, duplicate.id)
 
 
 def test_pool_process_killed_mid_task_is_requeued_and_completed_once(start_worker: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -114,6 +115,27 @@ def test_a_duplicate_that_outwaits_its_slice_goes_back_to_the_queue_and_ends_wit
     assert rq_jobs.starts(name) == 1
     assert duplicate.get_meta()[META_KEY]["waits"] >= 1  # turns it went back to the queue
     assert [result.type for result in duplicate.results()] == [Result.Type.SUCCESSFUL]
+
+
+def test_a_job_running_past_its_lease_keeps_its_key_while_it_lives(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a keyed job whose claim lives 2 s without a heartbeat, running for 6 s
+    name, key = fresh("renewed"), fresh("key")
+    owner = queue.enqueue(rq_jobs.slow_first, name, 6, idempotency_key=key)
+    wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the owner to start")
+    # When, past two of its leases, the call is enqueued again, and a duplicate arrives
+    # through a plain rq.Queue (no publish-side look) for the idle worker
+    time.sleep(4)
+    again = queue.enqueue(rq_jobs.slow_first, name, 6, idempotency_key=key)
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    duplicate = plain.enqueue(rq_jobs.slow_first, name, 6, meta={META_KEY: {"key": key}})
+    # Then the running owner still holds the key: the call gets the owner's job, the duplicate
+    # waits for it, and the body ran once
+    assert again.id == owner.id
+    expected = {"name": name, "run": 1}
+    assert wait_value(duplicate, timeout=30) == wait_value(owner, timeout=30) == expected
+    assert rq_jobs.starts(name) == 1
 
 
 @pytest.mark.parametrize("mode", ["skip", "raise"])
