@@ -1024,6 +1024,15 @@ def test_a_stale_retry_failure_report_does_not_overwrite_a_later_sweeps_claim(
 # -- the operator's API -------------------------------------------------------------------------
 
 
+def test_items_lists_the_newest_hundred_unless_told_otherwise(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    added = [_add_at(dlq, clock, T0 + timedelta(seconds=second)) for second in range(101)]
+    listed = dlq.items()
+    assert [item.id for item in listed] == [item.id for item in reversed(added)][:100]
+    assert len(dlq.items(limit=101)) == 101
+
+
 def test_items_filter_by_status_and_task_newest_first(dlq: DeadLetterQueue, clock: Clock) -> None:
     added = [
         _add_at(dlq, clock, T0 + timedelta(minutes=minute), task_name=name)

@@ -734,6 +734,29 @@ def test_an_rq_row_whose_job_rq_dropped_is_enqueued_with_its_key_scope_and_timeo
         Queue(shop.name, connection=connection).delete(delete_jobs=True)
 
 
+def test_the_rq_sweep_with_only_a_connection_uses_the_local_sqlite_table(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given no dead-letter URL anywhere, and a due RQ row in the local SQLite file
+    monkeypatch.delenv("IDEMPOTENT_TASKS_DLQ_URL", raising=False)
+    monkeypatch.setenv("IDEMPOTENT_TASKS_DATA_DIR", str(tmp_path))
+    local = DeadLetterQueue(None, base_delay=0)  # due at once
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = Queue(f"sweep-{uuid.uuid4().hex[:8]}", connection=connection)
+    try:
+        row = local.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name)))
+        assert list(tmp_path.glob("*.sqlite3"))
+        # When the sweep is called as documented, with the connection alone
+        assert rq_retry_dead_letters(connection) == 1
+        # Then the row's job is enqueued and the row is retrying
+        assert rq_queue.job_ids == [row.task_id]
+        found = local.get(row.id)
+        assert found is not None and found.status is DeadLetterStatus.RETRYING
+    finally:
+        local.dispose()
+        rq_queue.delete(delete_jobs=True)
+
+
 def test_rq_rows_a_down_redis_refuses_are_due_again_later_and_the_sweep_ends(
     dlq_url: str, queue: DeadLetterQueue
 ) -> None:

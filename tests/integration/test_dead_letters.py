@@ -84,7 +84,7 @@ class TestWithBeat:
         row = wait_until(lambda: _row_of(result.id), 10, "the dead letter")
         assert row.task_name == task.name
         assert (row.args, row.kwargs, row.idempotency_key) == ([name], {"amount": 5}, key)
-        assert row.options["queue"] == "celery"
+        assert (row.options["queue"], row.options.get("priority")) == ("celery", 3)
         assert row.error_type == "RuntimeError"
         assert row.error_message == f"{name} fails for good"
         assert row.traceback is not None and "RuntimeError" in row.traceback

@@ -22,10 +22,11 @@ from rq.job import JobStatus
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.errors import IdempotencyKeyMismatch
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.records import ClaimRequest, Outcome, Status
 from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue
 from idempotent_tasks.rq.options import META_KEY
 from idempotent_tasks.rq.sweep import retry_dead_letters_job
+from idempotent_tasks.stores.redis import RedisStore
 from tests.integration import rq_jobs
 from tests.integration.rq_support import RQEnv, rq_env_fixture
 
@@ -66,6 +67,22 @@ def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueue
     with pytest.raises(ValueError, match="non-empty str"):
         idle.enqueue_call(rq_jobs.record, ("x", 1), idempotency_key=bad)
     assert idle.count == 0
+
+
+def test_the_store_is_the_queues_own_redis_unless_a_url_is_given(idle: IdempotentQueue) -> None:
+    # Given a queue with no store_url: its claims live on its own Redis connection
+    store = idle.store
+    assert isinstance(store, RedisStore)
+    assert store.client is idle.connection
+    name, key = fresh("own-redis"), fresh("key")
+    job = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    # When a worker runs the keyed job
+    SimpleWorker([idle], connection=idle.connection, job_class=IdempotentJob).work(burst=True)
+    # Then its completed claim is a record in that very Redis
+    stored = storage_key(f"{rq_jobs.__name__}.record", key)
+    record = store.get(stored)
+    assert record is not None and (record.task_id, record.status) == (job.id, Status.COMPLETED)
+    assert idle.connection.exists(store.names(stored)[0])
 
 
 def test_a_memory_store_is_one_for_the_queue_and_the_jobs_of_its_process(rq_env: RQEnv) -> None:

@@ -6,6 +6,7 @@ test uses keys and ledger names of its own.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -238,20 +240,17 @@ def test_a_dead_letter_whose_function_recovers_ends_succeeded_through_the_cli(
     (row,) = rq_env.rows_of(job.id)
     assert row.idempotency_key is None
     rq_env.dlq.retry_now(row.id)
-    # When the sweep command runs
+    # When the installed sweep command runs, the table named by the environment
     swept = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "idempotent_tasks.rq.cli",
+            str(Path(sys.executable).with_name("idempotent-tasks")),
             "rq",
             "retry-dead-letters",
             "--redis-url",
             rq_env.rq_url,
-            "--dlq-url",
-            rq_env.dlq_url,
         ],
         cwd=ROOT,
+        env={**os.environ, "IDEMPOTENT_TASKS_DLQ_URL": rq_env.dlq_url},
         capture_output=True,
         text=True,
         timeout=60,
