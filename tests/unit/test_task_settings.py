@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import ssl
+import uuid
 import warnings
 from pathlib import Path
 
 import pytest
 from celery import Celery
+from kombu.serialization import register, unregister
 from redis.connection import SSLConnection
 
 from idempotent_tasks import IdempotentTask, StoreUnavailable
 from idempotent_tasks.app_store import store_for, store_url
+from idempotent_tasks.keys import storage_key
 from idempotent_tasks.stores import MemoryStore
 from idempotent_tasks.stores.redis import RedisStore
 from idempotent_tasks.stores.sql import SqlStore
+from idempotent_tasks.task import KEY_HEADER
 
 
 def _app(**conf: object) -> Celery:
@@ -81,6 +86,37 @@ def test_pickle_is_used_when_the_app_opts_in() -> None:
 
     assert pickled._codec.serializer == "pickle"
     assert pickled._codec.allow_unsafe
+
+
+def test_a_tasks_own_safe_serializer_caches_its_results() -> None:
+    # Given a serializer of the app's own in kombu's registry (JSON, tagged), set on a task
+    name = f"tagged-{uuid.uuid4().hex[:8]}"
+    content_type = f"application/x-{name}"
+    register(
+        name,
+        lambda value: "tagged:" + json.dumps(value),
+        lambda data: json.loads(bytes(data).removeprefix(b"tagged:")),
+        content_type=content_type,
+        content_encoding="utf-8",
+    )
+    try:
+        app = _app(idempotency_store_url="memory://", result_backend="cache+memory://")
+
+        @app.task(base=IdempotentTask, serializer=name, shared=False)
+        def totals(n: int) -> dict[str, int]:
+            return {"total": n * 2}
+
+        # When a keyed call runs, and a duplicate of it
+        assert totals.apply((21,), headers={KEY_HEADER: "k"}).get() == {"total": 42}
+        again = totals.apply((21,), headers={KEY_HEADER: "k"}).get()
+        # Then the cached value was written with the task's serializer and read back with it
+        record = store_for(app).get(storage_key(totals.name, "k"))
+        assert record is not None and record.result is not None
+        assert record.result.content_type == content_type
+        assert bytes(record.result.body).startswith(b"tagged:")
+        assert again == {"total": 42}
+    finally:
+        unregister(name)
 
 
 def test_a_subclass_with_a_request_class_not_ours_is_warned_of_what_it_loses() -> None:
