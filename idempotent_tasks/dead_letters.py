@@ -11,10 +11,10 @@ from typing import Any
 from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
 from celery.utils.log import get_task_logger
-from kombu.exceptions import OperationalError
 
 from . import defaults, signals
 from .app_store import dlq_for, store_for
+from .broker_errors import broker_cannot_take
 from .dlq import DeadLetter, Failure, renewal
 from .dlq.arguments import (
     as_table_json,
@@ -253,23 +253,6 @@ def republish(app: Any, item: DeadLetter) -> None:
     )
 
 
-def _broker_cannot_take(error: BaseException) -> bool:
-    """Whether ``error``, raised publishing a dead letter again, is the broker's state (it
-    cannot be reached, or cannot take messages for now) rather than the message's.
-
-    kombu raises a transport's connection and channel errors as ``OperationalError``; for
-    Redis that is any error reply too, out of memory and read-only as much as ``WRONGTYPE``
-    (the queue's key holds something else), which would refuse the row at every sweep.
-    """
-    if not isinstance(error, OperationalError):
-        return False
-    try:  # redis-py is an optional dependency
-        from .redis_unavailable import is_refusal
-    except ImportError:
-        return True
-    return not is_refusal(error.__cause__)
-
-
 @shared_task(name=SWEEP_TASK, bind=True, ignore_result=False)  # type: ignore[untyped-decorator]
 def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     """Re-publish every due dead letter, in batches; returns how many were re-published.
@@ -293,7 +276,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         framework="celery",
         batch=batch,
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
-        unreachable=_broker_cannot_take,
+        unreachable=broker_cannot_take,
     )
     _count_rows(queue)
     return published

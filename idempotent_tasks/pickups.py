@@ -24,6 +24,7 @@ from kombu.exceptions import OperationalError
 from kombu.utils import json as kombu_json
 
 from . import defaults, signals
+from .broker_errors import broker_cannot_take
 from .errors import CorruptRecord, StoreUnavailable
 from .records import DuePickup, Pickup
 
@@ -221,19 +222,18 @@ def republish_taken(
     """Publish a pickup taken from the store again, logging it; whether it went out.
 
     A pickup that cannot be published stays with its key: it is due again after its backoff,
-    or at once when the broker could not be reached (it goes out as soon as the broker is
-    back); ``raise_unreachable`` then raises kombu's ``OperationalError`` too.
+    or at once when the broker could not be reached or take it for now (it goes out as soon
+    as the broker is back); ``raise_unreachable`` then raises kombu's ``OperationalError``
+    too.
     """
     try:
         republish(app, due)
-    except OperationalError as exc:
-        logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
-        hand_to_guard(store, due.storage_key, due.task_id, due.republished - 1)
-        if raise_unreachable:
-            raise
-        return False
     except Exception as exc:
         logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
+        if broker_cannot_take(exc):
+            hand_to_guard(store, due.storage_key, due.task_id, due.republished - 1)
+            if raise_unreachable:
+                raise
         return False
     logger.warning(
         "published %s (%s) again: no worker claimed its message in time (%s time)",

@@ -51,7 +51,19 @@ def is_unavailable(error: BaseException | None) -> bool:
     """Whether ``error``, raised by redis-py, means the server cannot take writes for now."""
     if isinstance(error, _UNAVAILABLE_ERRORS):
         return True
-    return isinstance(error, ResponseError) and str(error).split(" ", 1)[0] in _UNAVAILABLE_CODES
+    return isinstance(error, ResponseError) and _code(error) in _UNAVAILABLE_CODES
+
+
+def _code(error: ResponseError) -> str:
+    """The code of an error reply: redis-py's ``status_code`` when it kept one, else the
+    reply's first word, after the prefix a pipeline puts before it ("Command # 2 (…) of
+    pipeline caused error: MISCONF …"; the last such phrase: the command may hold any text)."""
+    code = getattr(error, "status_code", None)
+    if code:
+        return str(code)
+    text = str(error)
+    _, annotated, reply = text.rpartition(" of pipeline caused error: ")
+    return (reply if annotated else text).split(" ", 1)[0]
 
 
 def is_refusal(error: BaseException | None) -> bool:

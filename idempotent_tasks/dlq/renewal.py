@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..errors import StoreUnavailable
 from ..heartbeat import LeaseKeeper
 from .queue import DeadLetterQueue
 
@@ -27,10 +26,11 @@ def renew_retrying(
     queue_of: Callable[[], DeadLetterQueue], dead_letter_id: str, sweep_id: str | None
 ) -> bool:
     """A re-sent dead letter's run begins, or goes on: renew its row. Whether the row may still
-    be ``sweep_id``'s ``retrying`` one: a database error is logged, and counts as yes."""
+    be ``sweep_id``'s ``retrying`` one: an error (the database down) is logged, and counts as
+    yes, never as the run's failure."""
     try:
         return queue_of().renew_retrying(dead_letter_id, sweep_id)
-    except StoreUnavailable as exc:
+    except Exception as exc:  # the database down, or its URL unusable: the run goes on
         logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
         return True
 

@@ -329,12 +329,13 @@ class IdempotentJob(Job):
         state: dict[str, Any],
     ) -> Any:
         try:
-            with self._dead_letter_kept_retrying(state):
-                if attempt is None:
+            if attempt is None:
+                with self._dead_letter_kept_retrying(state):
                     value = super().perform()
-                else:
-                    with attempt.heartbeat():
-                        value = super().perform()
+            else:
+                # The lease is renewed first: the row's renewal may wait on its database.
+                with attempt.heartbeat(), self._dead_letter_kept_retrying(state):
+                    value = super().perform()
         except Exception as exc:
             # A synchronous queue (is_async=False) never retries: its failure is final.
             will_retry = super().should_retry and not self._is_sync

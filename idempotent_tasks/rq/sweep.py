@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import RedisError, ResponseError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus, get_current_job
 from rq.queue import Queue
@@ -36,7 +37,7 @@ from ..dlq.arguments import ArgumentsUnreadable, restored_arguments
 from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
 from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
-from ..redis_unavailable import is_unavailable
+from ..redis_unavailable import is_refusal, is_unavailable
 from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob
 from .options import FRAMEWORK, META_KEY
@@ -136,6 +137,25 @@ def _enqueue(
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
     # The original job, while RQ keeps it as failed (or stopped).
     original = held if current in (JobStatus.FAILED, JobStatus.STOPPED) else None
+    try:
+        _send_again(connection, item, original, dlq_url, store_url, serializer)
+    except ResponseError as exc:
+        if is_refusal(exc):
+            # RQ's transaction wrote the job as queued before its push was refused: left so,
+            # in no queue, it would pass for live at every later sweep, its row never giving up.
+            _leave_failed(connection, item.task_id, serializer)
+        raise
+
+
+def _send_again(
+    connection: Redis,
+    item: DeadLetter,
+    original: IdempotentJob | None,
+    dlq_url: str | None,
+    store_url: str | None,
+    serializer: str | None,
+) -> None:
+    """Requeue ``original``, RQ's failed job of the row, else enqueue the row's call anew."""
     if original is not None:
         state = _fresh_state(original.meta.get(META_KEY))
         state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
@@ -187,6 +207,16 @@ def _enqueue(
         meta={META_KEY: state},
         timeout=item.options.get("timeout"),
     )
+
+
+def _leave_failed(connection: Redis, job_id: str, serializer: str | None) -> None:
+    """Mark the job a refused enqueue left ``queued`` (in no queue) as failed again."""
+    try:
+        job = _held_job(connection, job_id, serializer)
+        if job is not None and job.get_status(refresh=True) == JobStatus.QUEUED:
+            job.set_status(JobStatus.FAILED)
+    except RedisError as exc:
+        logger.warning("could not mark job %s failed again: %s", job_id, exc)
 
 
 class JobStillLive(ResendLater):

@@ -225,8 +225,8 @@ def _sweeping_app(broker_url: str, dlq_url: str, **conf: Any) -> Celery:
 @contextmanager
 def _redis_unable_to_take_writes(directory: Path, refusal: str) -> Iterator[redis.Redis]:
     """A Redis server of the test's own that answers but takes no write for now: a replica
-    during a failover (READONLY), full with no eviction (OOM), or running a script past its
-    time (BUSY, a reply redis-py has no class for)."""
+    during a failover (READONLY), full with no eviction (OOM), short of the replicas it
+    wants (NOREPLICAS), or running a script past its time (BUSY)."""
     server = RedisServer(directory, persistent=False)
     client = redis.Redis.from_url(server.url)
     script: threading.Thread | None = None
@@ -236,6 +236,8 @@ def _redis_unable_to_take_writes(directory: Path, refusal: str) -> Iterator[redi
         elif refusal == "out of memory":
             client.config_set("maxmemory", "1")
             client.config_set("maxmemory-policy", "noeviction")
+        elif refusal == "too few replicas":  # NOREPLICAS: no class of redis-py's
+            client.config_set("min-replicas-to-write", "1")
         else:
             client.config_set("busy-reply-threshold", "10")
             script = threading.Thread(target=_run_for_ever, args=(server.url,))
@@ -276,7 +278,7 @@ def _none_used_a_retry(queue: DeadLetterQueue, items: list[Any]) -> None:
         assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
 
 
-REFUSALS = ["read-only replica", "out of memory", "busy script"]
+REFUSALS = ["read-only replica", "out of memory", "too few replicas", "busy script"]
 
 
 @pytest.mark.parametrize("refusal", REFUSALS)
@@ -351,11 +353,16 @@ def test_an_rq_row_whose_queue_redis_refuses_uses_a_retry_and_the_sweep_goes_on(
         # When the sweep runs, then it goes on past the refused row and enqueues the other
         assert rq_retry_dead_letters(connection, dlq_url) == 1
         assert taken.count == 1
-        # And the refused row used a retry, saying why
-        row = queue.get(stuck.id)
-        assert row is not None
-        assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
-        assert "WRONGTYPE" in row.error_message
+        # And the refused row used a retry, saying why, and uses one at each later sweep
+        # (the job RQ wrote as queued before the refused push passes for no live job)
+        for retries in (1, 2):
+            if retries > 1:
+                assert queue.retry_now(stuck.id)  # due at once, not after its backoff
+                assert rq_retry_dead_letters(connection, dlq_url) == 0
+            row = queue.get(stuck.id)
+            assert row is not None
+            assert (row.status, row.retry_count) == (DeadLetterStatus.PENDING, retries)
+            assert "WRONGTYPE" in row.error_message
     finally:
         taken.delete(delete_jobs=True)
         connection.delete(refused.key)
@@ -624,7 +631,7 @@ def test_an_rq_dead_letters_run_longer_than_the_retrying_timeout_keeps_its_row_a
 def test_a_row_left_retrying_by_a_sweep_that_died_is_sent_again_once_its_timeout_passed(
     dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    timeout = 1.0
+    timeout = 2.0  # a sweep's first steps (its database, the schema) well inside it
     app = _sweeping_app("memory://", dlq_url, idempotency_dlq_retrying_timeout=timeout)
     sent: list[str] = []
     send_task = app.send_task
@@ -651,7 +658,7 @@ def test_a_row_left_retrying_by_a_sweep_that_died_is_sent_again_once_its_timeout
 def test_an_rq_row_left_retrying_by_a_sweep_that_died_is_enqueued_once_its_timeout_passed(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    timeout = 1.0
+    timeout = 2.0  # a sweep's first steps (its database, the schema) well inside it
     monkeypatch.setattr(defaults, "DLQ_RETRYING_TIMEOUT", timeout)
     connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
     rq_queue = Queue(f"sweep-{uuid.uuid4().hex[:8]}", connection=connection)

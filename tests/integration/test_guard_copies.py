@@ -118,3 +118,48 @@ def test_a_call_that_does_not_fit_the_task_fails_as_celery_fails_it(app: Celery)
     charge.apply_async(("o-9",), idempotency_key=key, queue=queue)
     [sent] = _messages(app, queue)
     assert sent["headers"]["shadow"] == "charge order o-9"
+
+
+def test_a_lost_message_whose_queue_redis_refuses_waits_its_backoff_and_the_sweep_goes_on(
+    app: Celery,
+) -> None:
+    app.conf.task_publish_retry = False
+
+    @app.task(base=IdempotentTask, name=fresh("guard.refused"), shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given two keyed calls whose messages the broker lost, the first one's queue key now
+    # holding a string (WRONGTYPE at every push)
+    refused, taken = f"guard-{uuid.uuid4().hex[:8]}", f"guard-{uuid.uuid4().hex[:8]}"
+    sent = {}
+    for queue in (refused, taken):
+        sent[queue] = charge.apply_async(("o-9",), idempotency_key=queue, queue=queue).id
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    store = store_for(app)
+    try:
+        broker.delete(refused, taken)
+        broker.set(refused, "not a list")
+        for queue in (refused, taken):
+            hand_to_guard(store, storage_key(charge.name, queue), sent[queue])
+        tried: list[str] = []
+        send_task = app.send_task
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tried.append(kwargs["task_id"])
+            return send_task(*args, **kwargs)
+
+        app.send_task = counted  # type: ignore[method-assign]
+        # When the guard sweeps, then it goes on past the refused message and sends the other
+        assert republish_lost(app, store) == 1
+        assert [json.loads(raw)["headers"]["id"] for raw in broker.lrange(taken, 0, -1)] == [
+            sent[taken]
+        ]
+        # And the refused one waits for its backoff: the next sweep does not try it again
+        assert republish_lost(app, store) == 0
+        assert sorted(tried) == sorted(sent.values())
+        record = store.get(storage_key(charge.name, refused))
+        assert record is not None and record.task_id == sent[refused]
+    finally:
+        broker.delete(refused, taken)
+        broker.close()

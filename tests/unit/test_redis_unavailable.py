@@ -4,8 +4,12 @@ has a class for)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from redis._parsers.base import BaseParser
+from redis.client import Pipeline
+from redis.exceptions import ResponseError
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
 from idempotent_tasks.redis_unavailable import is_refusal, is_unavailable
@@ -29,16 +33,32 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("reply", NOT_NOW)
-def test_a_server_that_cannot_take_writes_now_is_unavailable(reply: str) -> None:
+def _in_a_pipeline(reply: str) -> ResponseError:
+    """The error as a pipeline (RQ's enqueue, a transaction) raises it: its message prefixed
+    with the command, which may hold any text."""
     error = BaseParser.parse_error(reply)
+    Pipeline.annotate_exception(None, error, 2, ("RPUSH", "rq:queue:x", "WRONGTYPE caused error: "))
+    return error
+
+
+AS_RAISED = [
+    pytest.param(BaseParser.parse_error, id="alone"),
+    pytest.param(_in_a_pipeline, id="piped"),
+]
+
+
+@pytest.mark.parametrize("raised", AS_RAISED)
+@pytest.mark.parametrize("reply", NOT_NOW)
+def test_a_server_that_cannot_take_writes_now_is_unavailable(reply: str, raised: Any) -> None:
+    error = raised(reply)
     assert is_unavailable(error)
     assert not is_refusal(error)
 
 
+@pytest.mark.parametrize("raised", AS_RAISED)
 @pytest.mark.parametrize("reply", REFUSED)
-def test_a_write_the_server_refuses_is_a_refusal(reply: str) -> None:
-    error = BaseParser.parse_error(reply)
+def test_a_write_the_server_refuses_is_a_refusal(reply: str, raised: Any) -> None:
+    error = raised(reply)
     assert is_refusal(error)
     assert not is_unavailable(error)
 
