@@ -310,8 +310,9 @@ def test_celery_rows_a_broker_that_cannot_take_messages_refuses_use_no_retry(
     _none_used_a_retry(queue, items)
 
 
+@pytest.mark.parametrize("publish_retry", [False, True], ids=["publish-once", "kombu-retries"])
 def test_a_celery_row_whose_queue_the_broker_refuses_uses_a_retry_and_the_sweep_goes_on(
-    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, publish_retry: bool
 ) -> None:
     # Given a due row for a queue whose Redis key holds a string (WRONGTYPE at every push),
     # due before a row for a queue that takes messages
@@ -321,7 +322,8 @@ def test_a_celery_row_whose_queue_the_broker_refuses_uses_a_retry_and_the_sweep_
     try:
         stuck = queue.add(_failure(options={"queue": refused}))
         sent = queue.add(_failure(options={"queue": taken}))
-        app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url, task_publish_retry=False)
+        # (kombu, retrying a publish, reconnects and tries again before it gives up)
+        app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url, task_publish_retry=publish_retry)
         # When the sweep runs, then it goes on past the refused row and sends the other
         assert app.tasks[SWEEP_TASK].run(batch=5) == 1
         assert broker.llen(taken) == 1
