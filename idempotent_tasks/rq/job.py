@@ -297,7 +297,7 @@ class IdempotentJob(Job):
                 value = attempt.cached_value(record)
                 self._dead_letter_succeeded(state)
                 return value
-            pause = self._on_in_progress(record, request, options, waits)
+            pause = self._on_in_progress(record, request, options, waits, state)
             if pause is None:
                 return None
             if time.monotonic() + pause > deadline:
@@ -307,12 +307,20 @@ class IdempotentJob(Job):
             waits += 1
 
     def _on_in_progress(
-        self, record: Record, request: ClaimRequest, options: IdempotencyOptions, waits: int
+        self,
+        record: Record,
+        request: ClaimRequest,
+        options: IdempotencyOptions,
+        waits: int,
+        state: dict[str, Any],
     ) -> float | None:
         """Seconds to wait before looking again, or ``None`` to finish as a skipped duplicate."""
-        # A re-run of the owner's own job is no duplicate caller: dropping or failing it could
-        # lose the job, so it always waits.
-        mode = "wait" if record.task_id == self.id else options.on_duplicate
+        # No duplicate caller either, so it always waits (dropped or failed, its caller would
+        # never get the value, or a job whose body succeeded would fail): a re-run of the
+        # owner's own job; an owner taken over while its body ran; the retry of a run that
+        # held the key (another job took it meanwhile).
+        owed = bool(state.get("superseded") or state.get("previous_owner"))
+        mode = "wait" if owed or record.task_id == self.id else options.on_duplicate
         if mode == "skip":
             logger.info("job %s: key %r is in progress elsewhere, skipped", self.id, request.key)
             return None
@@ -367,6 +375,7 @@ class IdempotentJob(Job):
             )
             if attempt.superseded:
                 # Taken over mid-run and the new owner is still running: wait for its value.
+                state["superseded"] = True
                 return self._requeue_later(
                     defaults.WAIT_INITIAL_DELAY, f"key {attempt.request.key!r} was taken over"
                 )

@@ -24,8 +24,9 @@ from rq.results import Result
 
 from idempotent_tasks.dlq import DeadLetterStatus
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import Status
+from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Status
 from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue, retry_dead_letters
+from idempotent_tasks.rq.job import CODEC
 from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
 from tests.integration.rq_support import (
@@ -137,6 +138,49 @@ def test_a_job_running_past_its_lease_keeps_its_key_while_it_lives(
     assert again.id == owner.id
     expected = {"name": name, "run": 1}
     assert wait_value(duplicate, timeout=30) == wait_value(owner, timeout=30) == expected
+    assert rq_jobs.starts(name) == 1
+
+
+def test_a_skipping_owner_taken_over_mid_run_waits_for_the_new_owners_value(
+    queue: IdempotentQueue,
+) -> None:
+    # Given a job of a skipping function running its body
+    name = fresh("superseded")
+    owner = queue.enqueue(rq_jobs.record_or_skip, name, 3.0)
+    wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the owner to start")
+    stored = storage_key(f"{rq_jobs.__name__}.record_or_skip", f"skip:{name}")
+    held = queue.store.get(stored)
+    assert held is not None and held.task_id == owner.id
+    # When another call takes its key over meanwhile (as after a lease lost to a stalled
+    # store), and has not finished when the owner's body ends
+    taker = ClaimRequest(
+        storage_key=stored,
+        key=f"skip:{name}",
+        task_name=held.task_name,
+        task_id=fresh("taker"),
+        owner=fresh("taker-owner"),
+        fingerprint=held.fingerprint,
+        lease_seconds=60,
+        ttl_seconds=600,
+        previous_owner=held.owner,
+    )
+    claimed = queue.store.claim(taker)
+    assert claimed.outcome is Outcome.ACQUIRED and claimed.token is not None
+    wait_until(
+        lambda: (
+            status(owner) is JobStatus.FINISHED
+            or (owner.get_meta().get(META_KEY) or {}).get("superseded")
+        ),
+        20,
+        "the owner's body to end",
+    )
+    # Then the owner, no duplicate to drop, waits for the taker's value rather than end
+    # with None, and gets it once the taker completes
+    assert status(owner) is not JobStatus.FINISHED, owner.return_value()
+    value = {"name": name, "value": 7, "run": 2}
+    encoded, _ = CODEC.encode(value)
+    assert queue.store.complete(taker, claimed.token, encoded) is CompleteOutcome.STORED
+    assert wait_value(owner, timeout=30) == value
     assert rq_jobs.starts(name) == 1
 
 
