@@ -48,19 +48,14 @@ AS_RAISED = [
 
 
 @pytest.mark.parametrize("raised", AS_RAISED)
-@pytest.mark.parametrize("reply", NOT_NOW)
-def test_a_server_that_cannot_take_writes_now_is_unavailable(reply: str, raised: Any) -> None:
+@pytest.mark.parametrize(
+    ("reply", "not_now"), [(reply, True) for reply in NOT_NOW] + [(r, False) for r in REFUSED]
+)
+def test_a_server_that_cannot_take_writes_now_is_told_from_a_refused_write(
+    reply: str, not_now: bool, raised: Any
+) -> None:
     error = raised(reply)
-    assert is_unavailable(error)
-    assert not is_refusal(error)
-
-
-@pytest.mark.parametrize("raised", AS_RAISED)
-@pytest.mark.parametrize("reply", REFUSED)
-def test_a_write_the_server_refuses_is_a_refusal(reply: str, raised: Any) -> None:
-    error = raised(reply)
-    assert is_refusal(error)
-    assert not is_unavailable(error)
+    assert (is_unavailable(error), is_refusal(error)) == (not_now, not not_now)
 
 
 @pytest.mark.parametrize("reply", NOT_NOW)
