@@ -111,9 +111,12 @@ class Attempt:
     given_up: bool = False
     #: The task id of another call whose claim or queued message this claim replaced.
     taken_from_task_id: str | None = None
+    #: When this attempt last asked for its claim (monotonic): its lease runs from no earlier.
+    asked_at: float = 0.0
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
+        self.asked_at = time.monotonic()
         result = self.store.claim(self.request)
         if result.outcome is Outcome.ACQUIRED:
             self.token = result.token
@@ -130,6 +133,19 @@ class Attempt:
             task_name=self.request.task_name, outcome=result.outcome, takeover=result.takeover
         )
         return result
+
+    def held_at_start(self) -> bool:
+        """Whether the acquired claim is still this attempt's as its body is about to start.
+
+        Its lease runs from no earlier than the claim was asked for. A process paused since
+        for half the lease or more (frozen, swapped out, stopped while its claim's reply was
+        on its way) could have lost the key to another execution, which may even have
+        completed it: it asks the store (a token-checked renewal) before running the body.
+        Otherwise nothing is asked. Raises StoreUnavailable when the store cannot say.
+        """
+        if time.monotonic() - self.asked_at < self.request.lease_seconds / 2:
+            return True
+        return self.store.extend(self.request, self.token)
 
     def cached_value(self, record: Record) -> Any:
         """The value a completed record answers duplicates with (``None`` if not cached)."""

@@ -430,6 +430,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _run_claimed(
         self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any], started: float
     ) -> Any:
+        self._check_held_at_start(attempt)
         self.request.idempotency_attempt = attempt
         try:
             with attempt.heartbeat(), retrying_kept_alive(self.app, self.request):
@@ -500,6 +501,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         self._dead_letter_succeeded()
         return value
+
+    def _check_held_at_start(self, attempt: Attempt) -> None:
+        """Run no body on a claim lost before it started (see :meth:`Attempt.held_at_start`):
+        the call waits for the key's new owner, as one taken over mid-run does, or tries again
+        later when the store cannot say."""
+        try:
+            held = attempt.held_at_start()
+        except StoreUnavailable as exc:
+            logger.warning("store unavailable, will try again: %s", exc)
+            self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
+        if not held:
+            logger.warning(
+                "key %r was taken over while this process was paused, before its body ran: "
+                "it waits for the new owner's value",
+                attempt.request.key,
+            )
+            self._republish_self(
+                defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
+            )
 
     def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
         """Store ``value`` as the result of the call whose claim or queued message this one

@@ -281,7 +281,25 @@ class IdempotentJob(Job):
                 )
                 return self._requeue_later(delay, f"store: {exc}")
             if claim.outcome is Outcome.ACQUIRED:
-                return self._run_body(attempt, request.key, options, state)
+                try:
+                    held = attempt.held_at_start()
+                except StoreUnavailable as exc:
+                    if self._is_sync:
+                        raise
+                    return self._requeue_later(
+                        self._time_budget(defaults.STORE_UNAVAILABLE_DELAY), f"store: {exc}"
+                    )
+                if held:
+                    return self._run_body(attempt, request.key, options, state)
+                # Lost while this process was paused (see Attempt.held_at_start): no body runs;
+                # the job waits for the new owner's value, as one taken over mid-run does.
+                if self._is_sync:
+                    self._caller_error()
+                    raise IdempotencyConflict(request.key, request.task_name, None)
+                state["superseded"] = True
+                return self._requeue_later(
+                    defaults.WAIT_INITIAL_DELAY, f"key {request.key!r} was taken over"
+                )
             record = claim.record
             assert record is not None
             if claim.outcome is Outcome.MISMATCH:

@@ -1,0 +1,152 @@
+"""A process paused between asking for its claim and starting its body (frozen, swapped out,
+its claim's reply held up) runs no body on a claim it lost meanwhile: another execution may have
+taken the key over and even completed it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from rq import SimpleWorker
+
+from idempotent_tasks import IdempotentTask
+from idempotent_tasks.core import Attempt
+from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
+from idempotent_tasks.stores import MemoryStore
+from tests.integration import rq_jobs
+from tests.integration.conftest import BACKEND_DB, BROKER_DB
+from tests.integration.helpers import fresh
+from tests.integration.rq_support import RQ_DB
+
+LEASE = 2.0
+
+
+def _request(owner: str, previous_owner: str | None = None) -> ClaimRequest:
+    return ClaimRequest(
+        storage_key="t:k",
+        key="k",
+        task_name="t",
+        task_id=f"task-{owner}",
+        owner=owner,
+        fingerprint="fp",
+        lease_seconds=LEASE,
+        ttl_seconds=60,
+        previous_owner=previous_owner,
+    )
+
+
+class _CountedExtends(MemoryStore):
+    extends = 0
+
+    def extend(self, request: ClaimRequest, token: int) -> bool:
+        self.extends += 1
+        return super().extend(request, token)
+
+
+def _attempt(store: MemoryStore) -> Attempt:
+    attempt = Attempt(store=store, request=_request("a"), codec=None)  # type: ignore[arg-type]
+    assert attempt.claim().outcome is Outcome.ACQUIRED
+    return attempt
+
+
+def test_a_claim_just_made_is_held_without_asking_the_store() -> None:
+    store = _CountedExtends()
+    assert _attempt(store).held_at_start()
+    assert store.extends == 0
+
+
+def test_a_claim_asked_for_half_a_lease_ago_is_checked_with_the_store() -> None:
+    store = _CountedExtends()
+    attempt = _attempt(store)
+    attempt.asked_at = time.monotonic() - LEASE / 2
+    # Still held: the store says so (and its lease is renewed)
+    assert attempt.held_at_start()
+    assert store.extends == 1
+    # Taken over by another execution meanwhile: not held
+    assert store.claim(_request("b", previous_owner="a")).outcome is Outcome.ACQUIRED
+    assert not attempt.held_at_start()
+
+
+@pytest.fixture()
+def app(redis_url: str) -> Celery:
+    app = Celery(
+        "paused-owner", broker=f"{redis_url}/{BROKER_DB}", backend=f"{redis_url}/{BACKEND_DB}"
+    )
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_lease=LEASE,
+        task_default_queue=fresh("paused-owner"),
+    )
+    return app
+
+
+def test_a_worker_paused_until_its_claim_was_taken_over_and_completed_runs_no_body(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("paused.charge"), shared=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order} here"
+
+    monkeypatch.setattr(Attempt, "claim", _paused_after_asking("charged o-1 by the other"))
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        result = charge.apply_async(("o-1",), idempotency_key=fresh("key"))
+        # Then its body never ran, and the call answers with the key's completed value
+        assert result.get(timeout=30) == "charged o-1 by the other"
+    assert runs == []
+
+
+def test_an_rq_job_paused_until_its_claim_was_taken_over_and_completed_runs_no_body(
+    redis_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    queue = IdempotentQueue(
+        fresh("paused-owner"), connection=connection, dlq_url=f"sqlite:///{tmp_path}/dlq.db"
+    )
+    name = fresh("paused")
+    value = {"name": name, "value": 1, "run": 99}
+    monkeypatch.setattr(Attempt, "claim", _paused_after_asking(value))
+    try:
+        job = queue.enqueue(rq_jobs.record, name, 1, idempotency_key=fresh("key"))
+        SimpleWorker([queue], connection=connection, job_class=IdempotentJob).work(burst=True)
+        # Then its body never ran, and the job ends with the key's completed value
+        assert rq_jobs.starts(name) == 0
+        assert IdempotentJob.fetch(job.id, connection=connection).return_value() == value
+    finally:
+        queue.delete(delete_jobs=True)
+
+
+def _paused_after_asking(others_value: Any) -> Any:
+    """``Attempt.claim`` whose first acquired claim comes back after a pause in which its
+    lease ran out and another execution took the key over and completed it with
+    ``others_value``."""
+    asked = Attempt.claim
+    paused: list[str] = []
+
+    def claim_then_pause(self: Attempt) -> Any:
+        result = asked(self)
+        if result.outcome is Outcome.ACQUIRED and not paused:
+            paused.append(self.request.task_id)
+            self.asked_at = time.monotonic() - self.request.lease_seconds
+            other = dataclasses.replace(
+                self.request,
+                owner=uuid.uuid4().hex,
+                task_id=str(uuid.uuid4()),
+                previous_owner=self.request.owner,
+            )
+            taken = self.store.claim(other)
+            assert taken.outcome is Outcome.ACQUIRED
+            encoded, _ = self.codec.encode(others_value)
+            self.store.complete(other, taken.token, encoded)
+        return result
+
+    return claim_then_pause
