@@ -936,8 +936,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Such are an owner taken over while its body ran (and the copies it waits with), the
         retry of a call whose key another call took meanwhile, the message its key was queued
         for at publish (a duplicate sent to a worker may take its key over as lost while it is
-        on its way), and a message the broker delivers again (its owner may have died, and a
-        duplicate taken its key over since).
+        on its way), a message the broker delivers again (its owner may have died, and a
+        duplicate taken its key over since), and a dead letter's retry (its row waits for its
+        outcome: dropped, it would stay ``retrying`` until its timeout).
         """
         request = self.request
         return (
@@ -945,6 +946,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             or request_header(request, PREVIOUS_OWNER_HEADER) is not None
             or bool(request_header(request, RESERVED_HEADER))
             or bool((request.delivery_info or {}).get("redelivered"))
+            or request_header(request, DEAD_LETTER_HEADER) is not None
         )
 
     def _awaited_by_a_canvas(self) -> bool:

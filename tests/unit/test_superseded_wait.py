@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import celery
@@ -14,6 +15,7 @@ from celery.exceptions import Ignore, Retry
 
 from idempotent_tasks import IdempotencyConflict, IdempotentTask
 from idempotent_tasks.app_store import store_for
+from idempotent_tasks.dead_letters import DEAD_LETTER_HEADER
 from idempotent_tasks.replacements import REPLACED, WAIT_SINCE_HEADER
 from idempotent_tasks.task import (
     _REPUBLISH,
@@ -84,12 +86,15 @@ def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
         {"headers": {RESERVED_HEADER: True}},
         {"delivery_info": {"redelivered": True}},
         {"headers": {PREVIOUS_OWNER_HEADER: "first-owner"}},
+        {"headers": {DEAD_LETTER_HEADER: "row-1"}},
     ],
-    ids=["reserved-for-it", "redelivered", "a-retry"],
+    ids=["reserved-for-it", "redelivered", "a-retry", "a-dead-letters-retry"],
 )
 def test_the_keys_own_message_a_redelivery_or_a_retry_waits_whatever_on_duplicate(
-    app: Celery, on_duplicate: str, delivery: dict[str, Any]
+    app: Celery, on_duplicate: str, delivery: dict[str, Any], tmp_path: Path
 ) -> None:
+    app.conf.idempotency_dlq_url = f"sqlite:///{tmp_path / 'dlq.db'}"  # (a retry renews its row)
+
     @app.task(base=IdempotentTask, on_duplicate=on_duplicate, shared=False)
     def charge(order: str) -> str:
         return order
