@@ -336,8 +336,11 @@ class IdempotentJob(Job):
         # No duplicate caller either, so it always waits (dropped or failed, its caller would
         # never get the value, or a job whose body succeeded would fail): a re-run of the
         # owner's own job; an owner taken over while its body ran; the retry of a run that
-        # held the key (another job took it meanwhile).
-        owed = bool(state.get("superseded") or state.get("previous_owner"))
+        # held the key (another job took it meanwhile); a dead letter's re-enqueued job (its
+        # row waits for its outcome).
+        owed = bool(
+            state.get("superseded") or state.get("previous_owner") or state.get("dead_letter_id")
+        )
         mode = "wait" if owed or record.task_id == self.id else options.on_duplicate
         if mode == "skip":
             logger.info("job %s: key %r is in progress elsewhere, skipped", self.id, request.key)

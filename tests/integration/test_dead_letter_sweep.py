@@ -35,14 +35,16 @@ from idempotent_tasks.dead_letters import (
     SWEEP_TASK,
 )
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.keys import fingerprint, storage_key
+from idempotent_tasks.records import ClaimRequest, Outcome
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
 from idempotent_tasks.rq.dead_letters import mark_succeeded, row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
-from idempotent_tasks.rq.options import META_KEY
+from idempotent_tasks.rq.options import META_KEY, signature_of
 from tests.integration import rq_jobs
 from tests.integration.conftest import BROKER_DB
-from tests.integration.helpers import wait_until
+from tests.integration.helpers import fresh, wait_until
 from tests.integration.redis_server import RedisServer, free_port
 from tests.integration.rq_support import RQ_DB
 
@@ -866,3 +868,39 @@ def test_an_rq_success_that_can_be_neither_marked_nor_noted_still_ends_quietly(
     finally:
         down.dispose()
     assert f"could not note dead letter {row_id} succeeded" in caplog.text
+
+
+def test_an_rq_dead_letters_job_meeting_its_key_in_progress_waits_whatever_on_duplicate(
+    redis_url: str, tmp_path: Path
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    queue = IdempotentQueue(
+        fresh("dead-letter-waits"), connection=connection, dlq_url=f"sqlite:///{tmp_path}/dlq.db"
+    )
+    name = fresh("owed")
+    try:
+        # Given a dead letter's re-enqueued job of a skipping function
+        job = queue.enqueue(rq_jobs.record_or_skip, name)
+        job.meta[META_KEY]["dead_letter_id"] = "row-1"
+        job.save_meta()
+        # whose key another execution holds, its lease (1 s) ending soon
+        task_name = f"{rq_jobs.__name__}.record_or_skip"
+        holder = ClaimRequest(
+            storage_key=storage_key(task_name, f"skip:{name}"),
+            key=f"skip:{name}",
+            task_name=task_name,
+            task_id=fresh("holder"),
+            owner=fresh("holder-owner"),
+            fingerprint=fingerprint(task_name, signature_of(rq_jobs.record_or_skip), (name,), {}),
+            lease_seconds=1,
+            ttl_seconds=60,
+        )
+        assert queue.store.claim(holder).outcome is Outcome.ACQUIRED
+        # When a worker runs it, then it is not dropped as a duplicate: it waits, takes the
+        # key over once the holder's lease ends, and runs
+        SimpleWorker([queue], connection=connection, job_class=IdempotentJob).work(burst=True)
+        assert rq_jobs.starts(name) == 1
+        ran = IdempotentJob.fetch(job.id, connection=connection).return_value()
+        assert ran == {"name": name, "value": 0, "run": 1}
+    finally:
+        queue.delete(delete_jobs=True)
