@@ -378,6 +378,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         attempt = self._attempt(key, args, kwargs, request)
         try:
             claim = attempt.claim()
+            lost = claim.outcome is Outcome.ACQUIRED and not attempt.held_at_start()
         except StoreUnavailable as exc:
             logger.warning("store unavailable, will try again: %s", exc)
             self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
@@ -387,6 +388,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.on_final_failure(exc, key, args, kwargs)
             raise
 
+        if lost:
+            logger.warning(
+                "key %r was taken over while this process was paused, before its body ran: "
+                "it waits for the new owner's value",
+                key,
+            )
+            self._wait_for_new_owner()
         if claim.outcome is Outcome.ACQUIRED:
             return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
@@ -430,7 +438,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _run_claimed(
         self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any], started: float
     ) -> Any:
-        self._check_held_at_start(attempt)
         self.request.idempotency_attempt = attempt
         try:
             with attempt.heartbeat(), retrying_kept_alive(self.app, self.request):
@@ -494,32 +501,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if taken_from is not None and not (attempt.superseded or is_replaced(value)):
             self._answer_taken_over_call(taken_from, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
-            # Taken over while the body ran, and the new owner has not finished: wait for its
-            # value like a duplicate, so every caller of this task id gets the stored one.
-            self._republish_self(
-                defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
-            )
+            # Taken over while the body ran, and the new owner has not finished.
+            self._wait_for_new_owner()
         self._dead_letter_succeeded()
         return value
 
-    def _check_held_at_start(self, attempt: Attempt) -> None:
-        """Run no body on a claim lost before it started (see :meth:`Attempt.held_at_start`):
-        the call waits for the key's new owner, as one taken over mid-run does, or tries again
-        later when the store cannot say."""
-        try:
-            held = attempt.held_at_start()
-        except StoreUnavailable as exc:
-            logger.warning("store unavailable, will try again: %s", exc)
-            self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
-        if not held:
-            logger.warning(
-                "key %r was taken over while this process was paused, before its body ran: "
-                "it waits for the new owner's value",
-                attempt.request.key,
-            )
-            self._republish_self(
-                defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
-            )
+    def _wait_for_new_owner(self) -> NoReturn:
+        """This call lost its claim to another execution (while its body ran, or before it
+        started): wait for that one's value like a duplicate, so every caller of this task id
+        gets the stored one; its copies are owed the value too."""
+        self._republish_self(
+            defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
+        )
 
     def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
         """Store ``value`` as the result of the call whose claim or queued message this one

@@ -272,6 +272,7 @@ class IdempotentJob(Job):
         while True:
             try:
                 claim = attempt.claim()
+                lost = claim.outcome is Outcome.ACQUIRED and not attempt.held_at_start()
             except StoreUnavailable as exc:
                 if self._is_sync:
                     raise
@@ -280,26 +281,14 @@ class IdempotentJob(Job):
                     "job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc
                 )
                 return self._requeue_later(delay, f"store: {exc}")
-            if claim.outcome is Outcome.ACQUIRED:
-                try:
-                    held = attempt.held_at_start()
-                except StoreUnavailable as exc:
-                    if self._is_sync:
-                        raise
-                    return self._requeue_later(
-                        self._time_budget(defaults.STORE_UNAVAILABLE_DELAY), f"store: {exc}"
-                    )
-                if held:
-                    return self._run_body(attempt, request.key, options, state)
-                # Lost while this process was paused (see Attempt.held_at_start): no body runs;
-                # the job waits for the new owner's value, as one taken over mid-run does.
+            if lost:
+                # Lost while this process was paused (see Attempt.held_at_start): no body runs.
                 if self._is_sync:
                     self._caller_error()
                     raise IdempotencyConflict(request.key, request.task_name, None)
-                state["superseded"] = True
-                return self._requeue_later(
-                    defaults.WAIT_INITIAL_DELAY, f"key {request.key!r} was taken over"
-                )
+                return self._wait_for_new_owner(state, request.key)
+            if claim.outcome is Outcome.ACQUIRED:
+                return self._run_body(attempt, request.key, options, state)
             record = claim.record
             assert record is not None
             if claim.outcome is Outcome.MISMATCH:
@@ -395,11 +384,8 @@ class IdempotentJob(Job):
                 JobTimeoutException, lambda: attempt.finish(value, finish_by - time.monotonic())
             )
             if attempt.superseded:
-                # Taken over mid-run and the new owner is still running: wait for its value.
-                state["superseded"] = True
-                return self._requeue_later(
-                    defaults.WAIT_INITIAL_DELAY, f"key {attempt.request.key!r} was taken over"
-                )
+                # Taken over mid-run and the new owner is still running.
+                return self._wait_for_new_owner(state, attempt.request.key)
         self._dead_letter_succeeded(state)
         return value
 
@@ -637,6 +623,12 @@ class IdempotentJob(Job):
                 serializer=self.serializer,
             )
             queue._enqueue_job(self, pipeline=pipeline)
+
+    def _wait_for_new_owner(self, state: dict[str, Any], key: str) -> Requeue:
+        """This job lost its claim to another execution (while its body ran, or before it
+        started): it waits for that one's value, whatever ``on_duplicate`` says."""
+        state["superseded"] = True
+        return self._requeue_later(defaults.WAIT_INITIAL_DELAY, f"key {key!r} was taken over")
 
     @contextmanager
     def _dead_letter_kept_retrying(self, state: dict[str, Any]) -> Iterator[None]:
