@@ -41,6 +41,17 @@ MAX_COMPLETE_PAUSE = 0.5
 
 _T = TypeVar("_T")
 
+#: A clock that goes on while the machine sleeps (a suspended VM or host), as the store's does
+#: for a lease: Linux's CLOCK_BOOTTIME, where there is one.
+_LEASE_CLOCK = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def lease_clock() -> float:
+    """Seconds on a clock that counts the time a lease runs here, suspensions included."""
+    if _LEASE_CLOCK is None:
+        return time.monotonic()
+    return time.clock_gettime(_LEASE_CLOCK)
+
 
 def despite_time_limit(limit: type[BaseException], step: Callable[[], _T]) -> _T:
     """Run ``step`` (bookkeeping after the body: store its result, release its key, write its
@@ -111,12 +122,13 @@ class Attempt:
     given_up: bool = False
     #: The task id of another call whose claim or queued message this claim replaced.
     taken_from_task_id: str | None = None
-    #: When this attempt last asked for its claim (monotonic): its lease runs from no earlier.
+    #: When this attempt last asked for its claim (:func:`lease_clock`): its lease runs from no
+    #: earlier.
     asked_at: float = 0.0
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
-        self.asked_at = time.monotonic()
+        self.asked_at = lease_clock()
         result = self.store.claim(self.request)
         if result.outcome is Outcome.ACQUIRED:
             self.token = result.token
@@ -143,7 +155,7 @@ class Attempt:
         completed it: it asks the store (a token-checked renewal) before running the body.
         Otherwise nothing is asked. Raises StoreUnavailable when the store cannot say.
         """
-        if time.monotonic() - self.asked_at < self.request.lease_seconds / 2:
+        if lease_clock() - self.asked_at < self.request.lease_seconds / 2:
             return True
         return self.store.extend(self.request, self.token)
 

@@ -381,7 +381,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             lost = claim.outcome is Outcome.ACQUIRED and not attempt.held_at_start()
         except StoreUnavailable as exc:
             logger.warning("store unavailable, will try again: %s", exc)
-            self._republish_self(defaults.STORE_UNAVAILABLE_DELAY, exc)
+            self._republish_self(
+                defaults.STORE_UNAVAILABLE_DELAY, exc, _taking_back_headers(attempt)
+            )
+        except SoftTimeLimitExceeded as exc:
+            # Fired before the body began (a slow store, a process paused past it): the call
+            # fails as it would have a moment later in its body.
+            despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
+            self.on_final_failure(exc, key, args, kwargs)
+            raise
         except CorruptRecord as exc:
             # Nothing can tell whether the key ran: the task waits in the dead-letter table
             # (its key to be looked at, or forgotten) rather than run or vanish.
@@ -394,7 +402,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "it waits for the new owner's value",
                 key,
             )
-            self._wait_for_new_owner()
+            self._wait_for_new_owner(attempt)
         if claim.outcome is Outcome.ACQUIRED:
             return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
@@ -502,17 +510,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self._answer_taken_over_call(taken_from, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.
-            self._wait_for_new_owner()
+            self._wait_for_new_owner(attempt)
         self._dead_letter_succeeded()
         return value
 
-    def _wait_for_new_owner(self) -> NoReturn:
-        """This call lost its claim to another execution (while its body ran, or before it
-        started): wait for that one's value like a duplicate, so every caller of this task id
-        gets the stored one; its copies are owed the value too."""
-        self._republish_self(
-            defaults.WAIT_INITIAL_DELAY, None, {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
-        )
+    def _wait_for_new_owner(self, attempt: Attempt) -> NoReturn:
+        """This call lost its ``attempt``'s claim to another execution (while its body ran,
+        or before it started): wait for that one's value like a duplicate, so every caller of
+        this task id gets the stored one; its copies are owed the value too, and so is the
+        call whose key the attempt took over, if any."""
+        headers: dict[str, Any] = {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
+        if attempt.taken_from_task_id is not None:
+            headers[TAKEN_FROM_HEADER] = attempt.taken_from_task_id
+        self._republish_self(defaults.WAIT_INITIAL_DELAY, None, headers)
 
     def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
         """Store ``value`` as the result of the call whose claim or queued message this one
@@ -1189,6 +1199,16 @@ def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)
     return taken_from if isinstance(taken_from, str) else None
+
+
+def _taking_back_headers(attempt: Attempt) -> dict[str, Any]:
+    """What the copy of a call sent again before its body began needs: to take back at once
+    the claim its ``attempt`` may hold (acquired, or applied with its reply lost), rather than
+    wait out the lease, and to answer the call whose key that claim took over."""
+    headers: dict[str, Any] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
+    if attempt.taken_from_task_id is not None:
+        headers[TAKEN_FROM_HEADER] = attempt.taken_from_task_id
+    return headers
 
 
 def _carried_headers(request: Any, attempt: Attempt | None = None) -> dict[str, Any]:

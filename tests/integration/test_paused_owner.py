@@ -5,7 +5,6 @@ taken the key over and even completed it."""
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from typing import Any
 
@@ -13,11 +12,17 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.result import AsyncResult
 from rq import SimpleWorker
 
-from idempotent_tasks import IdempotentTask
-from idempotent_tasks.core import Attempt
-from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks import IdempotentTask, defaults
+from idempotent_tasks.app_store import store_for
+from idempotent_tasks.core import Attempt, lease_clock
+from idempotent_tasks.dlq import DeadLetterQueue
+from idempotent_tasks.errors import StoreUnavailable
+from idempotent_tasks.keys import storage_key
+from idempotent_tasks.records import ClaimRequest, Outcome, Status
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.stores import MemoryStore
 from tests.integration import rq_jobs
@@ -65,7 +70,7 @@ def test_a_claim_just_made_is_held_without_asking_the_store() -> None:
 def test_a_claim_asked_for_half_a_lease_ago_is_checked_with_the_store() -> None:
     store = _CountedExtends()
     attempt = _attempt(store)
-    attempt.asked_at = time.monotonic() - LEASE / 2
+    attempt.asked_at = lease_clock() - LEASE / 2
     # Still held: the store says so (and its lease is renewed)
     assert attempt.held_at_start()
     assert store.extends == 1
@@ -125,10 +130,101 @@ def test_an_rq_job_paused_until_its_claim_was_taken_over_and_completed_runs_no_b
         queue.delete(delete_jobs=True)
 
 
-def _paused_after_asking(others_value: Any) -> Any:
+def test_a_paused_call_that_had_taken_over_a_lost_calls_key_answers_that_call_too(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("paused.charge"), shared=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order} here"
+
+    # Given a call whose claim took the key over from another call (whose message was lost),
+    # and which was then paused until a third execution took the key over and completed it
+    lost_call = str(uuid.uuid4())
+    monkeypatch.setattr(
+        Attempt, "claim", _paused_after_asking("charged o-1 by the other", taken_from=lost_call)
+    )
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        result = charge.apply_async(("o-1",), idempotency_key=fresh("key"))
+        assert result.get(timeout=30) == "charged o-1 by the other"
+        # Then the lost call's callers get the key's value too
+        assert AsyncResult(lost_call, app=app).get(timeout=10) == "charged o-1 by the other"
+    assert runs == []
+
+
+def test_a_claim_whose_pause_check_meets_a_down_store_is_taken_back_at_once(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("paused.charge"), shared=False, idempotency_lease=60)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order}"
+
+    # Given a claim acquired, whose check after a pause finds the store down
+    monkeypatch.setattr(defaults, "STORE_UNAVAILABLE_DELAY", 0.2)
+    monkeypatch.setattr(Attempt, "held_at_start", _failing_once(StoreUnavailable("down")))
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # When the call runs, then its copy, sent again, takes that claim back at once rather
+        # than wait out its 60 s lease, and the body runs once
+        result = charge.apply_async(("o-1",), idempotency_key=fresh("key"))
+        assert result.get(timeout=20) == "charged o-1"
+    assert runs == ["o-1"]
+
+
+def test_a_soft_time_limit_before_the_body_fails_the_call_into_the_dead_letter_table(
+    app: Celery, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app.conf.idempotency_dlq_url = f"sqlite:///{tmp_path}/dlq.db"
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("paused.charge"), shared=False, idempotency_lease=60)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order}"
+
+    # Given a claim acquired, and the call's soft time limit firing before its body begins
+    # (the process paused past it)
+    monkeypatch.setattr(Attempt, "held_at_start", _failing_once(SoftTimeLimitExceeded()))
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        result = charge.apply_async(("o-1",), idempotency_key=key)
+        # When it runs, then it fails as a body reaching its limit would
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=20)
+    assert runs == []
+    # And it waits in the dead-letter table, its key released for that retry to claim
+    dead_letters = DeadLetterQueue(app.conf.idempotency_dlq_url)
+    try:
+        [row] = [item for item in dead_letters.items() if item.task_id == result.id]
+        assert (row.error_type, row.idempotency_key) == ("SoftTimeLimitExceeded", key)
+    finally:
+        dead_letters.dispose()
+    record = store_for(app).get(storage_key(charge.name, key))
+    assert record is None or record.status is not Status.PROCESSING
+
+
+def _failing_once(error: BaseException) -> Any:
+    """``Attempt.held_at_start`` raising ``error`` the first time it is asked."""
+    checked = Attempt.held_at_start
+    raised: list[BaseException] = []
+
+    def held_at_start(self: Attempt) -> bool:
+        if not raised:
+            raised.append(error)
+            raise error
+        return checked(self)
+
+    return held_at_start
+
+
+def _paused_after_asking(others_value: Any, taken_from: str | None = None) -> Any:
     """``Attempt.claim`` whose first acquired claim comes back after a pause in which its
     lease ran out and another execution took the key over and completed it with
-    ``others_value``."""
+    ``others_value``; with ``taken_from``, that claim had taken the key over from that call."""
     asked = Attempt.claim
     paused: list[str] = []
 
@@ -136,7 +232,9 @@ def _paused_after_asking(others_value: Any) -> Any:
         result = asked(self)
         if result.outcome is Outcome.ACQUIRED and not paused:
             paused.append(self.request.task_id)
-            self.asked_at = time.monotonic() - self.request.lease_seconds
+            if taken_from is not None:
+                self.taken_from_task_id = taken_from
+            self.asked_at = lease_clock() - self.request.lease_seconds
             other = dataclasses.replace(
                 self.request,
                 owner=uuid.uuid4().hex,
