@@ -10,6 +10,7 @@ from typing import Any
 
 from celery import Celery, shared_task
 from celery._state import connect_on_app_finalize
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
 from . import defaults, signals
@@ -171,7 +172,9 @@ def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> bool:
     """A re-published dead letter's run begins, or goes on: its row is not stuck (so a sweep
     does not send it again while it runs, or while its own retries wait). Whether the row may
     still be this sweep's ``retrying`` one: a database error is logged, and counts as yes."""
-    return renewal.renew_retrying(lambda: dlq_for(app), dead_letter_id, sweep_id)
+    return renewal.renew_retrying(
+        lambda: dlq_for(app), dead_letter_id, sweep_id, SoftTimeLimitExceeded
+    )
 
 
 def retrying_kept_alive(app: Any, request: Any) -> AbstractContextManager[None]:

@@ -23,14 +23,24 @@ _row_keeper = LeaseKeeper()
 
 
 def renew_retrying(
-    queue_of: Callable[[], DeadLetterQueue], dead_letter_id: str, sweep_id: str | None
+    queue_of: Callable[[], DeadLetterQueue],
+    dead_letter_id: str,
+    sweep_id: str | None,
+    time_limit: type[BaseException] | None = None,
 ) -> bool:
     """A re-sent dead letter's run begins, or goes on: renew its row. Whether the row may still
     be ``sweep_id``'s ``retrying`` one: an error (the database down) is logged, and counts as
-    yes, never as the run's failure."""
+    yes, never as the run's failure.
+
+    ``time_limit``, the framework's one-shot time limit when the run's own thread renews (see
+    :func:`~idempotent_tasks.core.despite_time_limit`), is never taken for such an error: the
+    run would go on without its limit.
+    """
     try:
         return queue_of().renew_retrying(dead_letter_id, sweep_id)
     except Exception as exc:  # the database down, or its URL unusable: the run goes on
+        if time_limit is not None and isinstance(exc, time_limit):
+            raise
         logger.warning("could not renew dead letter %s: %s", dead_letter_id, exc)
         return True
 

@@ -220,6 +220,7 @@ class IdempotentJob(Job):
         unwritten = state.get("unwritten_failure")
         if unwritten:
             return self._write_unwritten(Failure(**unwritten), state)
+        self._renew_dead_letter(state)
         try:
             key = self._job_key(func, options, state)
         except ValueError:
@@ -280,6 +281,8 @@ class IdempotentJob(Job):
                 logger.warning(
                     "job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc
                 )
+                # A claim acquired (or applied, its reply lost) is taken back at once.
+                state["previous_owner"] = request.owner
                 return self._requeue_later(delay, f"store: {exc}")
             if lost:
                 # Lost while this process was paused (see Attempt.held_at_start): no body runs.
@@ -630,20 +633,35 @@ class IdempotentJob(Job):
         state["superseded"] = True
         return self._requeue_later(defaults.WAIT_INITIAL_DELAY, f"key {key!r} was taken over")
 
+    def _renew_dead_letter(self, state: dict[str, Any]) -> None:
+        """A dead letter's re-enqueued job begins a run (its body's, or a look at its key that
+        may wait again): its row is renewed, so the sweep's retrying timeout counts from its
+        last run, not from the re-enqueue. A job that waits for its key longer than that
+        timeout is then not taken for a stuck row, its failure dropped as another sweep's."""
+        dead_letter_id = state.get("dead_letter_id")
+        if dead_letter_id:
+            renewal.renew_retrying(
+                functools.partial(dead_letter_queue, state.get("dlq_url")),
+                str(dead_letter_id),
+                state.get("dead_letter_sweep"),
+                JobTimeoutException,
+            )
+
     @contextmanager
     def _dead_letter_kept_retrying(self, state: dict[str, Any]) -> Iterator[None]:
-        """While a dead letter's re-enqueued job runs, its row is renewed (see
-        :mod:`idempotent_tasks.dlq.renewal`): the sweep's retrying timeout then counts from
-        the run's last renewal, not from the re-enqueue."""
+        """While a dead letter's re-enqueued job runs its body, its row is renewed every third
+        of the retrying timeout (see :mod:`idempotent_tasks.dlq.renewal`); the run's start
+        renewed it already."""
         dead_letter_id = state.get("dead_letter_id")
         if not dead_letter_id:
             yield
             return
-        sweep_id = state.get("dead_letter_sweep")
         queue_of = functools.partial(dead_letter_queue, state.get("dlq_url"))
-        renewal.renew_retrying(queue_of, str(dead_letter_id), sweep_id)
         with renewal.kept_retrying(
-            queue_of, str(dead_letter_id), sweep_id, defaults.DLQ_RETRYING_TIMEOUT
+            queue_of,
+            str(dead_letter_id),
+            state.get("dead_letter_sweep"),
+            defaults.DLQ_RETRYING_TIMEOUT,
         ):
             yield
 

@@ -163,8 +163,16 @@ def _send_again(
         try:
             original.failed_job_registry.requeue(original)
         except InvalidJobOperation:
-            # No longer in the failed registry (a requeue cut short half-way): enqueue it anew,
-            # as it is when only it has the arguments, else below from the row.
+            # No longer in the failed registry: requeued meanwhile by someone else (by hand,
+            # another row of the same job id), or a requeue cut short half-way.
+            now = _held_job(connection, item.task_id, serializer)
+            current = now.get_status(refresh=False) if now is not None else None
+            if current in _LIVE:
+                # Enqueued anew here, it would run twice, and its data, meta included, be
+                # overwritten: the row is due again a poll interval later.
+                raise JobStillLive(f"job {item.task_id} was requeued meanwhile") from None
+            # Cut short: enqueue it anew, as it is when only it has the arguments, else below
+            # from the row.
             if item.options.get(ARGS_LOSSY):
                 Queue(
                     original.origin,

@@ -25,6 +25,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from rq.job import JobStatus
 from rq.queue import Queue
+from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
@@ -904,3 +905,76 @@ def test_an_rq_dead_letters_job_meeting_its_key_in_progress_waits_whatever_on_du
         assert ran == {"name": name, "value": 0, "run": 1}
     finally:
         queue.delete(delete_jobs=True)
+
+
+def test_an_rq_dead_letters_job_waiting_for_its_key_renews_its_row_at_each_run(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(fresh("dead-letter-renews"), connection=connection, dlq_url=dlq_url)
+    name = fresh("waits")
+    # Given an RQ dead letter's row, taken by a sweep a while ago
+    row = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name)))
+    [taken] = queue.take_due(framework=RQ_FRAMEWORK)
+    time.sleep(3.0)
+    try:
+        # and its re-enqueued job, whose key another execution holds for long
+        job = rq_queue.enqueue(rq_jobs.record_keyed, name, 1)
+        job.meta[META_KEY].update(dead_letter_id=taken.id, dead_letter_sweep=taken.sweep_id)
+        job.save_meta()
+        task_name = f"{rq_jobs.__name__}.record_keyed"
+        holder = ClaimRequest(
+            storage_key=storage_key(task_name, f"keyed:{name}"),
+            key=f"keyed:{name}",
+            task_name=task_name,
+            task_id=fresh("holder"),
+            owner=fresh("holder-owner"),
+            fingerprint=fingerprint(task_name, signature_of(rq_jobs.record_keyed), (name, 1), {}),
+            lease_seconds=60,
+            ttl_seconds=60,
+        )
+        assert rq_queue.store.claim(holder).outcome is Outcome.ACQUIRED
+        # When a worker runs it once: it waits for the key, then goes back to its queue
+        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
+            burst=True, max_jobs=1
+        )
+        assert rq_jobs.starts(name) == 0
+        assert rq_queue.job_ids == [job.id]
+        # Then that run renewed the row: a sweep does not take it for stuck (its failure would
+        # then be dropped as another sweep's, and the row sent again ahead of its backoff)
+        assert queue.recover_stuck(timedelta(seconds=2.5), framework=RQ_FRAMEWORK) == 0
+        found = queue.get(row.id)
+        assert found is not None
+        assert (found.status, found.sweep_id) == (DeadLetterStatus.RETRYING, taken.sweep_id)
+    finally:
+        rq_queue.delete(delete_jobs=True)
+
+
+def test_an_rq_row_whose_failed_job_someone_requeues_meanwhile_is_not_sent_twice(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(fresh("sweep-requeued"), connection=connection)
+    # Given an RQ row whose job RQ keeps as failed
+    job = rq_queue.enqueue(rq_jobs.record, fresh("requeued"), 1)
+    rq_queue.remove(job)
+    job.set_status(JobStatus.FAILED)
+    FailedJobRegistry(queue=rq_queue).add(job, ttl=600)
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    # and someone else (an operator, another row's sweep) requeuing that job just before the
+    # sweep does
+    requeue = FailedJobRegistry.requeue
+
+    def requeued_first(registry: FailedJobRegistry, job_or_id: Any, at_front: bool = False) -> Any:
+        requeue(registry, job_or_id.id, at_front)  # theirs
+        return requeue(registry, job_or_id, at_front)  # the sweep's: no longer failed
+
+    monkeypatch.setattr(FailedJobRegistry, "requeue", requeued_first)
+    try:
+        # When the sweep runs, then the job is queued once, and the row is due again later
+        assert rq_retry_dead_letters(connection, dlq_url) == 0
+        assert rq_queue.job_ids == [job.id]
+        row = queue.get(item.id)
+        assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+    finally:
+        rq_queue.delete(delete_jobs=True)
