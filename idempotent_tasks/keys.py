@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -144,9 +145,15 @@ def fingerprint(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+#: A memory address in a repr (``<function f at 0x7f...>``, a partial of one): it differs
+#: between processes for equal arguments, so it is left out.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _repr(value: Any) -> str:
+    """A value's repr without memory addresses."""
     try:
-        return repr(value)
+        return _ADDRESS.sub("", repr(value))
     except Exception:
         return f"<{type(value).__name__}>"
 
@@ -188,13 +195,29 @@ def _canonical_default(value: Any) -> Any:
         offset = value.utcoffset()
         if offset is not None:
             return {"__repr__": repr(value.replace(tzinfo=timezone(offset), fold=0))}
+    if inspect.isroutine(value):
+        # A function, method or builtin (a parameter's default, often) stands for its name:
+        # its repr holds its memory address, which differs from one process to the next.
+        named: dict[str, Any] = {"__routine__": _routine_name(value)}
+        bound_to = getattr(value, "__self__", None)
+        if bound_to is not None and not inspect.ismodule(bound_to):
+            named["self"] = bound_to
+        return named
     kind = type(value)
     if kind.__repr__ is object.__repr__:  # type: ignore[comparison-overlap]
         state = getattr(value, "__dict__", None)
         if state is None:
             state = {name: getattr(value, name, None) for name in _slot_names(kind)}
         return {"__object__": f"{kind.__module__}.{kind.__qualname__}", "state": state}
-    return {"__repr__": repr(value)}
+    return {"__repr__": _repr(value)}
+
+
+def _routine_name(routine: Any) -> str:
+    module = getattr(routine, "__module__", None)
+    if module is None and getattr(routine, "__self__", None) is not None:
+        module = type(routine.__self__).__module__  # a builtin method: list.append, say
+    name = getattr(routine, "__qualname__", None) or getattr(routine, "__name__", "?")
+    return f"{module}.{name}"
 
 
 def _slot_names(kind: type) -> list[str]:

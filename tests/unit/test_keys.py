@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 from datetime import datetime, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -127,6 +129,47 @@ def test_fingerprint_of_objects_without_a_repr_of_their_own_is_their_state() -> 
     assert fingerprint("t", None, (Plain(1),), {}) != fingerprint("t", None, (Plain(2),), {})
     assert fingerprint("t", None, (Slotted(1),), {}) == fingerprint("t", None, (Slotted(1),), {})
     assert fingerprint("t", None, (Slotted(1),), {}) != fingerprint("t", None, (Slotted(2),), {})
+
+
+def notify(order: int) -> None:
+    """A function passed as an argument (or a parameter's default)."""
+
+
+def _same_function_elsewhere(function: Any) -> Any:
+    """An equal copy of ``function`` at another address, as another process has it."""
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__)
+    copy.__qualname__ = function.__qualname__
+    return copy
+
+
+def charge_with_notifier(order: int, notifier: Any = notify) -> None:
+    """A task whose parameter defaults to a function."""
+
+
+def test_fingerprint_of_functions_and_methods_does_not_hold_their_memory_address() -> None:
+    elsewhere = _same_function_elsewhere(notify)
+    assert elsewhere is not notify and repr(elsewhere) != repr(notify)
+    signature = inspect.signature(charge_with_notifier)
+    # A default applied, as each process binds it: the same call in two processes
+    assert fingerprint("t", signature, (1,), {}) == fingerprint(
+        "t", signature, (1,), {"notifier": elsewhere}
+    )
+    # Wrapped in a partial (a repr of its own, holding the function's)
+    assert fingerprint("t", None, (functools.partial(notify, 1),), {}) == fingerprint(
+        "t", None, (functools.partial(elsewhere, 1),), {}
+    )
+    # Bound methods: of equal objects alike, of others not; builtins by name
+    assert fingerprint("t", None, (Plain(1).__init__,), {}) == fingerprint(
+        "t", None, (Plain(1).__init__,), {}
+    )
+    assert fingerprint("t", None, (Plain(1).__init__,), {}) != fingerprint(
+        "t", None, (Plain(2).__init__,), {}
+    )
+    assert fingerprint("t", None, (len,), {}) != fingerprint("t", None, (abs,), {})
+    # Other functions differ
+    assert fingerprint("t", signature, (1,), {}) != fingerprint(
+        "t", signature, (1,), {"notifier": charge_with_notifier}
+    )
 
 
 def test_fingerprint_of_dicts_whose_keys_json_cannot_sort_or_hold() -> None:
