@@ -266,7 +266,7 @@ class SqlStore:
         for _ in range(MAX_CLAIM_ROUNDS):
             now = self._clock()
             fresh = self._processing_row(request, now, token=1, takeover=False)
-            if self._rowcount(insert_if_absent(self.dialect, fresh)) == 1:
+            if self._inserted(insert_if_absent(self.dialect, fresh), claim_id):
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=1)
             found = self._claim_row(request.storage_key)
             if found is None:
@@ -429,6 +429,16 @@ class SqlStore:
             deleted = _count(connection, delete_expired(before))
             connection.execute(delete_orphan_pickups(before))
             return deleted
+
+    def _inserted(self, insert: Insert, claim_id: str) -> bool:
+        """Run a claim's insert of a new row; whether it wrote. A pickup the key still has
+        then is an earlier call's, left behind when the cleanup removed its expired row (due
+        after that): its arguments must never be published under this claim's task id."""
+        with self._begin() as connection:
+            if _count(connection, insert) != 1:
+                return False
+            connection.execute(delete_pickup(claim_id))
+            return True
 
     def _replaced(self, swap: Update, claim_id: str, *, ended: bool) -> bool:
         """Run a claim's compare-and-set; whether it wrote. A row it replaced that had ended

@@ -155,3 +155,24 @@ def test_cleanup_takes_the_pickups_of_expired_rows_along(
     clock.now += 1 + 5 + 1
     # Then the guard has nothing of the first call's to publish under its task id
     assert store.take(second.storage_key) is None
+
+
+def test_a_fresh_claim_drops_the_pickup_an_expired_row_left_behind(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    # Given a reservation whose message the guard published again (its next try due after the
+    # row expires), and the row removed by the cleanup before that try
+    store, clock = clocked_store
+    pickup = Pickup(envelope=b'{"args": ["first"]}', due_in=1.0, timeout=5.0)
+    assert store.reserve(request_for(make_request, owner="", ttl_seconds=1.0), pickup) is None
+    clock.now += 1.5
+    assert len(store.take_due(10)) == 1
+    clock.now += 2
+    assert store.cleanup() == 1
+    # When another call, with other arguments, claims the key afresh, then dies
+    second = request_for(make_request, task_id="task-2", fingerprint="fp-2", lease_seconds=1.0)
+    assert store.claim(second).outcome is Outcome.ACQUIRED
+    clock.now += 20
+    # Then the guard never publishes the first call's arguments under its task id
+    assert store.take(second.storage_key) is None
+    assert store.take_due(10) == []
