@@ -47,6 +47,8 @@ def ensure_component(
             if round_number == SETUP_ROUNDS:
                 raise StoreUnavailable(f"{what} database unusable: {exc}") from exc
             time.sleep(random.uniform(0.02, 0.1) * round_number)
+        except SQLAlchemyError as exc:  # a connection dropped half-way (InterfaceError), say
+            raise StoreUnavailable(f"{what} database unusable: {exc}") from exc
 
 
 def _probe(engine: Engine, what: str) -> None:

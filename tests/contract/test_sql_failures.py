@@ -9,6 +9,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
+from idempotent_tasks.dlq import schema_setup
 from idempotent_tasks.dlq.schema import (
     CLAIMS_COMPONENT,
     PICKUPS_COMPONENT,
@@ -46,6 +47,22 @@ def _request() -> ClaimRequest:
 def test_unreachable_database_raises_store_unavailable(url: str) -> None:
     store = SqlStore(url, prefix="down")
     with pytest.raises(StoreUnavailable):
+        store.claim(_request())
+    store.close()
+
+
+def test_a_connection_dropped_while_the_tables_are_set_up_is_store_unavailable(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a first use whose table setup loses its connection half-way (not an operational
+    # error: an interface error, as a driver raises for a connection closed under it)
+    def dropped(*_: object, **__: object) -> None:
+        raise sa.exc.InterfaceError("SELECT version", None, ConnectionResetError("closed"))
+
+    monkeypatch.setattr(schema_setup, "_create_or_check", dropped)
+    store = SqlStore(f"sqlite:///{tmp_path}/claims.sqlite3", prefix="p")
+    # When a claim is asked, then it fails closed as an unavailable store (retried later)
+    with pytest.raises(StoreUnavailable, match="database unusable"):
         store.claim(_request())
     store.close()
 
