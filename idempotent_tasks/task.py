@@ -329,6 +329,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Celery's re-publish signature (retries, replacements), carrying our headers along."""
         request = self.request if request is None else request
         key = request_header(request, KEY_HEADER)  # a running call's: _call_key took it
+        if key is None:
+            # A message without one, keyed by the task's template (sent by send_task, say):
+            # the key its claim runs under, not one derived from the next message's arguments.
+            attempt = _current_attempt(request)
+            key = attempt.request.key if attempt is not None else None
         if key is not None:
             extra_options.setdefault(KEY_HEADER, key)
         carried = extra_options.setdefault(_REPUBLISH, {})
@@ -1188,13 +1193,21 @@ def _routing_of(signature: Any) -> dict[str, Any]:
     return routing
 
 
+def _current_attempt(request: Any) -> Attempt | None:
+    """The attempt whose claim ``request`` runs under, or the one its retry() is giving up."""
+    attempt = getattr(request, "idempotency_attempt", None)
+    if attempt is None:
+        retrying = getattr(request, "idempotency_retrying", None)
+        attempt = retrying[0] if retrying else None
+    return attempt if isinstance(attempt, Attempt) else None
+
+
 def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
     """The task id of another call whose key this call (its ``attempt``: by default the
     running one, or the one retrying) took over, or the call it retries or waits for took over
     (see ``TAKEN_FROM_HEADER``)."""
     if attempt is None:
-        retrying = getattr(request, "idempotency_retrying", None)
-        attempt = getattr(request, "idempotency_attempt", None) or (retrying and retrying[0])
+        attempt = _current_attempt(request)
     if attempt is not None and attempt.taken_from_task_id is not None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)

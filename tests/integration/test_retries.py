@@ -85,6 +85,22 @@ def test_a_retry_with_other_arguments_continues_the_same_call() -> None:
     assert worker_app.paged.apply_async((name, 1), idempotency_key=key).get(timeout=10) == 3
 
 
+def test_a_retry_with_other_arguments_keeps_the_key_its_template_gave_a_keyless_message() -> None:
+    # Given a call sent without a key (send_task: no header), keyed by its task's template
+    name = fresh("paged-by-template")
+    task = worker_app.paged_by_template
+    result = worker_app.app.send_task(task.name, (name, 1))
+    # When it retries itself with other arguments, then the retries continue the same call,
+    # under the key of the first call's arguments
+    assert result.get(timeout=30) == 3
+    assert ledger_events(name, "start") == 3
+    record = _record(task, f"paged:{name}:1")
+    assert record is not None and record.status is Status.COMPLETED  # type: ignore[attr-defined]
+    # and no retry claimed a key of its own (the first one, left queued, would run again)
+    assert _record(task, f"paged:{name}:2") is None
+    assert _record(task, f"paged:{name}:3") is None
+
+
 def test_exhausted_retries_fail_the_task_and_free_the_key() -> None:
     name, key = fresh("doomed"), fresh("key")
     result = worker_app.always_fails.apply_async((name,), idempotency_key=key)

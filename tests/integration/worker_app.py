@@ -240,6 +240,21 @@ def paged(self: Any, name: str, page: int) -> int:
     return page
 
 
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    max_retries=5,
+    default_retry_delay=0.1,
+    idempotency_key="paged:{name}:{page}",
+)
+def paged_by_template(self: Any, name: str, page: int) -> int:
+    """:func:`paged` under the key its template derives from the first call's page."""
+    note("start", name)
+    if page < 3:
+        raise self.retry(args=(name, page + 1))
+    return page
+
+
 @app.task(base=IdempotentTask)
 def summed(n: int) -> int:
     """1 + 2 + ... + n, calling itself as a plain function (not as a message)."""
