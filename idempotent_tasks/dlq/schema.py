@@ -30,8 +30,9 @@ from sqlalchemy.engine import Connection, Dialect
 Migration = Callable[[Connection], None]
 
 #: Version of the dead-letter table; a database at a higher version is refused. Version 2:
-#: ``failure_id`` compared exactly on MySQL/MariaDB (see :class:`ExactText`).
-SCHEMA_VERSION = 2
+#: ``failure_id`` compared exactly on MySQL/MariaDB (see :class:`ExactText`); 3: its text in
+#: utf8mb4 there, whatever the server's default (see :data:`TEXT_IN_UTF8MB4`).
+SCHEMA_VERSION = 3
 #: Name under which the dead-letter schema records its version.
 COMPONENT = "dead_letters"
 
@@ -42,6 +43,10 @@ Timestamp = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql",
 LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 # MySQL/MariaDB BLOB holds only 64 KiB.
 LongBlob = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+#: Table options: on MySQL/MariaDB, text in utf8mb4 whatever the server's default (latin1 in
+#: MariaDB's own before 11.6, where a key, task name or error message in another script, an
+#: emoji, is refused in strict mode, and the write is retried for ever).
+TEXT_IN_UTF8MB4: dict[str, Any] = {"mysql_charset": "utf8mb4"}
 
 
 class ExactText(TypeDecorator[str]):
@@ -104,6 +109,7 @@ dead_letters = Table(
     Index("ix_idempotent_tasks_dead_letters_task", "task_name", "status"),
     Index("ix_idempotent_tasks_dead_letters_key", "idempotency_key", mysql_length=191),
     Index("ix_idempotent_tasks_dead_letters_sweep", "sweep_id"),
+    **TEXT_IN_UTF8MB4,
 )
 
 schema_versions = Table(
@@ -113,8 +119,9 @@ schema_versions = Table(
     Column("version", Integer, nullable=False),
 )
 
-#: Version of the claims table of the SQL store (2: ids compared exactly on MySQL/MariaDB).
-CLAIMS_SCHEMA_VERSION = 2
+#: Version of the claims table of the SQL store (2: ids compared exactly on MySQL/MariaDB;
+#: 3: text in utf8mb4 there).
+CLAIMS_SCHEMA_VERSION = 3
 CLAIMS_COMPONENT = "claims"
 
 # POSIX seconds as doubles: MySQL's FLOAT is single precision, too coarse for timestamps.
@@ -142,10 +149,12 @@ claims = Table(
     Column("content_encoding", String(64)),
     Column("result", LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")),
     Index("ix_idempotent_tasks_claims_expires", "expires_at"),
+    **TEXT_IN_UTF8MB4,
 )
 
-#: Version of the pickups table of the SQL store (the pickup guard's outbox; 2 as for claims).
-PICKUPS_SCHEMA_VERSION = 2
+#: Version of the pickups table of the SQL store (the pickup guard's outbox; 2 and 3 as for
+#: claims).
+PICKUPS_SCHEMA_VERSION = 3
 PICKUPS_COMPONENT = "pickups"
 
 # The message of a queued claim, kept until a worker claims the key so a sweep can publish it
@@ -165,6 +174,7 @@ pickups = Table(
     # When the message counts as lost (mirrored in the claim row's lease_expires_at).
     Column("due_at", Double, nullable=False),
     Index("ix_idempotent_tasks_pickups_due", "due_at"),
+    **TEXT_IN_UTF8MB4,
 )
 
 
@@ -183,6 +193,26 @@ def _compared_exactly(table: Table, column: str) -> Migration:
     return migrate
 
 
-DEAD_LETTER_MIGRATIONS: Mapping[int, Migration] = {1: _compared_exactly(dead_letters, "failure_id")}
-CLAIMS_MIGRATIONS: Mapping[int, Migration] = {1: _compared_exactly(claims, "id")}
-PICKUPS_MIGRATIONS: Mapping[int, Migration] = {1: _compared_exactly(pickups, "id")}
+def _in_utf8mb4(table: Table) -> Migration:
+    """Version 2 -> 3: on MySQL/MariaDB the table's text, in the server's default character
+    set before (latin1 on many), becomes utf8mb4."""
+
+    def migrate(connection: Connection) -> None:
+        if connection.dialect.name in ("mysql", "mariadb"):
+            connection.execute(text(f"ALTER TABLE {table.name} CONVERT TO CHARACTER SET utf8mb4"))
+
+    return migrate
+
+
+DEAD_LETTER_MIGRATIONS: Mapping[int, Migration] = {
+    1: _compared_exactly(dead_letters, "failure_id"),
+    2: _in_utf8mb4(dead_letters),
+}
+CLAIMS_MIGRATIONS: Mapping[int, Migration] = {
+    1: _compared_exactly(claims, "id"),
+    2: _in_utf8mb4(claims),
+}
+PICKUPS_MIGRATIONS: Mapping[int, Migration] = {
+    1: _compared_exactly(pickups, "id"),
+    2: _in_utf8mb4(pickups),
+}

@@ -1394,7 +1394,7 @@ def test_a_version_one_table_is_brought_to_exact_failure_ids_keeping_its_rows(
                 "Order-42:0",
                 "order-42:0",
             ]
-            assert _version_rows(engine) == [(COMPONENT, SCHEMA_VERSION)] == [(COMPONENT, 2)]
+            assert _version_rows(engine) == [(COMPONENT, SCHEMA_VERSION)] == [(COMPONENT, 3)]
         finally:
             dlq.dispose()
     finally:

@@ -9,17 +9,19 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from idempotent_tasks.dlq import schema_setup
+from idempotent_tasks.dlq import DeadLetterQueue, Failure, schema_setup
 from idempotent_tasks.dlq.schema import (
     CLAIMS_COMPONENT,
     PICKUPS_COMPONENT,
     claims,
+    dead_letters,
     pickups,
     schema_versions,
 )
 from idempotent_tasks.errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
+from tests.services import require
 
 from .conftest import store_url
 
@@ -179,7 +181,7 @@ def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
         assert store.complete(other, claimed.token, None) is CompleteOutcome.STORED
         with engine.connect() as connection:
             versions = dict(connection.execute(sa.select(schema_versions)).all())
-        assert versions[CLAIMS_COMPONENT] == versions[PICKUPS_COMPONENT] == 2
+        assert versions[CLAIMS_COMPONENT] == versions[PICKUPS_COMPONENT] == 3
     finally:
         store.close()
         engine.dispose()
@@ -275,3 +277,98 @@ def test_a_pickup_row_that_cannot_be_read_is_a_corrupt_record_and_the_sweep_take
         assert store.take("k") is None
     finally:
         store.close()
+
+
+LATIN1_DATABASE = "latin1_claims"
+GIFT = "gift-\U0001f600-\u8d08\u308a\u7269"  # an emoji and CJK: no latin1 for either
+
+
+@pytest.fixture()
+def latin1_url() -> str:
+    """A MariaDB database whose default character set is latin1 (MariaDB's own default before
+    11.6; this machine's server is configured for utf8mb4)."""
+    require("MariaDB")
+    admin = sa.create_engine("mysql+pymysql://root@127.0.0.1:3306/test")
+    with admin.begin() as connection:
+        connection.execute(sa.text(f"DROP DATABASE IF EXISTS {LATIN1_DATABASE}"))
+        connection.execute(sa.text(f"CREATE DATABASE {LATIN1_DATABASE} CHARACTER SET latin1"))
+    admin.dispose()
+    return f"mysql+pymysql://root@127.0.0.1:3306/{LATIN1_DATABASE}"
+
+
+def _gift_request(owner: str = "o") -> ClaimRequest:
+    return ClaimRequest(
+        storage_key=f"t:{GIFT}",
+        key=GIFT,
+        task_name="t",
+        task_id="x",
+        owner=owner,
+        fingerprint="fp",
+        lease_seconds=30,
+        ttl_seconds=600,
+    )
+
+
+def _keeps_any_script(url: str) -> None:
+    """A key and an error message beyond latin1 go through the store's and the dead-letter
+    table's writes, and come back as they went in."""
+    store = SqlStore(url, prefix="p")
+    try:
+        first = _gift_request()
+        claimed = store.claim(first)
+        assert claimed.outcome is Outcome.ACQUIRED
+        # A retry's release rewrites the row with its key (as a retry does)
+        assert store.release(first, claimed.token, Pickup(envelope=b"{}", due_in=60, timeout=60))
+        assert store.claim(_gift_request(owner="o2")).outcome is Outcome.ACQUIRED
+        record = store.get(first.storage_key)
+        assert record is not None and record.key == GIFT
+    finally:
+        store.close()
+    queue = DeadLetterQueue(url)
+    try:
+        failure = Failure(
+            failure_id="x:0",
+            task_name="t",
+            task_id="x",
+            idempotency_key=GIFT,
+            args=[GIFT],
+            kwargs={},
+            options={},
+            error_type="PaymentDeclined",
+            error_message=f"declined: {GIFT}",
+            traceback=None,
+            max_retries=3,
+        )
+        item = queue.add(failure)
+        found = queue.get(item.id)
+        assert found is not None
+        assert (found.idempotency_key, found.error_message) == (GIFT, f"declined: {GIFT}")
+    finally:
+        queue.dispose()
+
+
+def test_keys_and_errors_beyond_latin1_are_kept_on_a_latin1_mariadb(latin1_url: str) -> None:
+    _keeps_any_script(latin1_url)
+
+
+def test_tables_made_latin1_by_an_earlier_version_are_brought_to_utf8mb4(latin1_url: str) -> None:
+    # Given the tables as version 2 made them on a latin1 server (its default character set)
+    store = SqlStore(latin1_url, prefix="p")
+    store.ensure_schema()
+    store.close()
+    queue = DeadLetterQueue(latin1_url)
+    queue.ensure_schema()
+    queue.dispose()
+    engine = sa.create_engine(latin1_url)
+    with engine.begin() as connection:
+        for table in (claims, pickups, dead_letters):
+            connection.execute(sa.text(f"ALTER TABLE {table.name} CONVERT TO CHARACTER SET latin1"))
+        connection.execute(schema_versions.update().values(version=2))
+    # When this version opens them, then they keep text in any script
+    try:
+        _keeps_any_script(latin1_url)
+        with engine.connect() as connection:
+            versions = dict(connection.execute(sa.select(schema_versions)).all())
+        assert set(versions.values()) == {3}
+    finally:
+        engine.dispose()
