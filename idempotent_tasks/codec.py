@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kombu import serialization
-from kombu.exceptions import ContentDisallowed, DecodeError, EncodeError
+from kombu.exceptions import ContentDisallowed, DecodeError, EncodeError, SerializerNotInstalled
 
 from .errors import CorruptRecord
 from .records import EncodedResult
@@ -16,6 +16,19 @@ logger = logging.getLogger(__name__)
 
 #: Serializers that can run code when loading, used only when the app opts in.
 UNSAFE_SERIALIZERS = frozenset({"pickle", "application/x-python-serialize"})
+#: The key of kombu's JSON type markers (datetime, Decimal, UUID, bytes ...).
+_TYPE_MARKER = b'"__type__"'
+
+
+def serializer_installed(serializer: str) -> bool:
+    """Whether kombu can encode with ``serializer`` here (yaml needs PyYAML, say)."""
+    try:
+        serialization.dumps("", serializer)  # type: ignore[no-untyped-call]
+    except SerializerNotInstalled:
+        return False
+    except Exception:  # installed, only not for this probe
+        return True
+    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,15 +53,29 @@ class ResultCodec:
             )
 
     def encode(self, value: Any) -> tuple[EncodedResult | None, str | None]:
-        """Return the encoded value, or ``None`` and the reason it cannot be cached."""
+        """Return the encoded value, or ``None`` and the reason it cannot be cached: it cannot
+        be serialized, is too big, or would not decode back to a value."""
         try:
             content_type, encoding, body = serialization.dumps(value, self.serializer)  # type: ignore[no-untyped-call]
-        except (EncodeError, TypeError, ValueError) as exc:
+            data = body.encode("utf-8") if isinstance(body, str) else body
+            if not isinstance(data, bytes | bytearray | memoryview):
+                # kombu's "raw" passes anything else through: bytes(5) would be five NULs.
+                raise EncodeError(f"it gave {type(data).__name__}, not bytes")
+        except Exception as exc:  # any serializer's error, a plugin's or one not installed
             return None, f"result is not serializable with {self.serializer}: {exc}"
-        data = body.encode("utf-8") if isinstance(body, str) else bytes(body)
         if len(data) > self.max_bytes:
             return None, f"result is {len(data)} bytes, over the {self.max_bytes}-byte limit"
-        return EncodedResult(content_type=content_type, content_encoding=encoding, body=data), None
+        encoded = EncodedResult(
+            content_type=content_type, content_encoding=encoding, body=bytes(data)
+        )
+        if _TYPE_MARKER in encoded.body:
+            # kombu's JSON reads {"__type__": ..., "__value__": ...} back as the type it names:
+            # a value that only looks like one would fail every duplicate.
+            try:
+                self.decode(encoded)
+            except CorruptRecord as exc:
+                return None, f"result would not decode back: {exc}"
+        return encoded, None
 
     def decode(self, encoded: EncodedResult) -> Any:
         """Decode a cached result, refusing pickle unless the app opted in."""

@@ -35,7 +35,7 @@ from . import (
 from .app_store import store_for
 from .canvas_keys import check_following_keys
 from .celery_result import backend_shares_store, result_side_write
-from .codec import UNSAFE_SERIALIZERS, ResultCodec
+from .codec import UNSAFE_SERIALIZERS, ResultCodec, serializer_installed
 from .core import Attempt, despite_time_limit, new_owner, wait_delay, wait_for_owner
 from .dead_letters import (
     DEAD_LETTER_HEADER,
@@ -1047,6 +1047,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         previous_owner: str | None = None,
     ) -> ClaimRequest:
         lease_seconds, ttl_seconds = self._lease_and_ttl
+        _ = self._codec  # its settings checked too, before anything is published
         return ClaimRequest(
             storage_key=storage_key(self.name, key),
             key=key,
@@ -1148,11 +1149,35 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 defaults.RESULT_SERIALIZER,
             )
             serializer = defaults.RESULT_SERIALIZER
+        elif not serializer_installed(serializer):
+            module_logger.warning(
+                "%s: serializer %r is not installed here; its cached results use %s instead",
+                self.name,
+                serializer,
+                defaults.RESULT_SERIALIZER,
+            )
+            serializer = defaults.RESULT_SERIALIZER
         return ResultCodec(
             serializer=serializer,
-            max_bytes=int(app_setting(conf, "idempotency_result_max_bytes")),
+            max_bytes=_byte_count(app_setting(conf, "idempotency_result_max_bytes")),
             allow_unsafe=allow_pickle,
         )
+
+
+def _byte_count(value: Any) -> int:
+    """``idempotency_result_max_bytes`` as a number of bytes, or a ``ValueError`` naming it."""
+    if not isinstance(value, bool):
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            pass
+        else:
+            # Text such as "1048576" (from an environment variable) is one; 1.5 is none.
+            if count >= 0 and (isinstance(value, str) or count == value):
+                return count
+    raise ValueError(
+        f"idempotency_result_max_bytes must be a whole number of bytes, 0 or more, not {value!r}"
+    )
 
 
 def _ends_killed_calls(request_class: Any) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 
 from idempotent_tasks.codec import ResultCodec
@@ -52,3 +54,30 @@ def test_undecodable_bytes_are_a_corrupt_record() -> None:
     broken = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"{")
     with pytest.raises(CorruptRecord, match="cannot be decoded"):
         codec.decode(broken)
+
+
+def test_a_serializer_not_installed_here_caches_nothing_and_raises_nothing() -> None:
+    codec = ResultCodec(serializer="not-installed-here", max_bytes=1000)
+    encoded, reason = codec.encode({"a": 1})
+    assert encoded is None
+    assert reason is not None and "not serializable with not-installed-here" in reason
+
+
+def test_raw_caches_bytes_only_never_a_value_it_would_turn_into_other_bytes() -> None:
+    codec = ResultCodec(serializer="raw", max_bytes=1000)
+    encoded, _ = codec.encode(b"\x00\x01")
+    assert encoded is not None and codec.decode(encoded) == b"\x00\x01"
+    # bytes(5) would be five NULs: a duplicate would get them instead of 5
+    assert codec.encode(5) == (None, "result is not serializable with raw: it gave int, not bytes")
+
+
+def test_a_value_that_would_not_decode_back_is_not_cached() -> None:
+    codec = ResultCodec(serializer="json", max_bytes=1000)
+    # Looks like kombu's marker of a datetime, and is none: every duplicate would fail on it
+    encoded, reason = codec.encode({"__type__": "datetime", "__value__": "soon"})
+    assert encoded is None
+    assert reason is not None and reason.startswith("result would not decode back")
+    # A real datetime, marked the same way, is cached and comes back
+    when = datetime(2026, 11, 27, 16, 0, tzinfo=timezone.utc)
+    encoded, _ = codec.encode({"when": when})
+    assert encoded is not None and codec.decode(encoded) == {"when": when}

@@ -88,6 +88,29 @@ def test_pickle_is_used_when_the_app_opts_in() -> None:
     assert pickled._codec.allow_unsafe
 
 
+def test_a_serializer_not_installed_here_falls_back_to_json() -> None:
+    app = _app(idempotency_result_serializer="not-installed-here")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def plain() -> None: ...
+
+    assert plain._codec.serializer == "json"
+
+
+@pytest.mark.parametrize("size", ["1MiB", -1, 1.5])
+def test_a_result_size_limit_that_is_no_number_of_bytes_is_refused_before_publishing(
+    size: object,
+) -> None:
+    app = _app(idempotency_store_url="memory://", idempotency_result_max_bytes=size)
+
+    @app.task(base=IdempotentTask, shared=False)
+    def plain(x: int) -> int:
+        return x
+
+    with pytest.raises(ValueError, match="idempotency_result_max_bytes must be a whole number"):
+        plain.apply_async((1,), idempotency_key="k")
+
+
 def test_a_tasks_own_safe_serializer_caches_its_results() -> None:
     # Given a serializer of the app's own in kombu's registry (JSON, tagged), set on a task
     name = f"tagged-{uuid.uuid4().hex[:8]}"
