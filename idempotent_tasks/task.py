@@ -1009,11 +1009,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         raise Retry(exc=exc, when=countdown, sig=signature)
 
     def _copy(self, countdown: float, headers: dict[str, Any]) -> Any:
-        """This very message, to publish again after ``countdown`` s with ``headers`` added."""
+        """This very message, to publish again after ``countdown`` s with ``headers`` added.
+
+        A copy that only writes down how the call ended (its dead letter, or its dead letter's
+        success) never expires: the call's ``expires`` bounds when it may start, and expired,
+        the copy would be dropped unread, its failure never dead-lettered.
+        """
+        options: dict[str, Any] = {}
+        if UNWRITTEN_FAILURE_HEADER in headers or UNWRITTEN_SUCCESS_HEADER in headers:
+            options["expires"] = None
         return self.signature_from_request(
             self.request,
             countdown=countdown,
             retries=self.request.retries,
+            **options,
             **{_REPUBLISH: headers},
         )
 

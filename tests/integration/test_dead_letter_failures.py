@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +79,25 @@ def test_four_sweeps_at_once_republish_each_row_exactly_once(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("expires", [None, 4.0], ids=["no-expiry", "call-expires-meanwhile"])
 def test_database_down_at_failure_time_loses_nothing(
-    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+    expires: float | None, it_env: dict[str, str], worker_app: Any, tmp_path: Path
 ) -> None:
-    # Given a dead-letter database that is offline when a task fails for good
+    # Given a dead-letter database that is offline when a task fails for good (a call that
+    # expires 4 s after it was sent, in one case: the database stays down past that)
     url = _dead_letter_database("it_dlq_down")
     worker = WorkerProcess("down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
     try:
         set_pg_database_online("it_dlq_down", False)
         name = fresh("down")
-        result = worker_app.fails_forever.apply_async((name,), idempotency_key=fresh("key"))
+        result = worker_app.fails_forever.apply_async(
+            (name,), idempotency_key=fresh("key"), expires=expires
+        )
         wait_until(
             lambda: "could not write its dead letter" in worker.log(), 30, "the failed write"
         )
+        if expires is not None:
+            time.sleep(expires + 1)
         # When the database comes back
         set_pg_database_online("it_dlq_down", True)
         # Then the failure is written once, and the task ends failed (not lost, not retried)
