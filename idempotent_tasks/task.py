@@ -593,6 +593,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if first.options[KEY_HEADER] == key:
                 headers = dict(first.options.get("headers") or {})
                 headers[PREVIOUS_OWNER_HEADER] = attempt.request.owner
+                # The same call goes on: the dead letter it retries, the call it took over.
+                for name, value in _carried_headers(request, attempt).items():
+                    headers.setdefault(name, value)
                 first.set(headers=headers)
                 request.idempotency_replacement = first
                 handed_on = True

@@ -248,3 +248,35 @@ def _paused_after_asking(others_value: Any, taken_from: str | None = None) -> An
         return result
 
     return claim_then_pause
+
+
+def test_a_call_that_took_over_a_lost_calls_key_and_replaced_itself_answers_that_call(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, name=fresh("polls"), bind=True, shared=False)
+    def polls(self: Any, left: int) -> str:
+        runs.append(left)
+        if left > 0:
+            raise self.replace(polls.si(left - 1))
+        return "polled"
+
+    # Given a call whose claim took the key over from another call (whose message was lost)
+    lost_call = str(uuid.uuid4())
+    asked = Attempt.claim
+
+    def claim_taken_from_a_lost_call(self: Attempt) -> Any:
+        result = asked(self)
+        if result.outcome is Outcome.ACQUIRED and not runs:
+            self.taken_from_task_id = lost_call
+        return result
+
+    monkeypatch.setattr(Attempt, "claim", claim_taken_from_a_lost_call)
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # When it replaces itself (a polling loop) under its key until it is done
+        result = polls.apply_async((1,), idempotency_key=fresh("key"))
+        assert result.get(timeout=30) == "polled"
+        # Then the lost call's callers get the loop's value too
+        assert AsyncResult(lost_call, app=app).get(timeout=10) == "polled"
+    assert runs == [1, 0]
