@@ -77,7 +77,7 @@ from .keys import (
 )
 from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .publishing import RESERVED_HEADER
-from .records import ClaimRequest, Outcome, Record, SideWrite
+from .records import ClaimRequest, Outcome, Record, SideWrite, Status
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
 from .settings import app_setting, positive_seconds, resolve
 from .startup import WORKER_TIME_LIMIT
@@ -830,6 +830,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
             key = self._delivered_key(request, args, kwargs)
             requeued = _timeout_requeues(self)
+            if key is not None and self._completed_by_delivery(key, request):
+                # Killed after its body succeeded and its value was stored (publishing its
+                # callbacks, say): a dead letter's retry would send those again.
+                logger.warning(
+                    "key %r was completed before the time limit killed its process: "
+                    "not dead-lettered",
+                    key,
+                )
+                return
             if not requeued:
                 try:
                     self.on_final_failure(exc, key, args, kwargs)
@@ -846,6 +855,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
         finally:
             self.pop_request()
+
+    def _completed_by_delivery(self, key: str, request: Any) -> bool:
+        """Whether the delivery ``request`` (its owner id issued by this worker) completed
+        ``key`` itself; ``False`` when the store cannot say."""
+        owner = issued_owner(request)
+        if owner is None:
+            return False
+        try:
+            record = store_for(self.app).get(storage_key(self.name, key))
+        except (StoreUnavailable, CorruptRecord):
+            return False
+        return record is not None and record.status is Status.COMPLETED and record.owner == owner
 
     def _call_key(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """The key a delivered call runs under: its message's, else the task's own.

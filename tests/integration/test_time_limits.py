@@ -17,7 +17,7 @@ from idempotent_tasks.app_store import dlq_for, store_for
 from idempotent_tasks.core import new_owner
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import Outcome, Status
+from idempotent_tasks.records import CompleteOutcome, Outcome, Status
 from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER
 from tests.integration import worker_app
 from tests.integration.databases import fresh_pg_database, set_pg_database_online
@@ -137,6 +137,38 @@ def test_a_killed_call_releases_only_the_claim_its_own_delivery_made(worker_app:
     # And when that new delivery is killed in turn, its own claim is released
     end_delivery(new_owner_id)
     assert store.get(storage_key(task.name, key)) is None
+
+
+def test_a_call_killed_after_completing_its_key_is_not_dead_lettered(worker_app: Any) -> None:
+    # Given a delivery that completed its key (its value stored), then was killed at its hard
+    # time limit before the worker heard back (publishing its callbacks, say)
+    task = worker_app.overruns
+    name, key, task_id = fresh("killed-late"), fresh("key"), fresh("task")
+    store = store_for(app)
+    owner = new_owner()
+    claim = task._claim_request(key, (name, 30), {}, task_id, owner=owner)
+    claimed = store.claim(claim)
+    assert claimed.outcome is Outcome.ACQUIRED
+    encoded, _ = task._codec.encode(name)
+    assert store.complete(claim, claimed.token, encoded) is CompleteOutcome.STORED
+    request_dict = {
+        "id": task_id,
+        "task": task.name,
+        "args": [name, 30],
+        "kwargs": {},
+        "retries": 0,
+        "delivery_info": {"exchange": "", "routing_key": "celery"},
+        "idempotency_key": key,
+        ISSUED_OWNER: owner,
+        ISSUED_BY: os.getpid(),
+    }
+    # When the main process ends the killed delivery
+    task.end_killed_call(request_dict, TimeLimitExceeded(1))
+    # Then no dead letter is written (its retry would send the call's callbacks again), and
+    # the key stays completed with its value
+    assert _row_of(task_id) is None
+    record = store.get(storage_key(task.name, key))
+    assert record is not None and record.status is Status.COMPLETED
 
 
 def _errbacks_once_settled(name: str) -> int:
