@@ -21,7 +21,7 @@ from idempotent_tasks.dlq.schema import (
 from idempotent_tasks.errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
-from tests.services import require
+from tests.integration.databases import fresh_mariadb_database
 
 from .conftest import store_url
 
@@ -287,13 +287,7 @@ GIFT = "gift-\U0001f600-\u8d08\u308a\u7269"  # an emoji and CJK: no latin1 for e
 def latin1_url() -> str:
     """A MariaDB database whose default character set is latin1 (MariaDB's own default before
     11.6; this machine's server is configured for utf8mb4)."""
-    require("MariaDB")
-    admin = sa.create_engine("mysql+pymysql://root@127.0.0.1:3306/test")
-    with admin.begin() as connection:
-        connection.execute(sa.text(f"DROP DATABASE IF EXISTS {LATIN1_DATABASE}"))
-        connection.execute(sa.text(f"CREATE DATABASE {LATIN1_DATABASE} CHARACTER SET latin1"))
-    admin.dispose()
-    return f"mysql+pymysql://root@127.0.0.1:3306/{LATIN1_DATABASE}"
+    return fresh_mariadb_database(LATIN1_DATABASE, charset="latin1")
 
 
 def _gift_request(owner: str = "o") -> ClaimRequest:

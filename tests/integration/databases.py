@@ -45,13 +45,15 @@ def set_pg_database_online(name: str, online: bool) -> None:
     engine.dispose()
 
 
-def fresh_mariadb_database(name: str) -> str:
-    """Drop and create MariaDB database ``name``; its URL."""
+def fresh_mariadb_database(name: str, charset: str | None = None) -> str:
+    """Drop and create MariaDB database ``name`` (with ``charset`` as its default character set,
+    else the server's); its URL."""
     require("MariaDB")
     engine = sa.create_engine("mysql+pymysql://root@127.0.0.1:3306/test")
     with engine.begin() as connection:
         connection.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
-        connection.execute(sa.text(f"CREATE DATABASE `{name}`"))
+        character_set = f" CHARACTER SET {charset}" if charset else ""
+        connection.execute(sa.text(f"CREATE DATABASE `{name}`{character_set}"))
     engine.dispose()
     return f"mysql+pymysql://root@127.0.0.1:3306/{name}"
 

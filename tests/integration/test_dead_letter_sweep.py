@@ -885,17 +885,7 @@ def test_an_rq_dead_letters_job_meeting_its_key_in_progress_waits_whatever_on_du
         job.meta[META_KEY]["dead_letter_id"] = "row-1"
         job.save_meta()
         # whose key another execution holds, its lease (1 s) ending soon
-        task_name = f"{rq_jobs.__name__}.record_or_skip"
-        holder = ClaimRequest(
-            storage_key=storage_key(task_name, f"skip:{name}"),
-            key=f"skip:{name}",
-            task_name=task_name,
-            task_id=fresh("holder"),
-            owner=fresh("holder-owner"),
-            fingerprint=fingerprint(task_name, signature_of(rq_jobs.record_or_skip), (name,), {}),
-            lease_seconds=1,
-            ttl_seconds=60,
-        )
+        holder = _holder(rq_jobs.record_or_skip, f"skip:{name}", (name,), lease_seconds=1)
         assert queue.store.claim(holder).outcome is Outcome.ACQUIRED
         # When a worker runs it, then it is not dropped as a duplicate: it waits, takes the
         # key over once the holder's lease ends, and runs
@@ -922,17 +912,7 @@ def test_an_rq_dead_letters_job_waiting_for_its_key_renews_its_row_at_each_run(
         job = rq_queue.enqueue(rq_jobs.record_keyed, name, 1)
         job.meta[META_KEY].update(dead_letter_id=taken.id, dead_letter_sweep=taken.sweep_id)
         job.save_meta()
-        task_name = f"{rq_jobs.__name__}.record_keyed"
-        holder = ClaimRequest(
-            storage_key=storage_key(task_name, f"keyed:{name}"),
-            key=f"keyed:{name}",
-            task_name=task_name,
-            task_id=fresh("holder"),
-            owner=fresh("holder-owner"),
-            fingerprint=fingerprint(task_name, signature_of(rq_jobs.record_keyed), (name, 1), {}),
-            lease_seconds=60,
-            ttl_seconds=60,
-        )
+        holder = _holder(rq_jobs.record_keyed, f"keyed:{name}", (name, 1), lease_seconds=60)
         assert rq_queue.store.claim(holder).outcome is Outcome.ACQUIRED
         # When a worker runs it once: it waits for the key, then goes back to its queue
         SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
@@ -978,3 +958,20 @@ def test_an_rq_row_whose_failed_job_someone_requeues_meanwhile_is_not_sent_twice
         assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
     finally:
         rq_queue.delete(delete_jobs=True)
+
+
+def _holder(
+    function: Any, key: str, args: tuple[Any, ...], *, lease_seconds: float
+) -> ClaimRequest:
+    """A claim of another execution on the key ``function``'s job with ``args`` runs under."""
+    task_name = f"{function.__module__}.{function.__name__}"
+    return ClaimRequest(
+        storage_key=storage_key(task_name, key),
+        key=key,
+        task_name=task_name,
+        task_id=fresh("holder"),
+        owner=fresh("holder-owner"),
+        fingerprint=fingerprint(task_name, signature_of(function), args, {}),
+        lease_seconds=lease_seconds,
+        ttl_seconds=60,
+    )

@@ -92,8 +92,11 @@ def app(redis_url: str) -> Celery:
     return app
 
 
+@pytest.mark.parametrize(
+    "took_over_a_lost_call", [False, True], ids=["own-key", "key-of-a-lost-call"]
+)
 def test_a_worker_paused_until_its_claim_was_taken_over_and_completed_runs_no_body(
-    app: Celery, monkeypatch: pytest.MonkeyPatch
+    took_over_a_lost_call: bool, app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs: list[str] = []
 
@@ -102,11 +105,19 @@ def test_a_worker_paused_until_its_claim_was_taken_over_and_completed_runs_no_bo
         runs.append(order)
         return f"charged {order} here"
 
-    monkeypatch.setattr(Attempt, "claim", _paused_after_asking("charged o-1 by the other"))
+    # Given a call paused after its claim until another execution took the key over and
+    # completed it (a claim that had itself taken the key over from a call whose message was
+    # lost, in one case)
+    lost_call = str(uuid.uuid4()) if took_over_a_lost_call else None
+    paused = _paused_after_asking("charged o-1 by the other", taken_from=lost_call)
+    monkeypatch.setattr(Attempt, "claim", paused)
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
         result = charge.apply_async(("o-1",), idempotency_key=fresh("key"))
         # Then its body never ran, and the call answers with the key's completed value
         assert result.get(timeout=30) == "charged o-1 by the other"
+        if lost_call is not None:
+            # and so does the lost call, whose callers wait on its task id
+            assert AsyncResult(lost_call, app=app).get(timeout=10) == "charged o-1 by the other"
     assert runs == []
 
 
@@ -128,30 +139,6 @@ def test_an_rq_job_paused_until_its_claim_was_taken_over_and_completed_runs_no_b
         assert IdempotentJob.fetch(job.id, connection=connection).return_value() == value
     finally:
         queue.delete(delete_jobs=True)
-
-
-def test_a_paused_call_that_had_taken_over_a_lost_calls_key_answers_that_call_too(
-    app: Celery, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    runs: list[str] = []
-
-    @app.task(base=IdempotentTask, name=fresh("paused.charge"), shared=False)
-    def charge(order: str) -> str:
-        runs.append(order)
-        return f"charged {order} here"
-
-    # Given a call whose claim took the key over from another call (whose message was lost),
-    # and which was then paused until a third execution took the key over and completed it
-    lost_call = str(uuid.uuid4())
-    monkeypatch.setattr(
-        Attempt, "claim", _paused_after_asking("charged o-1 by the other", taken_from=lost_call)
-    )
-    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        result = charge.apply_async(("o-1",), idempotency_key=fresh("key"))
-        assert result.get(timeout=30) == "charged o-1 by the other"
-        # Then the lost call's callers get the key's value too
-        assert AsyncResult(lost_call, app=app).get(timeout=10) == "charged o-1 by the other"
-    assert runs == []
 
 
 def test_a_claim_whose_pause_check_meets_a_down_store_is_taken_back_at_once(

@@ -116,18 +116,7 @@ def test_a_killed_call_releases_only_the_claim_its_own_delivery_made(worker_app:
     assert store.claim(claim).outcome is Outcome.ACQUIRED
 
     def end_delivery(owner: str) -> None:
-        request_dict = {
-            "id": task_id,
-            "task": task.name,
-            "args": [name, 30],
-            "kwargs": {},
-            "retries": 0,
-            "delivery_info": {"exchange": "", "routing_key": "celery"},
-            "idempotency_key": key,
-            ISSUED_OWNER: owner,
-            ISSUED_BY: os.getpid(),
-        }
-        task.end_killed_call(request_dict, TimeLimitExceeded(1))
+        task.end_killed_call(_delivery(task, task_id, name, key, owner), TimeLimitExceeded(1))
 
     # When the main process ends the killed delivery, then the new owner keeps the key
     end_delivery(killed_owner)
@@ -151,7 +140,18 @@ def test_a_call_killed_after_completing_its_key_is_not_dead_lettered(worker_app:
     assert claimed.outcome is Outcome.ACQUIRED
     encoded, _ = task._codec.encode(name)
     assert store.complete(claim, claimed.token, encoded) is CompleteOutcome.STORED
-    request_dict = {
+    # When the main process ends the killed delivery
+    task.end_killed_call(_delivery(task, task_id, name, key, owner), TimeLimitExceeded(1))
+    # Then no dead letter is written (its retry would send the call's callbacks again), and
+    # the key stays completed with its value
+    assert _row_of(task_id) is None
+    record = store.get(storage_key(task.name, key))
+    assert record is not None and record.status is Status.COMPLETED
+
+
+def _delivery(task: Any, task_id: str, name: str, key: str, owner: str) -> dict[str, Any]:
+    """The request of a delivery of ``task`` (``name``, 30 s) this worker issued ``owner``."""
+    return {
         "id": task_id,
         "task": task.name,
         "args": [name, 30],
@@ -162,13 +162,6 @@ def test_a_call_killed_after_completing_its_key_is_not_dead_lettered(worker_app:
         ISSUED_OWNER: owner,
         ISSUED_BY: os.getpid(),
     }
-    # When the main process ends the killed delivery
-    task.end_killed_call(request_dict, TimeLimitExceeded(1))
-    # Then no dead letter is written (its retry would send the call's callbacks again), and
-    # the key stays completed with its value
-    assert _row_of(task_id) is None
-    record = store.get(storage_key(task.name, key))
-    assert record is not None and record.status is Status.COMPLETED
 
 
 def _errbacks_once_settled(name: str) -> int:
