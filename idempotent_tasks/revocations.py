@@ -77,9 +77,10 @@ def _record_on_dead_letter(
 def end_terminated_call(task: IdempotentTask, request: Any) -> None:
     """End a keyed call terminated while it ran (``revoke(terminate=True)``).
 
-    Its claim stays until its lease ends (its process may not be gone yet), but the copy of
-    its message kept for the pickup guard is dropped: published again after the worker forgot
-    the revoke (three hours, a restart), it would run.
+    Its claim stays for now (its process may not be gone yet: it is released once it is, see
+    ``IdempotentTask.release_terminated_call``), but the copy of its message kept for the
+    pickup guard is dropped: published again after the worker forgot the revoke (three hours,
+    a restart), it would run.
     """
     _record_on_dead_letter(task, request, "terminated while it ran")
     _, _, key = _call_of(task, request)

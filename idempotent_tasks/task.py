@@ -856,6 +856,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         finally:
             self.pop_request()
 
+    def release_terminated_call(self, request_dict: dict[str, Any], requeued: bool = False) -> None:
+        """Release the claim of a delivery terminated while it ran (``revoke(...,
+        terminate=True)``, or cancelled: ``requeued``, its message coming back) once its pool
+        process is gone, under the owner id this worker issued to it (never a claim a later
+        delivery took over). Its body's own code releases it when the process ends through it
+        (SIGTERM); one killed outright (SIGKILL) cannot. A requeued call's key stays queued
+        for the guard, should its message be lost on the way back. Called by
+        :class:`~idempotent_tasks.worker_request.IdempotentRequest` in the worker's main
+        process."""
+        self.push_request(request_dict, called_directly=False)
+        try:
+            request = self.request
+            args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+            key = self._delivered_key(request, args, kwargs)
+            if key is not None and issued_owner(request) is not None:
+                pickup = self._requeued_pickup(key, args, kwargs) if requeued else None
+                self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
+        finally:
+            self.pop_request()
+
     def _completed_by_delivery(self, key: str, request: Any) -> bool:
         """Whether the delivery ``request`` (its owner id issued by this worker) completed
         ``key`` itself; ``False`` when the store cannot say."""

@@ -19,6 +19,7 @@ import os
 import signal
 from typing import Any
 
+from billiard.exceptions import Terminated
 from billiard.process import active_children
 from celery.exceptions import TimeLimitExceeded
 from celery.worker import state as worker_state
@@ -59,6 +60,23 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         # Each delivery is a new request, so a redelivered message is a new owner too.
         self.request_dict[ISSUED_OWNER] = _owner_ids.issue()
         self.request_dict[ISSUED_BY] = os.getpid()
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
+        if isinstance(exc, Terminated):
+            # Billiard reports a terminated call once its process is gone. One that ended
+            # without running Python (SIGKILL) took its token along: its claim would stay
+            # until its lease ends, a new call of the key answered with this revoked one.
+            release: Any = getattr(self.task, "release_terminated_call", None)
+            if release is not None:
+                try:
+                    # Cancelled (cold shutdown, a lost connection): its message comes back.
+                    release(self.request_dict, requeued=bool(self._already_cancelled))
+                except Exception:
+                    logger.exception("could not release the key of terminated %s", self.id)
+        super().on_failure(exc_info, send_failed_event, return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # A cold shutdown kills running tasks through this path too: their messages are

@@ -535,3 +535,22 @@ def test_on_duplicate_raise_fails_the_duplicate_with_a_conflict() -> None:
     assert conflict.value.owner_task_id == owner.id
     assert owner.get(timeout=30) == name
     assert ledger_events(name, "start") == 1
+
+
+def test_a_call_terminated_with_sigkill_frees_its_key_once_its_process_is_gone() -> None:
+    # Given a keyed call running (its lease 300 s)
+    name, key = fresh("terminated"), fresh("key")
+    task = worker_app.no_retries
+    result = task.apply_async((name, 30.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the body to start")
+    # When it is revoked with terminate=True and SIGKILL (its process runs no more of its code)
+    worker_app.app.control.revoke(result.id, terminate=True, signal="SIGKILL")
+    # Then its key is freed once the worker sees the process gone, not at the lease's end
+    store = store_for(worker_app.app)
+    wait_until(
+        lambda: store.get(storage_key(task.name, key)) is None, 15, "the terminated call's key"
+    )
+    # and a new call of the key runs
+    again = task.apply_async((name, 0.1), idempotency_key=key)
+    assert again.id != result.id
+    assert again.get(timeout=30) == f"{name} done"

@@ -1,5 +1,6 @@
-"""A keyed call revoked with ``terminate=True`` while it runs: its claim stays until its lease
-ends, but the pickup guard never publishes its message again."""
+"""A keyed call revoked with ``terminate=True`` while it runs: at the revoke its claim stays
+(its process may not be gone yet; see test_duplicates for its release once it is), but the
+pickup guard never publishes its message again."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from idempotent_tasks.app_store import _STORE
 from idempotent_tasks.dlq import DeadLetterQueue, Failure
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import make_pickup, republish_lost
-from idempotent_tasks.records import Outcome
+from idempotent_tasks.records import Outcome, Status
 from idempotent_tasks.stores import MemoryStore
+from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER
 
 
 class Clocked:
@@ -136,3 +138,41 @@ def test_a_dead_letters_retry_terminated_while_it_ran_records_it_on_its_row(
     queue.dispose()
     assert row is not None
     assert (row.status.value, row.retry_count, row.error_type) == ("pending", 1, "TaskRevokedError")
+
+
+@pytest.mark.parametrize("requeued", [False, True], ids=["revoked", "cancelled"])
+def test_a_terminated_calls_claim_is_released_once_its_process_is_gone(requeued: bool) -> None:
+    clocked = Clocked()
+    app, store = clocked.app, clocked.store
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a keyed call claimed under the owner id the worker issued its delivery
+    running = charge._claim_request("k", ("o",), {}, "task-1", owner="issued-1")
+    assert store.claim(running).outcome is Outcome.ACQUIRED
+    request_dict = {
+        "id": "task-1",
+        "task": charge.name,
+        "args": ["o"],
+        "kwargs": {},
+        "idempotency_key": "k",
+        ISSUED_OWNER: "issued-1",
+        ISSUED_BY: os.getpid(),
+    }
+    # When its process is gone (killed outright by the revoke, or cancelled), then its claim
+    # is released at once: freed, or queued for its message coming back (the guard's copy)
+    charge.release_terminated_call(request_dict, requeued=requeued)
+    record = store.get(storage_key(charge.name, "k"))
+    if requeued:
+        assert record is not None and record.status is Status.QUEUED
+        assert record.task_id == "task-1"
+    else:
+        assert record is None or record.status is not Status.PROCESSING
+    # And a claim a later delivery of the call took since is never released by it
+    again = charge._claim_request("k", ("o",), {}, "task-1", owner="issued-2")
+    assert store.claim(again).outcome is Outcome.ACQUIRED
+    charge.release_terminated_call(request_dict, requeued=requeued)
+    record = store.get(storage_key(charge.name, "k"))
+    assert record is not None and (record.status, record.owner) == (Status.PROCESSING, "issued-2")
