@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import redis
 
@@ -18,6 +19,14 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+#: Ports a new server tries, each free when picked, before it gives up.
+STARTS_ON_NEW_PORTS = 3
+
+
+class ServerExited(RuntimeError):
+    """The server exited before it answered (its port taken, say)."""
 
 
 class RedisServer:
@@ -32,13 +41,47 @@ class RedisServer:
         self.directory = directory
         self.persistent = persistent
         self.options = options
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
+        for _ in range(STARTS_ON_NEW_PORTS - 1):
+            self._on_new_port()
+            try:
+                self.start()
+                return
+            except ServerExited:
+                continue  # the port, free a moment ago, was taken meanwhile: another one
+        self._on_new_port()
         self.start()
 
+    def _on_new_port(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
     def start(self) -> None:
-        self.process = subprocess.Popen(
+        """Start it on its port (a restart keeps it: clients know it); ``ServerExited`` when
+        it exits before answering. Its output goes to ``redis-<port>.log`` in its folder."""
+        with (self.directory / f"redis-{self.port}.log").open("ab") as log:
+            self.process = self._spawn(log)
+        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServerExited(
+                        f"redis-server on port {self.port} exited with {self.process.returncode}"
+                        f"; see {self.directory}/redis-{self.port}.log"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError):
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        self.stop()  # never left running unwaited (a ResourceWarning in a later test)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer within 10 s")
+
+    def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [
                 self.binary,
                 "--bind",
@@ -55,18 +98,9 @@ class RedisServer:
                 "always",
                 *self.options,
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
