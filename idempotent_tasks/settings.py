@@ -36,3 +36,17 @@ def positive_seconds(value: Any, name: str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{name} must be a finite number of seconds above 0, not {value!r}")
     return seconds
+
+
+def byte_count(value: Any, name: str) -> int:
+    """``value`` as a whole number of bytes, 0 or more (text such as ``"1048576"``, from an
+    environment variable, too); ``ValueError`` naming the setting otherwise."""
+    if not isinstance(value, bool):
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            pass
+        else:
+            if count >= 0 and (isinstance(value, str) or count == value):
+                return count
+    raise ValueError(f"{name} must be a whole number of bytes, 0 or more, not {value!r}")

@@ -79,7 +79,7 @@ from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .publishing import RESERVED_HEADER
 from .records import ClaimRequest, Outcome, Record, SideWrite, Status
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
-from .settings import app_setting, positive_seconds, resolve
+from .settings import app_setting, byte_count, positive_seconds, resolve
 from .startup import WORKER_TIME_LIMIT
 from .worker_request import (
     ISSUED_BY,
@@ -524,9 +524,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         or before it started): wait for that one's value like a duplicate, so every caller of
         this task id gets the stored one; its copies are owed the value too, and so is the
         call whose key the attempt took over, if any."""
-        headers: dict[str, Any] = {WAITS_HEADER: 0, SUPERSEDED_HEADER: True}
-        if attempt.taken_from_task_id is not None:
-            headers[TAKEN_FROM_HEADER] = attempt.taken_from_task_id
+        headers = {WAITS_HEADER: 0, SUPERSEDED_HEADER: True, **_taken_from_header(attempt)}
         self._republish_self(defaults.WAIT_INITIAL_DELAY, None, headers)
 
     def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
@@ -1212,25 +1210,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             serializer = defaults.RESULT_SERIALIZER
         return ResultCodec(
             serializer=serializer,
-            max_bytes=_byte_count(app_setting(conf, "idempotency_result_max_bytes")),
+            max_bytes=byte_count(
+                app_setting(conf, "idempotency_result_max_bytes"), "idempotency_result_max_bytes"
+            ),
             allow_unsafe=allow_pickle,
         )
-
-
-def _byte_count(value: Any) -> int:
-    """``idempotency_result_max_bytes`` as a number of bytes, or a ``ValueError`` naming it."""
-    if not isinstance(value, bool):
-        try:
-            count = int(value)
-        except (TypeError, ValueError):
-            pass
-        else:
-            # Text such as "1048576" (from an environment variable) is one; 1.5 is none.
-            if count >= 0 and (isinstance(value, str) or count == value):
-                return count
-    raise ValueError(
-        f"idempotency_result_max_bytes must be a whole number of bytes, 0 or more, not {value!r}"
-    )
 
 
 def _ends_killed_calls(request_class: Any) -> bool:
@@ -1296,10 +1280,13 @@ def _taking_back_headers(attempt: Attempt) -> dict[str, Any]:
     """What the copy of a call sent again before its body began needs: to take back at once
     the claim its ``attempt`` may hold (acquired, or applied with its reply lost), rather than
     wait out the lease, and to answer the call whose key that claim took over."""
-    headers: dict[str, Any] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
-    if attempt.taken_from_task_id is not None:
-        headers[TAKEN_FROM_HEADER] = attempt.taken_from_task_id
-    return headers
+    return {PREVIOUS_OWNER_HEADER: attempt.request.owner, **_taken_from_header(attempt)}
+
+
+def _taken_from_header(attempt: Attempt) -> dict[str, Any]:
+    """The header naming the call whose key ``attempt``'s claim took over, if it did."""
+    taken_from = attempt.taken_from_task_id
+    return {} if taken_from is None else {TAKEN_FROM_HEADER: taken_from}
 
 
 def _carried_headers(request: Any, attempt: Attempt | None = None) -> dict[str, Any]:
