@@ -32,11 +32,14 @@ KeySource = str | Callable[[tuple[Any, ...], dict[str, Any]], str]
 
 
 def validate_key(key: object) -> str:
-    """Return ``key`` if it is a non-empty ``str`` without NUL; raise ``ValueError`` otherwise."""
+    """Return ``key`` if it is a non-empty ``str`` without NUL; raise ``ValueError`` otherwise.
+
+    A key of whitespace only is a key like any other (SPEC section 2: any non-empty ``str``).
+    """
     if not isinstance(key, str):
         raise ValueError(f"idempotency_key must be a non-empty str, not {type(key).__name__}")
-    if not key.strip():
-        raise ValueError("idempotency_key must be a non-empty str, not an empty or blank one")
+    if not key:
+        raise ValueError("idempotency_key must be a non-empty str, not an empty one")
     if "\x00" in key:
         # No SQL store or dead-letter table could keep it (PostgreSQL refuses NUL in text).
         raise ValueError("idempotency_key must not contain NUL characters")

@@ -308,8 +308,14 @@ def test_large_result_round_trips(store: Store, make_request: Make) -> None:
 
 @pytest.mark.parametrize(
     ("first", "second"),
-    [("order-42", "ORDER-42"), ("order-42", "order-42 "), ("café", "cafe"), ("gift-😀", "gift-😎")],
-    ids=["case", "trailing-space", "accent", "emoji"],
+    [
+        ("order-42", "ORDER-42"),
+        ("order-42", "order-42 "),
+        ("café", "cafe"),
+        ("gift-😀", "gift-😎"),
+        ("   ", "  "),
+    ],
+    ids=["case", "trailing-space", "accent", "emoji", "whitespace-only"],
 )
 def test_keys_differing_only_in_case_spaces_accents_or_emoji_are_different_keys(
     store: Store, make_request: Make, first: str, second: str

@@ -473,13 +473,12 @@ def test_a_dead_letters_retry_keeps_the_calls_shadow_name_and_stamps(
     assert (headers["stamped_headers"], headers["stamps"]) == (["on_behalf"], {"on_behalf": "ops"})
 
 
-@pytest.mark.parametrize("key", ["", "   "])
 def test_a_celery_row_whose_key_no_worker_takes_is_never_sent_again(
-    app: Celery, queue: DeadLetterQueue, key: str
+    app: Celery, queue: DeadLetterQueue
 ) -> None:
-    # Given a due row whose key a worker would refuse (an older version kept str() of a
-    # message's key header; or a row edited by hand)
-    item = queue.add(dataclasses.replace(_failure(), idempotency_key=key))
+    # Given a due row whose key a worker would refuse, an empty one (an older version kept
+    # str() of a message's key header; or a row edited by hand)
+    item = queue.add(dataclasses.replace(_failure(), idempotency_key=""))
     assert queue.retry_now(item.id)
     # When the sweep runs, then it refuses the row before anything is sent (a worker would
     # refuse the message, leaving its row retrying, due again and again), using a retry

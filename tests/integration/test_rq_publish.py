@@ -58,7 +58,7 @@ def sync(rq_env: RQEnv) -> IdempotentQueue:
     )
 
 
-@pytest.mark.parametrize("bad", ["", "   ", 42, b"bytes", ["k"]])
+@pytest.mark.parametrize("bad", ["", 42, b"bytes", ["k"]])
 def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueued(
     idle: IdempotentQueue, bad: object
 ) -> None:
