@@ -11,9 +11,11 @@ still agree on when a lease ends.
 
 The pickup guard keeps a ``queued`` claim row per published message, and the message itself in
 a pickups row of the same id. Transactions that write both always write the claim row first,
-so they cannot deadlock one another; the claim path never touches pickups rows (a claimed
-key's pickup covers its owner's death too); a release with no retry to publish drops its key's
-pickup, and the sweep's :meth:`SqlStore.take_due` drops those of keys completed or expired.
+so they do not wait on one another in a cycle; InnoDB's next-key locks still can, and an
+operation whose transaction was a deadlock's victim runs again (:mod:`.sql_deadlocks`). A
+claim keeps the pickup of the call it runs (it covers its owner's death too); a release with no
+retry to publish drops its key's pickup, and the sweep's :meth:`SqlStore.take_due` drops those
+of keys completed or expired.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from ..records import (
 )
 from .base import refuse_side_write
 from .sql_clock import ServerClock
+from .sql_deadlocks import Deadlocked, run_again_after_deadlock, was_rolled_back_for_another
 from .sql_rows import is_live, is_readable, readable_claim, readable_pickup, record_of
 from .sql_statements import (
     COMPLETED,
@@ -126,6 +129,7 @@ class SqlStore:
         """The row id of a key."""
         return f"{self.prefix}:{storage_key}"
 
+    @run_again_after_deadlock
     def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
         claim_id = self.claim_id(request.storage_key)
         for _ in range(MAX_CLAIM_ROUNDS):
@@ -150,6 +154,7 @@ class SqlStore:
                 return None
         raise StoreUnavailable(f"reserve of {request.storage_key!r} kept losing races; try again")
 
+    @run_again_after_deadlock
     def cancel_reservation(self, request: ClaimRequest) -> bool:
         claim_id = self.claim_id(request.storage_key)
         # Released rather than deleted, like a released claim: tokens keep growing.
@@ -160,6 +165,7 @@ class SqlStore:
             connection.execute(delete_pickup(claim_id))
             return True
 
+    @run_again_after_deadlock
     def make_reservation_due(
         self, storage_key: str, task_id: str, republished: int | None = None
     ) -> bool:
@@ -179,6 +185,7 @@ class SqlStore:
                 return False
             return True
 
+    @run_again_after_deadlock
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
@@ -259,6 +266,7 @@ class SqlStore:
             republished=republished,
         )
 
+    @run_again_after_deadlock
     def claim(self, request: ClaimRequest) -> ClaimResult:
         claim_id = self.claim_id(request.storage_key)
         # Each statement is its own short transaction: the compare-and-set needs no locks held
@@ -324,6 +332,7 @@ class SqlStore:
             return None
         return ClaimResult(outcome=Outcome.IN_PROGRESS, record=record)
 
+    @run_again_after_deadlock
     def complete(
         self,
         request: ClaimRequest,
@@ -371,6 +380,7 @@ class SqlStore:
             connection.execute(delete_pickup(claim_id))
             return CompleteOutcome.RECOVERED
 
+    @run_again_after_deadlock
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         now = self._clock()
         claim_id = self.claim_id(request.storage_key)
@@ -388,6 +398,7 @@ class SqlStore:
             update_held(claim_id, request.owner, token, now, values), request, pickup, now
         )
 
+    @run_again_after_deadlock
     def extend(self, request: ClaimRequest, token: int) -> bool:
         now = self._clock()
         values = {
@@ -405,6 +416,7 @@ class SqlStore:
             return None
         return record_of(storage_key, row, read_at=now)
 
+    @run_again_after_deadlock
     def forget(self, storage_key: str) -> bool:
         claim_id = self.claim_id(storage_key)
         now = self._clock()
@@ -421,6 +433,7 @@ class SqlStore:
             connection.execute(delete_pickup(claim_id))
         return found is not None and is_live(found, now)
 
+    @run_again_after_deadlock
     def cleanup(self, older_than: float = 0.0) -> int:
         """Delete rows that expired more than ``older_than`` seconds ago, and their pickups;
         how many rows."""
@@ -537,6 +550,8 @@ class SqlStore:
             with self.engine.begin() as connection:
                 yield connection
         except SQLAlchemyError as exc:
+            if was_rolled_back_for_another(exc):
+                raise Deadlocked(f"SQL store transaction rolled back: {exc}") from exc
             raise StoreUnavailable(f"SQL store error: {exc}") from exc
 
     def ensure_schema(self) -> None:
