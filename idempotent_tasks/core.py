@@ -181,6 +181,14 @@ class Attempt:
         same step when the completion is stored; :attr:`side_written` tells whether it was.
         """
         encoded, reason = self.codec.encode(value)
+        if encoded is not None:
+            limit = self.store.result_byte_limit()
+            if limit is not None and len(encoded.body) > limit:
+                reason = (
+                    f"result is {len(encoded.body)} bytes, over the {limit} bytes the store's "
+                    "database takes in one statement"
+                )
+                encoded = None
         if reason is not None:
             self.log.warning(
                 "result of %s for key %r is not cached (%s); duplicates will get None",

@@ -114,6 +114,11 @@ class Store(Protocol):
         """
         ...
 
+    def result_byte_limit(self) -> int | None:
+        """The largest encoded result :meth:`complete` can write, or ``None`` when the store
+        has no limit of its own (only ``idempotency_result_max_bytes`` applies)."""
+        ...
+
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         """Give up a ``processing`` claim held by ``request.owner`` with ``token``.
 

@@ -254,6 +254,9 @@ class MemoryStore:
             )
             return True
 
+    def result_byte_limit(self) -> None:
+        return None
+
     def get(self, storage_key: str) -> Record | None:
         with self._lock:
             now = self._clock()

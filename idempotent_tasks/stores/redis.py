@@ -334,6 +334,9 @@ class RedisStore:
         args = [request.owner, token, _ms(request.lease_seconds), _ms(request.ttl_seconds)]
         return bool(self._run("extend", self.names(request.storage_key)[:2], args))
 
+    def result_byte_limit(self) -> None:
+        return None
+
     def get(self, storage_key: str) -> Record | None:
         reply = self._run("read", self.names(storage_key)[:1], [])
         if len(reply) == 1:

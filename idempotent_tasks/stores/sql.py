@@ -35,6 +35,7 @@ from sqlalchemy import (
     RowMapping,
     Select,
     Update,
+    text,
 )
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -94,6 +95,8 @@ from .sql_statements import (
 
 logger = logging.getLogger(__name__)
 
+#: Room a claim row's statement keeps for all but its result (bytes): the key, ids, names.
+ROW_ROOM = 64 * 1024
 #: Compare-and-set rounds a claim (or reservation) tries before calling the key contended.
 MAX_CLAIM_ROUNDS = 10
 #: Largest power of two a pickup's re-publication backoff grows to.
@@ -124,6 +127,7 @@ class SqlStore:
         self._clock = ServerClock(self.engine) if clock is None else clock
         self._schema_ready = False
         self._schema_lock = threading.Lock()
+        self._result_limit: int | None = None
 
     def claim_id(self, storage_key: str) -> str:
         """The row id of a key."""
@@ -408,6 +412,19 @@ class SqlStore:
         }
         claim_id = self.claim_id(request.storage_key)
         return self._rowcount(update_held(claim_id, request.owner, token, now, values)) == 1
+
+    def result_byte_limit(self) -> int | None:
+        """On MySQL/MariaDB, the largest result one statement carries: the server's
+        ``max_allowed_packet``, less room for the rest of the row, halved (the driver sends
+        bytes escaped, up to two for one); a larger one would cost the connection, every time.
+        Other databases take any result the settings allow."""
+        if self.dialect not in ("mysql", "mariadb"):
+            return None
+        if self._result_limit is None:
+            with self._begin() as connection:
+                packet = connection.execute(text("SELECT @@max_allowed_packet")).scalar_one()
+            self._result_limit = max(int(packet) - ROW_ROOM, 0) // 2
+        return self._result_limit
 
     def get(self, storage_key: str) -> Record | None:
         row = self._claim_row(storage_key)

@@ -4,11 +4,14 @@ code, a pool with no connection to spare."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 
 import pytest
 import sqlalchemy as sa
 
+from idempotent_tasks.codec import ResultCodec
+from idempotent_tasks.core import Attempt
 from idempotent_tasks.dlq import DeadLetterQueue, Failure, schema_setup
 from idempotent_tasks.dlq.schema import (
     CLAIMS_COMPONENT,
@@ -366,3 +369,50 @@ def test_tables_made_latin1_by_an_earlier_version_are_brought_to_utf8mb4(latin1_
         assert set(versions.values()) == {3}
     finally:
         engine.dispose()
+
+
+def test_a_result_over_what_mariadb_takes_in_one_statement_is_not_cached_and_the_key_completes(
+    request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a MariaDB store (max_allowed_packet 16 MiB, the server's default here) and a task
+    # that lets results of up to 64 MiB be cached
+    store = SqlStore(store_url("mariadb", request), prefix=f"packet-{uuid.uuid4().hex[:8]}")
+    codec = ResultCodec(serializer="json", max_bytes=64 << 20)
+    try:
+        limit = store.result_byte_limit()
+        assert limit is not None and 1 << 20 < limit < 16 << 20
+        # When one call completes with a result over the store's limit, which the driver sends
+        # escaped to twice its size, over the packet size; and another with one just under it
+        big, fits = _attempt(store, codec, "big"), _attempt(store, codec, "fits")
+        with caplog.at_level(logging.WARNING, logger="idempotent_tasks.core"):
+            assert big.complete("'" * (limit + limit // 8)) is CompleteOutcome.STORED
+        assert fits.complete("x" * (limit - 2)) is CompleteOutcome.STORED
+        # Then the first key is completed with no cached result (duplicates get None, as for
+        # any result too big), and said so; the second keeps its value
+        big_record, fits_record = (store.get(a.request.storage_key) for a in (big, fits))
+        assert big_record is not None and big_record.status.value == "completed"
+        assert big_record.result is None
+        assert "takes in one statement" in caplog.text
+        assert fits_record is not None and fits_record.result is not None
+        assert codec.decode(fits_record.result) == "x" * (limit - 2)
+    finally:
+        store.close()
+
+
+def _attempt(store: SqlStore, codec: ResultCodec, key: str) -> Attempt:
+    attempt = Attempt(
+        store=store, request=dataclasses.replace(_request(), storage_key=key), codec=codec
+    )
+    assert attempt.claim().outcome is Outcome.ACQUIRED
+    return attempt
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_other_databases_take_any_result_the_settings_allow(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    store = SqlStore(store_url(kind, request), prefix="no-limit")
+    try:
+        assert store.result_byte_limit() is None
+    finally:
+        store.close()
