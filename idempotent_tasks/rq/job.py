@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from traceback import format_exc
+from traceback import format_exception
 from typing import Any
 
 from redis.client import Pipeline
@@ -34,6 +34,7 @@ from ..core import Attempt, despite_time_limit, new_owner, wait_for_owner
 from ..dlq import Failure, renewal
 from ..dlq.arguments import error_text, stored_arguments
 from ..errors import (
+    CorruptRecord,
     DeadLettered,
     IdempotencyConflict,
     IdempotencyKeyMismatch,
@@ -164,6 +165,9 @@ class IdempotentJob(Job):
             return
         self._result = None
         logger.info("job %s goes back to queue %s: %s", self.id, queue.name, retry.reason)
+        # RQ's ttl= bounds how long a job may wait to start, and this one started: re-armed,
+        # it could expire in a busy queue, and with it a dead letter still to write.
+        self.ttl = None
         queue._enqueue_job(self, pipeline=pipeline)
 
     def retry(self, queue: Queue, pipeline: Pipeline) -> None:
@@ -284,6 +288,15 @@ class IdempotentJob(Job):
                 # A claim acquired (or applied, its reply lost) is taken back at once.
                 state["previous_owner"] = request.owner
                 return self._requeue_later(delay, f"store: {exc}")
+            except JobTimeoutException as exc:
+                # Fired before the body began (a slow store): the job fails as it would have a
+                # moment later in its body, its claim (if made) released.
+                return self._after_failure(exc, attempt, request.key, options, state)
+            except CorruptRecord as exc:
+                # Nothing can tell whether the key ran: the job waits in the dead-letter table
+                # (its key to be looked at, or forgotten) rather than run, or vanish.
+                self._idempotency_no_retry = True
+                return self._after_failure(exc, None, request.key, options, state)
             if lost:
                 # Lost while this process was paused (see Attempt.held_at_start): no body runs.
                 if self._is_sync:
@@ -291,14 +304,25 @@ class IdempotentJob(Job):
                     raise IdempotencyConflict(request.key, request.task_name, None)
                 return self._wait_for_new_owner(state, request.key)
             if claim.outcome is Outcome.ACQUIRED:
+                if waits:
+                    # The wait came out of this run's timeout: the body starts in a run of its
+                    # own, which takes the key over from this owner at once.
+                    state["previous_owner"] = request.owner
+                    return Requeue(f"key {request.key!r} is free: its body runs next")
                 return self._run_body(attempt, request.key, options, state)
             record = claim.record
             assert record is not None
             if claim.outcome is Outcome.MISMATCH:
-                self._caller_error()
-                raise IdempotencyKeyMismatch(
+                mismatch = IdempotencyKeyMismatch(
                     request.key, request.task_name, record.fingerprint, request.fingerprint
                 )
+                self._caller_error()
+                if state.get("dead_letter_id"):
+                    # A dead letter's job whose key stands for other arguments by now (its
+                    # caller called again, corrected): its row records the failure, or it would
+                    # stay retrying, and in the end run the old arguments once the key expired.
+                    return self._after_failure(mismatch, None, request.key, options, state)
+                raise mismatch
             if waits == 0:
                 signals.duplicate_suppressed.send(
                     task_name=request.task_name, where="worker", outcome=claim.outcome
@@ -358,21 +382,7 @@ class IdempotentJob(Job):
                 with attempt.heartbeat(), self._dead_letter_kept_retrying(state):
                     value = super().perform()
         except Exception as exc:
-            # A synchronous queue (is_async=False) never retries: its failure is final.
-            will_retry = super().should_retry and not self._is_sync
-            if attempt is not None:
-                despite_time_limit(JobTimeoutException, attempt.release_quietly)
-                if will_retry:
-                    # The retry may take the key over at once even if the release was lost.
-                    state["previous_owner"] = attempt.request.owner
-            if will_retry:
-                raise
-            requeue = self._final_failure(
-                type(exc).__name__, error_text(exc), format_exc(), key, options, state, attempt
-            )
-            if requeue is not None:
-                return requeue
-            raise
+            return self._after_failure(exc, attempt, key, options, state)
         except BaseException:
             # Worker shutdown and the like: RQ re-enqueues or fails the job as it sees fit.
             if attempt is not None:
@@ -391,6 +401,34 @@ class IdempotentJob(Job):
                 return self._wait_for_new_owner(state, attempt.request.key)
         self._dead_letter_succeeded(state)
         return value
+
+    def _after_failure(
+        self,
+        exc: Exception,
+        attempt: Attempt | None,
+        key: str | None,
+        options: IdempotencyOptions,
+        state: dict[str, Any],
+    ) -> Requeue:
+        """A run failed with ``exc`` (being handled): its claim is released, then RQ retries
+        it, or it is dead-lettered and fails; a :class:`Requeue` when the dead letter must wait
+        for its database."""
+        # A synchronous queue (is_async=False) never retries: its failure is final.
+        will_retry = self.should_retry and not self._is_sync
+        if attempt is not None:
+            despite_time_limit(JobTimeoutException, attempt.release_quietly)
+            if will_retry:
+                # The retry may take the key over at once even if the release was lost.
+                state["previous_owner"] = attempt.request.owner
+        if will_retry:
+            raise exc
+        traceback = "".join(format_exception(exc))
+        requeue = self._final_failure(
+            type(exc).__name__, error_text(exc), traceback, key, options, state, attempt
+        )
+        if requeue is not None:
+            return requeue
+        raise exc
 
     def _returned_retry(
         self,
@@ -625,6 +663,7 @@ class IdempotentJob(Job):
                 job_class=type(self),
                 serializer=self.serializer,
             )
+            self.ttl = None  # see _handle_retry_result
             queue._enqueue_job(self, pipeline=pipeline)
 
     def _wait_for_new_owner(self, state: dict[str, Any], key: str) -> Requeue:
@@ -693,8 +732,12 @@ class IdempotentJob(Job):
 
     def _requeue_later(self, delay: float, reason: str) -> Requeue:
         """Pause ``delay`` s in the worker (so the job does not spin through its queue and no
-        scheduler is needed), then go back to the queue."""
-        time.sleep(delay)
+        scheduler is needed), then go back to the queue: even if the job timeout fires during
+        the pause, as what goes back may be a failure still to dead-letter."""
+        try:
+            time.sleep(delay)
+        except JobTimeoutException:
+            logger.info("job %s: its timeout ended the pause before its requeue", self.id)
         return Requeue(reason)
 
 

@@ -135,6 +135,10 @@ def _enqueue(
         # Requeued by hand and not run yet (or running): sending it again would put its id in
         # a queue twice. The row is due again a poll interval later.
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
+    if current == JobStatus.CANCELED:
+        # Cancelled once sent again (job.cancel(), rq cancel): an operator's no, which a
+        # resend would overrule. It uses a retry, as a stopped run does, so the row gives up.
+        raise CannotResend(f"job {item.task_id} was cancelled")
     # The original job, while RQ keeps it as failed (or stopped).
     original = held if current in (JobStatus.FAILED, JobStatus.STOPPED) else None
     try:

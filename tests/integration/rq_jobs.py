@@ -119,6 +119,17 @@ def fails_after(name: str, seconds: float) -> None:
     raise ValueError(f"run {run} of {name} failed after {seconds} s")
 
 
+@idempotent(key="fails-first:{name}")
+def fails_first_then_takes(name: str, fails_after: float, seconds: float) -> dict[str, Any]:
+    """Fail the first start ``fails_after`` seconds in; later starts take ``seconds``."""
+    run = _start(name)
+    if run == 1:
+        time.sleep(fails_after)
+        raise ValueError(f"run 1 of {name} failed")
+    time.sleep(seconds)
+    return {"name": name, "run": run}
+
+
 def fails_holding(name: str, value: Any) -> None:
     """Fail with ValueError, whatever ``value`` is (a tuple, say)."""
     _start(name)

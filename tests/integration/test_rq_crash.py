@@ -20,12 +20,13 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
 from rq import Retry
 from rq.command import send_stop_job_command
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 
@@ -437,3 +438,81 @@ def test_a_dead_letters_retry_stopped_while_it_ran_records_it_on_its_row(
     finally:
         for worker in workers:
             worker.stop()
+
+
+def test_a_final_failure_late_in_its_timeout_while_the_dead_letter_database_is_down_is_kept(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"late-outage-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-late-outage-{uuid.uuid4().hex[:8]}",
+        connection=rq_env.connection,
+        dlq_url=rq_env.dlq_url,
+    )
+    workers = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late-outage"))
+    try:
+        # Given the dead-letter database refusing connections
+        set_pg_database_online(DLQ_DATABASE, False)
+        try:
+            # When a job fails for good 2.5 s into its 4 s timeout: the pause before it goes
+            # back to its queue (2 s, half the timeout) outlasts the timeout
+            job = queue.enqueue(rq_jobs.fails_after, name, 2.5, idempotency_key=name, job_timeout=4)
+            wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
+            # Then it goes back to its queue all the same, carrying its failure
+            _wait_carrying_its_failure(job)
+        finally:
+            set_pg_database_online(DLQ_DATABASE, True)
+        # And once the database is back, its dead letter is written, the body not run again
+        wait_failed(job, timeout=20)
+        (row,) = rq_env.rows_of(job.id)
+        assert (row.error_type, row.idempotency_key) == ("ValueError", name)
+        assert rq_jobs.starts(name) == 1
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_a_dead_letters_job_cancelled_once_sent_again_is_not_sent_again(
+    rq_env: RQEnv,
+) -> None:
+    # Given a dead letter the sweep sent again, onto a queue no worker serves yet
+    name, key = f"cancelled-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue_name = f"it-rq-cancel-{uuid.uuid4().hex[:8]}"
+    job_id = str(uuid.uuid4())
+    item = rq_env.dlq.add(
+        Failure(
+            failure_id=f"{job_id}:0",
+            task_name=SLOW_FIRST,
+            task_id=job_id,
+            idempotency_key=key,
+            args=[name, 0],
+            kwargs={},
+            options=row_options(queue_name),
+            error_type="RuntimeError",
+            error_message="seeded",
+            traceback=None,
+            max_retries=3,
+            framework="rq",
+        )
+    )
+    assert rq_env.dlq.retry_now(item.id)
+    assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 1
+    # When an operator cancels its job, and its row is later found stuck retrying (an hour on)
+    Job.fetch(job_id, connection=rq_env.connection).cancel()
+    engine = sa.create_engine(rq_env.dlq_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                dead_letters.update()
+                .where(dead_letters.c.id == item.id)
+                .values(updated_at=dead_letters.c.updated_at - timedelta(hours=2))
+            )
+    finally:
+        engine.dispose()
+    assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 0
+    # Then the job stays cancelled, and the row records a failed retry, on its way to give up
+    assert Job.fetch(job_id, connection=rq_env.connection).get_status() is JobStatus.CANCELED
+    row = rq_env.dlq.get(item.id)
+    assert row is not None and row.status is DeadLetterStatus.PENDING
+    assert (row.retry_count, row.error_type) == (1, "CannotResend")
+    assert "cancelled" in (row.error_message or "")

@@ -22,10 +22,11 @@ from rq import Queue, Retry
 from rq.job import JobStatus
 from rq.results import Result
 
-from idempotent_tasks.dlq import DeadLetterStatus
+from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Status
 from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue, retry_dead_letters
+from idempotent_tasks.rq.dead_letters import row_options
 from idempotent_tasks.rq.job import CODEC
 from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
@@ -42,6 +43,8 @@ from tests.integration.rq_support import (
 )
 
 FLAKY = "tests.integration.rq_jobs.flaky"
+RECORD = "tests.integration.rq_jobs.record"
+RECORD_KEYED = "tests.integration.rq_jobs.record_keyed"
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +311,83 @@ def test_a_dead_letter_whose_function_recovers_ends_succeeded_through_the_cli(
         10,
         "the row to be marked succeeded",
     )
+
+
+def test_a_duplicate_that_gets_the_key_after_waiting_runs_the_body_with_its_whole_timeout(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a keyed job that fails for good 3 s into its first run (an 8 s timeout)
+    name = fresh("late-key")
+    owner = queue.enqueue(rq_jobs.fails_first_then_takes, name, 3.0, 5.0, job_timeout=8)
+    wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the owner to start")
+    # When a duplicate, through a plain rq.Queue, waits for the key (up to half its 8 s
+    # timeout) and gets it once the owner released it, about 3.75 s into its run
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    duplicate = plain.enqueue(rq_jobs.fails_first_then_takes, name, 3.0, 5.0, job_timeout=8)
+    wait_failed(owner)
+    # Then its 5 s body runs in a run of its own, with the whole timeout, and succeeds: in
+    # the run that waited it would have had about 4 s
+    assert wait_value(duplicate, timeout=30) == {"name": name, "run": 2}
+    assert [result.type for result in duplicate.results()] == [Result.Type.SUCCESSFUL]
+    assert rq_jobs.starts(name) == 2
+
+
+def test_a_dead_letters_job_whose_key_stands_for_other_arguments_records_it_on_its_row(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a dead letter of record(name, 1) under a key, whose caller then called again with
+    # corrected arguments, record(name, 2), which completed under the same key
+    name, key = fresh("corrected"), fresh("key")
+    job_id = str(uuid.uuid4())
+    item = rq_env.dlq.add(
+        Failure(
+            failure_id=f"{job_id}:0",
+            task_name=RECORD,
+            task_id=job_id,
+            idempotency_key=key,
+            args=[name, 1],
+            kwargs={},
+            options=row_options(queue.name),
+            error_type="RuntimeError",
+            error_message="seeded",
+            traceback=None,
+            max_retries=3,
+            framework="rq",
+        )
+    )
+    corrected = queue.enqueue(rq_jobs.record, name, 2, idempotency_key=key)
+    assert wait_value(corrected) == {"name": name, "value": 2, "run": 1}
+    # When the sweep sends the dead letter again
+    assert rq_env.dlq.retry_now(item.id)
+    assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 1
+
+    # Then its run fails with the mismatch and its row records a failed retry, rather than
+    # stay retrying and, once the key expired, run the old arguments
+    def recorded() -> bool:
+        row = rq_env.dlq.get(item.id)
+        return row is not None and row.status is DeadLetterStatus.PENDING
+
+    wait_until(recorded, 20, "the mismatch on the row")
+    row = rq_env.dlq.get(item.id)
+    assert row is not None
+    assert (row.retry_count, row.error_type) == (1, "IdempotencyKeyMismatch")
+    assert rq_jobs.starts(name) == 1
+
+
+def test_a_job_whose_key_holds_a_corrupt_record_is_dead_lettered_without_running(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a key whose Redis record was overwritten with something else than a record
+    name = fresh("corrupt")
+    record_name = queue.store.names(storage_key(RECORD_KEYED, f"keyed:{name}"))[0]
+    rq_env.connection.set(record_name, "not a record")
+    # When a job of the key arrives (through a plain rq.Queue: no look at enqueue; its dead
+    # letters go to the test's table)
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    job = plain.enqueue(rq_jobs.record_keyed, name, 1, meta={META_KEY: {"dlq_url": rq_env.dlq_url}})
+    # Then it fails without running, and waits in the dead-letter table rather than vanish
+    wait_failed(job)
+    (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
+    assert (row.error_type, row.idempotency_key) == ("CorruptRecord", f"keyed:{name}")
+    assert rq_jobs.starts(name) == 0
+    rq_env.connection.delete(record_name)
