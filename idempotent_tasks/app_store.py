@@ -10,10 +10,12 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from celery.signals import worker_init, worker_process_init
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import defaults
 from .dlq import DeadLetterQueue
 from .dlq.engine import default_sqlite_url
+from .errors import StoreUnavailable
 from .prometheus import enable_if_installed
 from .settings import app_setting
 from .stores import Store, store_from_url
@@ -24,6 +26,11 @@ _T = TypeVar("_T")
 _lock = threading.Lock()
 _STORE = "_idempotent_tasks_store"
 _DLQ = "_idempotent_tasks_dlq"
+
+
+class DeadLetterQueueUnusable(StoreUnavailable):
+    """The app's dead-letter queue cannot even be set up: a matter of configuration, which no
+    wait mends (a worker refuses to start on it)."""
 
 
 def store_url(app: Any) -> str:
@@ -71,10 +78,16 @@ def dlq_for(app: Any) -> DeadLetterQueue:
     """This process's dead-letter queue for ``app`` (``idempotency_dlq_url``, else SQLite)."""
 
     def build() -> DeadLetterQueue:
-        return DeadLetterQueue(
-            app_setting(app.conf, "idempotency_dlq_url"),
-            base_delay=float(app_setting(app.conf, "idempotency_dlq_base_delay")),
-        )
+        try:
+            return DeadLetterQueue(
+                app_setting(app.conf, "idempotency_dlq_url"),
+                base_delay=float(app_setting(app.conf, "idempotency_dlq_base_delay")),
+            )
+        except (ImportError, OSError, ValueError, SQLAlchemyError) as exc:
+            # Its driver missing, its URL malformed, the default SQLite folder not writable: a
+            # failure is then kept as for a database that is down (the task goes back to its
+            # queue), never lost. A worker refuses to start on it (see startup).
+            raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc
 
     return _per_process(app, _DLQ, build)
 

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from celery.signals import worker_init
+from sqlalchemy.exc import SQLAlchemyError
 
-from .app_store import dlq_for, store_for
+from .app_store import DeadLetterQueueUnusable, dlq_for, store_for
 from .errors import SchemaVersionError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -32,15 +33,23 @@ def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
     """Check the dead-letter database and an SQL claim store as a worker starts.
 
     A database at a newer schema version stops the worker with :class:`SchemaVersionError`'s
-    message: it could only hand every keyed task and every failure back, again and again. A
-    database that is down does not: it may be back before a task needs it.
+    message: it could only hand every keyed task and every failure back, again and again; so
+    does a dead-letter queue or store that cannot even be set up (a driver not installed, a
+    URL no store takes). A database that is down does not: it may be back before a task needs
+    it.
     """
     from .task import IdempotentTask
 
     app = getattr(sender, "app", None)
     if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
         return
-    dlq, store = dlq_for(app), store_for(app)
+    try:
+        dlq, store = dlq_for(app), store_for(app)
+    except (DeadLetterQueueUnusable, ImportError, ValueError, SQLAlchemyError) as exc:
+        # A driver missing, a URL no store takes: every keyed task and every failure would be
+        # handed back again and again.
+        logger.critical("worker refuses to start: %s", exc)
+        raise SystemExit(f"idempotent_tasks: {exc}") from exc
     checks: dict[str, Callable[[], None]] = {"dead-letter database": dlq.ensure_schema}
     store_check = getattr(store, "ensure_schema", None)
     if store_check is not None:

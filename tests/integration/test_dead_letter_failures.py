@@ -163,3 +163,16 @@ def test_a_worker_refuses_to_start_on_a_dead_letter_database_newer_than_its_code
         WorkerProcess("newer", {**it_env, "IT_DLQ_URL": url}, tmp_path).stop()
     assert f"schema version {SCHEMA_VERSION + 1}" in str(refused.value)
     assert "refuses to start" in str(refused.value)
+
+
+def test_a_worker_refuses_to_start_on_a_dead_letter_queue_whose_driver_is_missing(
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+) -> None:
+    # Given a dead-letter URL for a database whose driver this machine lacks: no failure could
+    # ever be written, each would be handed back again and again
+    url = "mssql+pymssql://user@127.0.0.1:1/dead_letters"
+    # When a worker starts on it, then it refuses, saying what to install
+    with pytest.raises(RuntimeError, match="exited") as refused:
+        WorkerProcess("nodriver", {**it_env, "IT_DLQ_URL": url}, tmp_path).stop()
+    assert "refuses to start" in str(refused.value)
+    assert "no driver for mssql+pymssql" in str(refused.value)
