@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from celery import states
+from celery.backends.rpc import RPCBackend
 from celery.result import EagerResult
 from celery.utils.log import get_task_logger
 
@@ -131,6 +132,14 @@ def own_reservation(record: Record, request: ClaimRequest) -> bool:
         and record.task_id == request.task_id
         and record.fingerprint == request.fingerprint
     )
+
+
+def reaches_this_caller(task: IdempotentTask, answer: Any) -> bool:
+    """Whether a publish can hand ``answer`` back instead of publishing the call: a cached
+    value always; another call's ``AsyncResult`` only with a result backend any caller can
+    read. rpc:// sends a result to its own caller's reply queue alone, so this caller would
+    wait for ever: its call is published, and the worker answers it, waiting for the value."""
+    return isinstance(answer, EagerResult) or not isinstance(task.backend, RPCBackend)
 
 
 def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:

@@ -245,12 +245,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if answer is reserve_and_push.TAKE_OVER:
                 reservation, short_circuit = None, None  # its record looked at already
             elif answer is not None:
-                return answer
+                if publishing.reaches_this_caller(self, answer):
+                    return answer
+                reservation, short_circuit = None, answer
             else:
                 reservation, short_circuit = publishing.reserve(self, request, pickup)
-            if reservation is None:
-                del options["headers"][RESERVED_HEADER]  # the key was not queued for it
-            if short_circuit is not None and not publishing.continues(options, link, link_error):
+            owed = short_circuit is not None and not publishing.reaches_this_caller(
+                self, short_circuit
+            )
+            if reservation is None and not owed:
+                # The key was not queued for it. (A call published as it cannot be handed
+                # another's result keeps the header: the worker answers it, never drops it.)
+                del options["headers"][RESERVED_HEADER]
+            if (
+                short_circuit is not None
+                and not owed
+                and not publishing.continues(options, link, link_error)
+            ):
                 return short_circuit
             if reservation is not None:
                 try:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Start each service the tests need when it does not answer: Redis, PostgreSQL, MariaDB.
+# Start each service the tests need when it does not answer: Redis, PostgreSQL, MariaDB,
+# RabbitMQ.
 # Installs a missing server from Debian's packages first. Safe to run again and again.
 set -u
 
 answers() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-wait_for() {  # name port
-  for _ in $(seq 1 60); do answers "$2" && return 0; sleep 0.5; done
+wait_for() {  # name port [half-seconds]
+  for _ in $(seq 1 "${3:-60}"); do answers "$2" && return 0; sleep 0.5; done
   echo "ensure-services: $1 still not answering on port $2" >&2
   return 1
 }
@@ -33,5 +34,10 @@ if ! answers 3306; then
   mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld 2>/dev/null
   start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
   wait_for MariaDB 3306 || status=1
+fi
+if ! answers 5672; then
+  command -v rabbitmq-server >/dev/null || install rabbitmq-server
+  rabbitmq-server -detached >/dev/null 2>&1
+  wait_for RabbitMQ 5672 240 || status=1  # an Erlang node takes a while to boot
 fi
 exit $status

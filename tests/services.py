@@ -10,8 +10,9 @@ START_COMMANDS = {
     "Redis": 'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no',
     "PostgreSQL": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
     "MariaDB": "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd",
+    "RabbitMQ": "rabbitmq-server -detached",
 }
-PORTS = {"Redis": 6379, "PostgreSQL": 5432, "MariaDB": 3306}
+PORTS = {"Redis": 6379, "PostgreSQL": 5432, "MariaDB": 3306, "RabbitMQ": 5672}
 
 
 def answers(port: int, host: str = "127.0.0.1") -> bool:

@@ -354,7 +354,7 @@ def test_template_key_from_the_task_option_deduplicates() -> None:
     assert ledger_events(f"templated-{order_id}", "start") == 1
 
 
-@pytest.mark.parametrize("bad", [42, b"key", ["key"], "", "  ", {"k": 1}, 4.2])
+@pytest.mark.parametrize("bad", [42, b"key", ["key"], "", {"k": 1}, 4.2])
 def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
     with pytest.raises(ValueError, match="non-empty str"):
         charge.apply_async((fresh("order"), 1), idempotency_key=bad, queue=IDLE_QUEUE)
@@ -440,7 +440,7 @@ def test_a_key_given_as_a_header_is_the_call_s_key_at_publish_too() -> None:
     assert ledger_events(order, "start") == 1
 
 
-@pytest.mark.parametrize("bad", [42, "", "  ", ["key"]])
+@pytest.mark.parametrize("bad", [42, "", "a\x00b", ["key"]])
 def test_a_message_sent_by_other_means_with_a_bad_key_fails_running_nothing(bad: object) -> None:
     # Sent with send_task: the key is not looked at before it goes out
     order = fresh("order")
