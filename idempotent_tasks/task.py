@@ -217,6 +217,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         key = publishing.publish_key(
             self, call_key, args, kwargs, required=republish_headers is None
         )
+        if key is not None:
+            # A pydantic=True task's models (a template may read their fields) go out dumped,
+            # as Celery would dump them a moment later: the fingerprint and the guard's copy
+            # must be of what the worker gets.
+            args, kwargs = _dumped_models(self, args, kwargs, options)
         if key is not None or republish_headers:
             headers = dict(options.pop("headers", None) or {})
             headers.update(republish_headers or {})
@@ -1285,6 +1290,18 @@ def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)
     return taken_from if isinstance(taken_from, str) else None
+
+
+def _dumped_models(
+    task: IdempotentTask, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments as Celery sends those of a ``pydantic=True`` task (its models
+    dumped, unless pickled); as they are for any other task."""
+    dump = getattr(task, "_dump_pydantic_arguments", None)
+    if dump is None or (options.get("serializer") or task.serializer) == "pickle":
+        return args, kwargs
+    dumped_args, dumped_kwargs = dump(args, kwargs)
+    return tuple(dumped_args or ()), dict(dumped_kwargs or {})
 
 
 def _taking_back_headers(attempt: Attempt) -> dict[str, Any]:

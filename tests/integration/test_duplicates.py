@@ -554,3 +554,17 @@ def test_a_call_terminated_with_sigkill_frees_its_key_once_its_process_is_gone()
     again = task.apply_async((name, 0.1), idempotency_key=key)
     assert again.id != result.id
     assert again.get(timeout=30) == f"{name} done"
+
+
+def test_a_pydantic_task_called_again_with_an_equal_model_gets_the_cached_value() -> None:
+    # Given a pydantic=True task keyed by its model's field, called once and completed
+    order_id = int(fresh("1").replace("1-", "1"), 16) % 10**9
+    first = worker_app.charge_order.apply_async((worker_app.Order(id=order_id, amount=990),))
+    assert first.get(timeout=30) == 990
+    # When it is called again with an equal model (Celery sends models dumped: the worker
+    # fingerprinted the call's dict)
+    again = worker_app.charge_order.apply_async((worker_app.Order(id=order_id, amount=990),))
+    # Then it is the same call: answered from the cache, not refused as other arguments
+    assert isinstance(again, EagerResult) and again.get() == 990
+    assert again.id == first.id
+    assert ledger_events(f"order-model-{order_id}", "start") == 1

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from pydantic import BaseModel
 
 from idempotent_tasks import IdempotentTask
 
@@ -114,6 +115,20 @@ def raising(name: str, sleep: float) -> str:
     note("start", name)
     time.sleep(sleep)
     return name
+
+
+class Order(BaseModel):
+    """A pydantic model a ``pydantic=True`` task takes."""
+
+    id: int
+    amount: int
+
+
+@app.task(base=IdempotentTask, pydantic=True, idempotency_key="order-model:{order.id}")
+def charge_order(order: Order) -> int:
+    """A pydantic=True task keyed by its model's field: Celery sends the model dumped."""
+    note("start", f"order-model-{order.id}")
+    return order.amount
 
 
 @app.task(base=IdempotentTask, idempotency_key="order:{order_id}")
