@@ -25,7 +25,7 @@ from zlib import crc32
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
-from redis.exceptions import NoPermissionError, NoScriptError
+from redis.exceptions import AskError, ClusterCrossSlotError, NoPermissionError, NoScriptError
 from redis.retry import Retry
 
 from .. import defaults
@@ -481,6 +481,15 @@ def _translated_errors() -> Iterator[None]:
     except redis.ResponseError as exc:
         if is_unavailable(exc) or isinstance(exc, NoPermissionError):
             raise StoreUnavailable(f"Redis store refuses the store's commands: {exc}") from exc
+        if isinstance(exc, AskError | ClusterCrossSlotError):  # MOVED is an ASK too
+            # A plain client on one node of a Redis Cluster, and a key another node serves:
+            # the record is not the matter, and the call must not be dead-lettered for it.
+            raise StoreUnavailable(
+                f"the store's Redis is a cluster node that does not serve this key ({exc}); "
+                "point idempotency_store_url at a server or proxy that serves every key"
+            ) from exc
+        if "unknown command" in str(exc):
+            raise StoreUnavailable(f"the store's Redis does not run scripts: {exc}") from exc
         if "WRONGTYPE" in str(exc):
             raise CorruptRecord(f"Redis key holds something else than a record: {exc}") from exc
         # A script that failed on what it found: a record edited into something unreadable.

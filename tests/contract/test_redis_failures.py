@@ -26,7 +26,7 @@ from idempotent_tasks.records import (
 )
 from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
 from tests.contract.conftest import CONTRACT_REDIS_DB
-from tests.integration.redis_server import RedisServer
+from tests.integration.redis_server import RedisServer, free_port
 from tests.services import answers
 
 
@@ -242,6 +242,60 @@ def test_a_cluster_node_that_serves_no_slot_is_an_unavailable_store(tmp_path: Pa
     finally:
         store.close()
         node.stop()
+
+
+def test_a_cluster_node_asked_for_a_key_another_node_serves_is_an_unavailable_store(
+    tmp_path: Path,
+) -> None:
+    # Given a Redis Cluster of two nodes, each serving half of the slots, and a store whose
+    # URL names the first (a plain client: it is not sent on to the other node)
+    nodes, buses = [], []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        # The cluster bus on a port of its own (by default the node's own + 10000: over 65535
+        # for the high ports free_port picks)
+        buses.append(free_port())
+        options = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+        options += ("--cluster-port", str(buses[-1]))
+        nodes.append(RedisServer(tmp_path / name, persistent=False, options=options))
+    first, second = (redis.Redis.from_url(node.url) for node in nodes)
+    store = RedisStore.from_url(nodes[0].url, prefix="cluster")
+    try:
+        first.execute_command("CLUSTER ADDSLOTSRANGE", 0, 8191)
+        second.execute_command("CLUSTER ADDSLOTSRANGE", 8192, 16383)
+        first.execute_command("CLUSTER MEET", "127.0.0.1", nodes[1].port, buses[1])
+        deadline = time.monotonic() + 20
+        while not _cluster_ok(first):
+            assert time.monotonic() < deadline, "the two nodes never formed a cluster"
+            time.sleep(0.1)
+        # When a key whose slot the second node serves is used through the first
+        key = next(
+            key
+            for key in (f"k{index}" for index in range(1000))
+            if key_slot(store.names(key)[0].encode()) >= 8192
+        )
+        # Then the store is unavailable for now (the call is tried again later, and the log
+        # says why), not the key's record corrupt (which would dead-letter the call)
+        for operation in (
+            lambda: store.claim(_request(key)),
+            lambda: store.reserve(_request(key), Pickup(envelope=b"m", due_in=1, timeout=1)),
+        ):
+            with pytest.raises(StoreUnavailable, match="cluster"):
+                operation()
+    finally:
+        store.close()
+        for client in (first, second):
+            client.close()
+        for node in nodes:
+            node.stop()
+
+
+def _cluster_ok(client: redis.Redis) -> bool:
+    info = client.execute_command("CLUSTER INFO")  # parsed into a dict, or left as text
+    if isinstance(info, dict):
+        return info.get("cluster_state") in ("ok", b"ok")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text
 
 
 def test_a_user_the_acl_forbids_scripts_is_an_unavailable_store(url: str) -> None:
