@@ -40,9 +40,15 @@ def store_url(app: Any) -> str:
     if url:
         return str(url)
     backend = str(app.conf.result_backend or "")
-    if urlsplit(backend).scheme in ("redis", "rediss"):
+    if _is_redis_backend(backend):
         return backend
     return default_sqlite_url("claims.sqlite3")
+
+
+def _is_redis_backend(url: str) -> bool:
+    """Whether a result backend URL is Celery's Redis backend: ``redis://``, ``rediss://``,
+    ``redis+socket://`` or ``sentinel://`` (Redis behind Sentinel)."""
+    return urlsplit(url).scheme.split("+", 1)[0] in ("redis", "rediss", "sentinel")
 
 
 def store_for(app: Any) -> Store:
@@ -53,25 +59,35 @@ def store_for(app: Any) -> Store:
         # calls) counts into Prometheus' default registry when prometheus_client is installed.
         enable_if_installed()
         prefix = app_setting(app.conf, "idempotency_key_prefix") or defaults.KEY_PREFIX
-        params = _backend_connection_params(app)
-        if params is not None:
-            from .stores.redis import RedisStore
-
-            return RedisStore.from_connection_params(params, prefix)
+        if not app_setting(app.conf, "idempotency_store_url") and _is_redis_backend(
+            str(app.conf.result_backend or "")
+        ):
+            store = _backend_store(app.backend, prefix)
+            if store is not None:
+                return store
         return store_from_url(store_url(app), prefix=prefix)
 
     return _per_process(app, _STORE, build)
 
 
-def _backend_connection_params(app: Any) -> dict[str, Any] | None:
-    """The connection parameters of the Redis result backend the store defaults to, if it
-    does: its URL alone would drop ``redis_backend_use_ssl``, ``redis_password`` and the like."""
-    if app_setting(app.conf, "idempotency_store_url"):
+def _backend_store(backend: Any, prefix: str) -> Store | None:
+    """A store on the Redis server of Celery's Redis result backend, reached as the backend
+    reaches it (its URL alone would drop ``redis_backend_use_ssl``, ``redis_password``, a
+    credential provider, and Sentinel's ``master_name``), with the store's own timeouts."""
+    import redis  # the redis extra, as Celery's Redis backend needs it too
+    from celery.backends.redis import SentinelBackend
+
+    from .stores.redis import RedisStore, connection_options
+
+    params = getattr(backend, "connparams", None)
+    if not isinstance(params, dict):
         return None
-    if urlsplit(str(app.conf.result_backend or "")).scheme not in ("redis", "rediss"):
-        return None
-    params = getattr(app.backend, "connparams", None)
-    return dict(params) if isinstance(params, dict) else None
+    if isinstance(backend, SentinelBackend):
+        # The master the backend's Sentinels name, found again after a failover.
+        kept = {name: value for name, value in params.items() if name != "retry_on_timeout"}
+        pool = backend._get_pool(**{**kept, **connection_options()})
+        return RedisStore(redis.Redis(connection_pool=pool), prefix)
+    return RedisStore.from_connection_params(dict(params), prefix)
 
 
 def dlq_for(app: Any) -> DeadLetterQueue:

@@ -71,7 +71,7 @@ _DEFAULT_PORT, _DEFAULT_DB = 6379, 0
 _MAX_MS = 2**50
 
 
-def _connection_options() -> dict[str, Any]:
+def connection_options() -> dict[str, Any]:
     """The store's own timeouts, health checks and reconnect-and-retry, for a new client."""
     return {
         "socket_connect_timeout": 2,
@@ -113,7 +113,7 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, prefix: str) -> RedisStore:
         """Connect lazily to ``redis://`` or ``rediss://`` ``url``."""
-        return cls(redis.Redis.from_url(url, **_connection_options()), prefix)
+        return cls(redis.Redis.from_url(url, **connection_options()), prefix)
 
     @classmethod
     def from_connection_params(cls, params: dict[str, Any], prefix: str) -> RedisStore:
@@ -122,7 +122,7 @@ class RedisStore:
         default store reaches the backend's server as the backend does. The store's own
         timeouts and retries replace the backend's."""
         kept = {name: value for name, value in params.items() if name != "retry_on_timeout"}
-        pool = redis.ConnectionPool(**{**kept, **_connection_options()})
+        pool = redis.ConnectionPool(**{**kept, **connection_options()})
         return cls(redis.Redis(connection_pool=pool), prefix)
 
     def names(self, storage_key: str) -> list[str]:

@@ -1,0 +1,97 @@
+"""The default store of an app whose Celery result backend is Redis behind Sentinel: the
+master the Sentinels name, reached as the backend reaches it (not a local SQLite file per
+host, where duplicates on two hosts would both run)."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+from typing import IO
+
+import pytest
+import redis
+from celery import Celery
+
+from idempotent_tasks.app_store import store_for, store_url
+from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.stores.redis import RedisStore
+from tests.integration.redis_server import RedisServer
+
+MASTER_NAME = "shop"
+
+
+class SentinelServer(RedisServer):
+    """A Redis Sentinel (``redis-server --sentinel``) watching one master."""
+
+    def __init__(self, directory: Path, master_port: int) -> None:
+        self.master_port = master_port
+        super().__init__(directory, persistent=False)
+
+    def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        config = self.directory / f"sentinel-{self.port}.conf"  # Sentinel rewrites its own
+        config.write_text(
+            f"bind 127.0.0.1\nport {self.port}\ndir {self.directory}\n"
+            f"sentinel monitor {MASTER_NAME} 127.0.0.1 {self.master_port} 1\n"
+        )
+        return subprocess.Popen(
+            [self.binary, str(config), "--sentinel"], stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def test_a_sentinel_result_backend_gives_the_store_the_master_it_names(tmp_path: Path) -> None:
+    # Given a Redis master watched by a Sentinel, and an app whose result backend is it
+    (tmp_path / "master").mkdir()
+    (tmp_path / "sentinel").mkdir()
+    master = RedisServer(tmp_path / "master", persistent=False)
+    sentinel = SentinelServer(tmp_path / "sentinel", master.port)
+    app = Celery("sentinel", set_as_current=False, broker="memory://")
+    app.conf.result_backend = f"sentinel://127.0.0.1:{sentinel.port}/3"
+    app.conf.result_backend_transport_options = {"master_name": MASTER_NAME}
+    store = None
+    try:
+        # When the app's store is built, and a key is claimed through it
+        assert store_url(app) == app.conf.result_backend
+        store = store_for(app)
+        assert isinstance(store, RedisStore)
+        key = f"order-{uuid.uuid4().hex[:8]}"
+        request = ClaimRequest(
+            storage_key=key,
+            key=key,
+            task_name="charge",
+            task_id="t-1",
+            owner="o-1",
+            fingerprint="fp",
+            lease_seconds=30,
+            ttl_seconds=60,
+        )
+        assert store.claim(request).outcome is Outcome.ACQUIRED
+        # Then the claim is on the master the Sentinel names, in the backend's database
+        on_master = redis.Redis(port=master.port, db=3)
+        try:
+            assert on_master.exists(store.names(key)[0]) == 1
+        finally:
+            on_master.close()
+    finally:
+        if store is not None:
+            store.close()
+        app.backend.client.close()
+        sentinel.stop()
+        master.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "pool_class"),
+    [
+        ("redis+socket:///run/redis.sock", "ConnectionPool"),
+        ("sentinel://127.0.0.1:1/0", "SentinelConnectionPool"),
+    ],
+)
+def test_every_redis_result_backend_is_the_default_stores(url: str, pool_class: str) -> None:
+    # Nothing connects here: the store is built as the backend would reach its server
+    app = Celery("schemes", set_as_current=False, broker="memory://", backend=url)
+    app.conf.result_backend_transport_options = {"master_name": MASTER_NAME}
+    assert store_url(app) == url
+    store = store_for(app)
+    assert isinstance(store, RedisStore)
+    assert type(store.client.connection_pool).__name__ == pool_class
