@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 from celery.bin.base import CLIContext
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_UNAVAILABLE
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import cli_format, defaults
 from .app_store import dlq_for, store_for, store_url
@@ -23,6 +23,7 @@ from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from .keys import storage_key
 from .records import Record, Status
 from .stores import MemoryStore, Store
+from .urls import shown_url
 
 STATUSES = click.Choice([status.value for status in DeadLetterStatus])
 
@@ -78,16 +79,6 @@ def _warn(message: str) -> None:
     click.echo(f"Warning: {message}", err=True)
 
 
-def _safe_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = netloc[0].partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
-
-
 @contextmanager
 def _reaching(what: str, url: str) -> Iterator[None]:
     """Turn a store that cannot be used into a one-line error and exit code 69."""
@@ -96,7 +87,7 @@ def _reaching(what: str, url: str) -> Iterator[None]:
     except (StoreUnavailable, SchemaVersionError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CeleryCommandException(
-            message=f"cannot use the {what} at {_safe_url(url)}: {reason}",
+            message=f"cannot use the {what} at {shown_url(url)}: {reason}",
             exit_code=EX_UNAVAILABLE,
         ) from exc
 
@@ -115,7 +106,7 @@ def _queue(ctx: click.Context) -> DeadLetterQueue:
     app = _app(ctx)
     try:
         queue = dlq_for(app)
-    except (ImportError, ValueError) as exc:
+    except StoreUnavailable as exc:  # not even set up: its driver, its URL, its folder
         raise click.ClickException(f"cannot open the dead-letter database: {exc}") from exc
     ctx.call_on_close(queue.dispose)
     return queue
@@ -127,7 +118,7 @@ def _store(ctx: click.Context) -> tuple[Store, str]:
     url = store_url(app)
     try:
         store = store_for(app)
-    except (ImportError, ValueError) as exc:
+    except (ImportError, ValueError, OSError, SQLAlchemyError) as exc:
         raise click.ClickException(f"cannot open the claim store: {exc}") from exc
     ctx.call_on_close(store.close)
     if isinstance(store, MemoryStore):
@@ -285,7 +276,7 @@ def dlq_purge(
         if older_than is not None:
             what += f" not updated for {cli_format.span(older_than.total_seconds())}"
     if not yes:
-        click.confirm(f"Delete {what} in {_safe_url(queue.url)}?", abort=True)
+        click.confirm(f"Delete {what} in {shown_url(queue.url)}?", abort=True)
     with _reaching("dead-letter database", queue.url):
         deleted = queue.purge(status=status, older_than=older_than)
     click.echo(f"Deleted {_plural(deleted, 'dead letter')}.")

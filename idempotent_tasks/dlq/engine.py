@@ -47,6 +47,11 @@ def create_dlq_engine(url: str) -> Engine:
     Raises:
         ImportError: the URL's driver is not installed (naming the extra that brings it).
     """
+    if url.split("://", 1)[0].split("+", 1)[0] == "postgres":
+        raise ValueError(
+            f"SQLAlchemy names PostgreSQL postgresql://, not postgres://: use "
+            f"postgresql+psycopg://{url.split('://', 1)[-1]}"
+        )
     parsed = make_url(url)
     dialect = parsed.get_backend_name()
     options: dict[str, Any] = {"pool_pre_ping": True}

@@ -7,10 +7,10 @@ import time
 from collections.abc import Mapping
 
 from sqlalchemy import Engine, Table, inspect
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
 from ..errors import SchemaVersionError, StoreUnavailable
+from ..urls import shown_url
 from . import queries
 from .schema import Migration, metadata, schema_versions
 
@@ -107,4 +107,4 @@ def _create_or_check(
 
 
 def _safe(engine: Engine) -> str:
-    return make_url(str(engine.url)).render_as_string(hide_password=True)
+    return shown_url(engine.url.render_as_string(hide_password=True))

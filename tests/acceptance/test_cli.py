@@ -763,6 +763,32 @@ def test_an_unreachable_store_is_one_clear_line(run: Run, command: list[str]) ->
     assert_unavailable(result, "Error: cannot use the claim store at redis://:***@127.0.0.1:1/0: ")
 
 
+def test_a_password_in_the_urls_query_is_hidden_too(run: Run) -> None:
+    # redis-py takes a password as a query parameter as well as in the address
+    result = run(*KEY_COMMANDS[0], store="redis://127.0.0.1:1/0?password=s3cret")
+
+    assert_unavailable(
+        result, "Error: cannot use the claim store at redis://127.0.0.1:1/0?password=***: "
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("not a url at all", "Could not parse"),
+        ("postgres://postgres@127.0.0.1:1/x", "use postgresql+psycopg://postgres@127.0.0.1:1/x"),
+    ],
+    ids=["malformed", "heroku-style"],
+)
+def test_a_dead_letter_url_no_queue_can_be_opened_on_is_one_clear_line(
+    run: Run, url: str, said: str
+) -> None:
+    result = run("dlq", "stats", dlq=url)
+
+    assert_failed_cleanly(result, "Error: cannot open the dead-letter database: ")
+    assert said in result.stderr and result.stderr.count("\n") == 1
+
+
 def assert_unavailable(result: Result, start: str) -> None:
     assert_failed_cleanly(result, start, exit_code=69)
     assert result.stdout == ""
