@@ -26,7 +26,7 @@ from kombu.utils import json as kombu_json
 from . import defaults, signals
 from .broker_errors import broker_cannot_take
 from .errors import CorruptRecord, StoreUnavailable
-from .records import DuePickup, Pickup
+from .records import ClaimRequest, DuePickup, Pickup
 
 logger = get_task_logger(__name__)
 
@@ -89,6 +89,58 @@ def seconds_until(countdown: Any = None, eta: Any = None) -> float:
             when = when.replace(tzinfo=timezone.utc)
         return max((when - datetime.now(timezone.utc)).total_seconds(), 0.0)
     return max(float(countdown or 0), 0.0)
+
+
+def seconds_to_expiry(expires: Any) -> float | None:
+    """How long from now a call's ``expires`` (seconds, a moment, or one in ISO 8601) ends
+    it; ``None`` for a call that does not expire. A naive moment is UTC, as for ``eta``."""
+    if expires is None or isinstance(expires, bool):
+        return None
+    if isinstance(expires, int | float):
+        return float(expires)
+    try:
+        when = datetime.fromisoformat(expires) if isinstance(expires, str) else expires
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        return float((when - datetime.now(timezone.utc)).total_seconds())
+    except (TypeError, ValueError, AttributeError):
+        return None  # not a moment Celery would take either: it fails the publish itself
+
+
+def call_expired(due: DuePickup) -> bool:
+    """Whether the call a taken pickup keeps expired: published again, it would be dropped
+    unrun (RabbitMQ drops an expired message unseen; a worker revokes it)."""
+    try:
+        message = loads(due.envelope.decode())
+    except (UnicodeDecodeError, ValueError):
+        return False
+    left = seconds_to_expiry((message.get("options") or {}).get("expires"))
+    return left is not None and left <= 0
+
+
+def end_expired_call(store: Any, due: DuePickup) -> None:
+    """Free the key of a call that expired before any worker took it (its message dropped
+    unseen): its reservation is cancelled, so the key's next call runs, and nothing publishes
+    the expired one again."""
+    # cancel_reservation reads only a request's storage key and task id.
+    reservation = ClaimRequest(
+        storage_key=due.storage_key,
+        key=due.storage_key,
+        task_name=due.task_name,
+        task_id=due.task_id,
+        owner="",
+        fingerprint="",
+        lease_seconds=1.0,
+        ttl_seconds=1.0,
+    )
+    try:
+        store.cancel_reservation(reservation)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("could not free the key of expired call %s: %s", due.task_id, exc)
+        return
+    logger.warning(
+        "%s (%s) expired before any worker took it: its key is free", due.task_name, due.task_id
+    )
 
 
 def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> bytes | None:
@@ -167,7 +219,13 @@ def make_pickup(
     body = envelope(arguments[0], kwargs, options)
     if body is None:
         return None
-    return Pickup(envelope=body, due_in=wait + timeout, timeout=timeout)
+    due_in = wait + timeout
+    left = seconds_to_expiry(options.get("expires"))
+    if left is not None:
+        # Expired, the message may be dropped unseen (RabbitMQ does): its key is due then, for
+        # the next call of the key (or the sweep) to find it ended.
+        due_in = min(due_in, max(left, 0.0))
+    return Pickup(envelope=body, due_in=due_in, timeout=timeout)
 
 
 def _json_faithful(value: Any) -> bool:
@@ -202,6 +260,9 @@ def republish_lost(app: Any, store: Any, batch: int = SWEEP_BATCH) -> int:
             logger.warning("could not look for lost messages: %s", exc)
             return published
         for index, due in enumerate(taken):
+            if call_expired(due):
+                end_expired_call(store, due)
+                continue
             try:
                 published += republish_taken(app, store, due, raise_unreachable=True)
             except OperationalError:

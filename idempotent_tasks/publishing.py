@@ -19,8 +19,14 @@ from .app_store import store_for
 from .canvas_keys import required_key_error
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from .keys import MAX_TASK_ID_CHARS, derive_key, fitted, validate_key
-from .pickups import make_pickup, republish_taken, seconds_until
-from .records import ClaimRequest, Outcome, Pickup, Record, Status
+from .pickups import (
+    call_expired,
+    end_expired_call,
+    make_pickup,
+    republish_taken,
+    seconds_until,
+)
+from .records import ClaimRequest, DuePickup, Outcome, Pickup, Record, Status
 from .replacements import is_replaced
 
 if TYPE_CHECKING:
@@ -183,7 +189,11 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
     else:
         # A queued key past the time its message counts as lost, or a claimed one whose owner's
         # lease ended (lost too once that was a pickup timeout ago: the store decides).
-        task_id = _republish_if_lost(task, record)
+        due = _take_if_lost(task, record)
+        if due is not None and call_expired(due):
+            end_expired_call(store_for(task.app), due)
+            return None  # the key is free: this call runs
+        task_id = _republished(task, due)
         if task_id is None:
             if record.status is not Status.QUEUED:
                 return None  # a dead owner's key: this message takes it over
@@ -194,19 +204,24 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
     return task.AsyncResult(task_id)
 
 
-def _republish_if_lost(task: IdempotentTask, record: Record) -> str | None:
-    """Publish the key's message again, as the beat sweep would, if it counts as lost (so a
-    lost message is found without beat too); the task id it went out under, else ``None``."""
+def _take_if_lost(task: IdempotentTask, record: Record) -> DuePickup | None:
+    """Take the key's message, as the beat sweep would, if it counts as lost (so a lost
+    message is found without beat too); ``None`` when it does not (or the guard is off)."""
     if task._pickup_timeout <= 0:
         return None
-    store = store_for(task.app)
     try:
-        due = store.take(record.storage_key)
+        return store_for(task.app).take(record.storage_key)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not take over the lost message of key %r: %s", record.key, exc)
         return None
+
+
+def _republished(task: IdempotentTask, due: DuePickup | None) -> str | None:
+    """Publish a taken message again; the task id it went out under, else ``None``."""
     # A broker still unreachable fails this publish as it failed the call's own (its key due
     # again at once), rather than hand back a result nothing will ever write.
-    if due is None or not republish_taken(task.app, store, due, raise_unreachable=True):
+    if due is None or not republish_taken(
+        task.app, store_for(task.app), due, raise_unreachable=True
+    ):
         return None
     return due.task_id

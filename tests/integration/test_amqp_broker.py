@@ -7,6 +7,7 @@ one else: a duplicate call cannot be handed another call's ``AsyncResult``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,19 @@ def test_a_keyed_call_is_answered_over_rabbitmq(amqp: Any, tmp_path: Path) -> No
         amqp.slow_charge.apply_async((order, 0), idempotency_key=order).get(timeout=30)["order_id"]
         == order
     )
+
+
+def test_a_call_rabbitmq_dropped_as_expired_frees_its_key_for_the_next_call(amqp: Any) -> None:
+    # Given a keyed call sent to a queue no worker serves, expiring after 2 s: RabbitMQ drops
+    # it then, unseen by any worker (so no revoke frees its key)
+    order, key = fresh("expired"), fresh("key")
+    first = amqp.slow_charge.apply_async(
+        (order, 0), idempotency_key=key, expires=2, queue=f"{amqp.QUEUE}-idle"
+    )
+    time.sleep(2.5)
+    # When the key is called again, on the served queue
+    second = amqp.slow_charge.apply_async((order, 0), idempotency_key=key)
+    # Then this call runs (it is not handed the dropped call's result, which never comes)
+    assert second.id != first.id
+    assert second.get(timeout=30) == {"order_id": order, "task_id": second.id}
+    assert ledger_events(order, "start") == 1

@@ -405,3 +405,44 @@ def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
 
     _publish(charge, "t-7", expires=None)
     assert "expires" not in _kept_message(charge)["options"]
+
+
+@pytest.mark.parametrize("as_moment", [False, True], ids=["seconds", "moment"])
+def test_a_call_that_expires_is_due_when_it_does(as_moment: bool) -> None:
+    # Expired, its message may be dropped unseen (RabbitMQ does): its key must not wait out
+    # the whole pickup timeout for it
+    expires: Any = datetime.now(timezone.utc) + timedelta(seconds=5) if as_moment else 5
+    pickup = make_pickup([1], {}, {"expires": expires}, 3600.0, wait=0)
+    assert pickup is not None and 4 <= pickup.due_in <= 5
+    assert make_pickup([1], {}, {"expires": -3}, 3600.0, wait=0).due_in == 0  # type: ignore[union-attr]
+
+
+def test_a_sweep_frees_the_key_of_a_call_that_expired_instead_of_sending_it_again() -> None:
+    # Given a queued key whose call expired before any worker took it, and one that did not
+    app = _app(idempotency_store_url="memory://")
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    for name, expires in (("expired", 1), ("lasting", 3600)):
+        request = ClaimRequest(
+            storage_key=f"t:{name}",
+            key=name,
+            task_name="t",
+            task_id=f"task-{name}",
+            owner="",
+            fingerprint="fp",
+            lease_seconds=30,
+            ttl_seconds=3600,
+        )
+        pickup = make_pickup([name], {}, {"expires": expires}, 10.0, wait=0)
+        assert store.reserve(request, pickup) is None
+    sent: list[str] = []
+    app.send_task = lambda *args, **kwargs: sent.append(kwargs["task_id"])  # type: ignore[method-assign]
+    time.sleep(1.1)  # the first call's expiry is a moment on this host's clock
+    now[0] += 11
+    # When the sweep runs
+    republish_lost(app, store)
+    # Then the expired call is not sent again, and its key is free; the other goes out again
+    assert sent == ["task-lasting"]
+    assert store.get("t:expired") is None
+    lasting = store.get("t:lasting")
+    assert lasting is not None and lasting.status is Status.QUEUED
