@@ -106,6 +106,8 @@ SUPERSEDED_HEADER = "idempotency_superseded"
 TAKEN_FROM_HEADER = "idempotency_taken_from"
 #: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
 _REPUBLISH = "_idempotency_republish"
+#: ``_message_pickup``'s default expiry: the running call's own.
+_THIS_CALLS: Any = object()
 
 ON_DUPLICATE_CHOICES = ("wait", "skip", "raise")
 #: Bounds of what a dead letter keeps of an error.
@@ -629,6 +631,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             seconds_until(replacement.options.get("countdown"), replacement.options.get("eta")),
             retries=0,
             routing=_routing_of(replacement),
+            # Celery sends the replacement without this call's expiry: kept, it would make the
+            # key count as expired, free for a duplicate to begin the loop anew.
+            expires=replacement.options.get("expires"),
         )
         if pickup is not None:
             attempt.release_quietly(pickup)
@@ -732,10 +737,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         previous_owner: str | None = None,
         routing: dict[str, Any] | None = None,
         attempt: Attempt | None = None,
+        expires: Any = _THIS_CALLS,
     ) -> Any:
         """This call's next message (a retry, a requeue) as the pickup guard keeps it, so it
         runs even if that message is lost; ``routing``: where it goes, if not back where this
-        one came from; ``attempt``: the one it follows, if not the running one."""
+        one came from; ``attempt``: the one it follows, if not the running one; ``expires``:
+        when it expires, if not when this call does."""
         request = self.request
         # The key is queued for this copy, as for a published call's message.
         headers = {KEY_HEADER: key, RESERVED_HEADER: True, **_carried_headers(request, attempt)}
@@ -759,7 +766,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "shadow": request.shadow,
             "ignore_result": get_actual_ignore_result(self, request) or None,
             "reply_to": request.reply_to,
-            "expires": request.expires,
+            "expires": request.expires if expires is _THIS_CALLS else expires,
             "time_limit": time_limit,
             "soft_time_limit": soft_time_limit,
         }

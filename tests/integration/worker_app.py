@@ -384,6 +384,15 @@ def counts_down(self: Any, name: str, left: int) -> str:
 
 
 @app.task(base=IdempotentTask, bind=True)
+def polls(self: Any, name: str, left: int, every: float) -> str:
+    """Replaces itself with itself ``left`` times, ``every`` seconds apart (a polling loop)."""
+    note("start", name)
+    if left > 0:
+        raise self.replace(polls.si(name, left - 1, every).set(countdown=every))
+    return name
+
+
+@app.task(base=IdempotentTask, bind=True)
 def rekeys_itself(self: Any, name: str, left: int) -> str:
     """Replaces itself with itself ``left`` times, each replacement under a key of its own."""
     note("start", name)
