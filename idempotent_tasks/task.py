@@ -1078,10 +1078,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         A copy that only writes down how the call ended (its dead letter, or its dead letter's
         success) never expires: the call's ``expires`` bounds when it may start, and expired,
-        the copy would be dropped unread, its failure never dead-lettered.
+        the copy would be dropped unread, its failure never dead-lettered. Nor does the copy a
+        call that started waits with for the execution that took its key over: dropped as
+        expired, it would leave its caller with REVOKED though the key completes.
         """
         options: dict[str, Any] = {}
-        if UNWRITTEN_FAILURE_HEADER in headers or UNWRITTEN_SUCCESS_HEADER in headers:
+        if (
+            UNWRITTEN_FAILURE_HEADER in headers
+            or UNWRITTEN_SUCCESS_HEADER in headers
+            or SUPERSEDED_HEADER in headers
+        ):
             options["expires"] = None
         return self.signature_from_request(
             self.request,

@@ -5,6 +5,7 @@ taken the key over and even completed it."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from typing import Any
 
@@ -121,6 +122,23 @@ def test_a_worker_paused_until_its_claim_was_taken_over_and_completed_runs_no_bo
     assert runs == []
 
 
+def test_a_call_paused_past_its_expiry_until_its_key_was_completed_gets_the_keys_value(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.task(base=IdempotentTask, name=fresh("paused.expiring"), shared=False)
+    def charge(order: str) -> str:
+        return f"charged {order} here"
+
+    # Given a call sent with a 1 s expiry, paused after its claim for 1.5 s, until another
+    # execution took the key over and completed it
+    monkeypatch.setattr(Attempt, "claim", _paused_after_asking("charged by the other", pause=1.5))
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        result = charge.apply_async(("o-1",), idempotency_key=fresh("key"), expires=1.0)
+        # Then the copy it waits with, sent past that expiry, is not dropped as expired: the
+        # call had started, and its caller gets the key's value (not TaskRevokedError)
+        assert result.get(timeout=30) == "charged by the other"
+
+
 def test_an_rq_job_paused_until_its_claim_was_taken_over_and_completed_runs_no_body(
     redis_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -208,10 +226,13 @@ def _failing_once(error: BaseException) -> Any:
     return held_at_start
 
 
-def _paused_after_asking(others_value: Any, taken_from: str | None = None) -> Any:
-    """``Attempt.claim`` whose first acquired claim comes back after a pause in which its
-    lease ran out and another execution took the key over and completed it with
-    ``others_value``; with ``taken_from``, that claim had taken the key over from that call."""
+def _paused_after_asking(
+    others_value: Any, taken_from: str | None = None, pause: float = 0.0
+) -> Any:
+    """``Attempt.claim`` whose first acquired claim comes back after a pause (of ``pause``
+    seconds on the clock too) in which its lease ran out and another execution took the key
+    over and completed it with ``others_value``; with ``taken_from``, that claim had taken the
+    key over from that call."""
     asked = Attempt.claim
     paused: list[str] = []
 
@@ -219,6 +240,7 @@ def _paused_after_asking(others_value: Any, taken_from: str | None = None) -> An
         result = asked(self)
         if result.outcome is Outcome.ACQUIRED and not paused:
             paused.append(self.request.task_id)
+            time.sleep(pause)
             if taken_from is not None:
                 self.taken_from_task_id = taken_from
             self.asked_at = lease_clock() - self.request.lease_seconds
