@@ -134,13 +134,18 @@ def end_expired_call(store: Any, due: DuePickup) -> None:
         ttl_seconds=1.0,
     )
     try:
-        store.cancel_reservation(reservation)
+        if store.cancel_reservation(reservation):
+            logger.warning(
+                "%s (%s) expired before any worker took it: its key is free",
+                due.task_name,
+                due.task_id,
+            )
+        elif store.drop_pickup(due.storage_key, due.task_id):
+            # Its key is claimed (a dead owner's, whose lease ended: a new call takes it over),
+            # or a worker claimed it just now: only the expired copy goes.
+            logger.warning("%s (%s) expired: its copy is dropped", due.task_name, due.task_id)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not free the key of expired call %s: %s", due.task_id, exc)
-        return
-    logger.warning(
-        "%s (%s) expired before any worker took it: its key is free", due.task_name, due.task_id
-    )
 
 
 def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> bytes | None:

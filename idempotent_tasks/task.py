@@ -219,11 +219,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         key = publishing.publish_key(
             self, call_key, args, kwargs, required=republish_headers is None
         )
-        if key is not None:
-            # A pydantic=True task's models (a template may read their fields) go out dumped,
-            # as Celery would dump them a moment later: the fingerprint and the guard's copy
-            # must be of what the worker gets.
-            args, kwargs = _dumped_models(self, args, kwargs, options)
         if key is not None or republish_headers:
             headers = dict(options.pop("headers", None) or {})
             headers.update(republish_headers or {})
@@ -235,6 +230,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # In the message, and in the envelope the guard would publish again.
             options["headers"][RESERVED_HEADER] = True
             shadow = shadow or self._shadow_of(args, kwargs, options)
+            # A pydantic=True task's models (its key and shadow name read them above) go out
+            # dumped, as Celery would dump them a moment later: the fingerprint and the guard's
+            # copy must be of what the worker gets.
+            args, kwargs = _dumped_models(self, args, kwargs, options)
             message_options = {**options, "link": link, "link_error": link_error, "shadow": shadow}
             request, pickup = publishing.prepare(self, key, args, kwargs, task_id, message_options)
             answer = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 #: Query parameters that hold a secret in redis-py's, SQLAlchemy's and the drivers' URLs.
-SECRET_PARAMETERS = frozenset({"password", "passwd", "pass", "sslpassword", "token", "secret"})
+SECRET_PARAMETERS = frozenset(
+    {"password", "passwd", "pass", "sslpassword", "ssl_password", "token", "secret"}
+)
 
 
 def shown_url(url: str) -> str:
@@ -15,20 +17,19 @@ def shown_url(url: str) -> str:
 
 
 def _shown(url: str) -> str:
+    """One URL shown; left exactly as it is when it holds no secret (``urlunsplit`` would
+    respell ``sqlite:////abs/path`` and ``memory://``)."""
     parts = urlsplit(url)
-    netloc = parts.netloc
+    netloc, query = parts.netloc, parts.query
     if parts.password is not None:
         credentials, _, host = netloc.rpartition("@")
         netloc = f"{credentials.partition(':')[0]}:***@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(name.lower() in SECRET_PARAMETERS for name, _ in pairs):
-            query = urlencode(
-                [
-                    (name, "***" if name.lower() in SECRET_PARAMETERS else value)
-                    for name, value in pairs
-                ],
-                safe="*",
-            )
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(name.lower() in SECRET_PARAMETERS for name, _ in pairs):
+        hidden = [
+            (name, "***" if name.lower() in SECRET_PARAMETERS else value) for name, value in pairs
+        ]
+        query = urlencode(hidden, safe="*")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
     return urlunsplit(parts._replace(netloc=netloc, query=query))

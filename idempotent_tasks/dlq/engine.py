@@ -11,6 +11,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 
+from ..urls import shown_url
+
 #: Seconds a new PostgreSQL connection through libpq may take (it waits for ever by default),
 #: unless the URL sets ``connect_timeout``. A worker's main process writes dead letters too (a
 #: call killed at its time limit) and must not hang on a server that does not answer.
@@ -48,9 +50,9 @@ def create_dlq_engine(url: str) -> Engine:
         ImportError: the URL's driver is not installed (naming the extra that brings it).
     """
     if url.split("://", 1)[0].split("+", 1)[0] == "postgres":
+        instead = shown_url(f"postgresql+psycopg://{url.split('://', 1)[-1]}")
         raise ValueError(
-            f"SQLAlchemy names PostgreSQL postgresql://, not postgres://: use "
-            f"postgresql+psycopg://{url.split('://', 1)[-1]}"
+            f"SQLAlchemy names PostgreSQL postgresql://, not postgres://: use {instead}"
         )
     parsed = make_url(url)
     dialect = parsed.get_backend_name()

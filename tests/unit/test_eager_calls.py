@@ -12,6 +12,7 @@ from celery import Celery
 from celery.exceptions import Reject
 from celery.signals import after_task_publish
 from celery.utils.log import task_logger
+from pydantic import BaseModel
 
 from idempotent_tasks import IdempotentTask, StoreUnavailable
 from idempotent_tasks.app_store import store_for
@@ -183,3 +184,26 @@ def test_the_claim_s_warnings_go_through_celery_s_task_logger(
     warned = [record for record in caplog.records if "not cached" in record.getMessage()]
     assert warned
     assert all(logging.getLogger(record.name).parent is task_logger for record in warned)
+
+
+class _Order(BaseModel):
+    """A model of a pydantic=True task (at module level: Celery resolves the annotation)."""
+
+    order_id: int
+
+
+class _Shadowed(IdempotentTask):
+    def shadow_name(self, args: Any, kwargs: Any, options: Any) -> str:
+        return f"charge {args[0].order_id}"
+
+
+def test_a_pydantic_tasks_shadow_name_reads_the_models_it_was_called_with() -> None:
+    app = Celery("pydantic-shadow", set_as_current=False, broker="memory://")
+    app.conf.update(task_always_eager=True, idempotency_store_url="memory://")
+
+    @app.task(base=_Shadowed, pydantic=True, shared=False)
+    def charge(order: _Order) -> int:
+        return order.order_id
+
+    # Celery names the call before it dumps the models: so must a keyed call
+    assert charge.apply_async((_Order(order_id=7),), idempotency_key="k-7").get() == 7

@@ -22,8 +22,17 @@ from idempotent_tasks.urls import shown_url
             "sentinel://:s3cret@h1:26379/0;sentinel://:s3cret@h2:26379/0",
             "sentinel://:***@h1:26379/0;sentinel://:***@h2:26379/0",
         ),
+        ("rediss://h/0?ssl_password=s3cret", "rediss://h/0?ssl_password=***"),
     ],
 )
 def test_passwords_are_hidden_wherever_the_url_holds_them(url: str, shown: str) -> None:
     assert shown_url(url) == shown
     assert "s3cret" not in shown_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["sqlite:////tmp/x.db", "sqlite:///rel.db", "memory://", "redis+socket:///tmp/r.sock"],
+)
+def test_a_url_without_secrets_is_shown_as_it_is(url: str) -> None:
+    assert shown_url(url) == url
