@@ -74,7 +74,6 @@ def _backend_store(backend: Any, prefix: str) -> Store | None:
     """A store on the Redis server of Celery's Redis result backend, reached as the backend
     reaches it (its URL alone would drop ``redis_backend_use_ssl``, ``redis_password``, a
     credential provider, and Sentinel's ``master_name``), with the store's own timeouts."""
-    import redis  # the redis extra, as Celery's Redis backend needs it too
     from celery.backends.redis import SentinelBackend
 
     from .stores.redis import RedisStore, connection_options
@@ -83,11 +82,29 @@ def _backend_store(backend: Any, prefix: str) -> Store | None:
     if not isinstance(params, dict):
         return None
     if isinstance(backend, SentinelBackend):
-        # The master the backend's Sentinels name, found again after a failover.
-        kept = {name: value for name, value in params.items() if name != "retry_on_timeout"}
-        pool = backend._get_pool(**{**kept, **connection_options()})
-        return RedisStore(redis.Redis(connection_pool=pool), prefix)
+        return RedisStore(_sentinel_master(backend, params, connection_options()), prefix)
     return RedisStore.from_connection_params(dict(params), prefix)
+
+
+def _sentinel_master(backend: Any, params: dict[str, Any], options: dict[str, Any]) -> Any:
+    """A client of the master a Sentinel backend's Sentinels name (found again after a
+    failover), as Celery's backend finds it, with the store's timeouts on the Sentinels too:
+    a Sentinel that does not answer must not hold a claim up for minutes."""
+    from redis.sentinel import Sentinel
+
+    transport = dict(backend.app.conf.result_backend_transport_options or {})
+    timeouts = {name: options[name] for name in ("socket_connect_timeout", "socket_timeout")}
+    connection = {
+        name: value for name, value in params.items() if name not in ("hosts", "retry_on_timeout")
+    }
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        [(host["host"], host["port"]) for host in params["hosts"]],
+        min_other_sentinels=transport.get("min_other_sentinels", 0),
+        sentinel_kwargs={**timeouts, **(transport.get("sentinel_kwargs") or {})},
+        **{**connection, **options},
+    )
+    credentials = {name: params[name] for name in ("username", "password") if name in params}
+    return sentinel.master_for(transport.get("master_name"), **credentials)  # type: ignore[no-untyped-call]
 
 
 def dlq_for(app: Any) -> DeadLetterQueue:

@@ -27,6 +27,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.exceptions import AskError, ClusterCrossSlotError, NoPermissionError, NoScriptError
 from redis.retry import Retry
+from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
 from .. import defaults
 from ..errors import CorruptRecord, SideWriteRefused, StoreUnavailable
@@ -171,6 +172,10 @@ class RedisStore:
         whatever their database: a script of the store may then write for them."""
         if not isinstance(self.client, redis.Redis):
             return False  # a cluster: its nodes are not one server
+        if _sentinel_managed(self.client.connection_pool) or _sentinel_managed(pool):
+            # The master its Sentinels name for a service: no address to compare (two
+            # services' pools look alike), and it may move.
+            return False
         return self._own_address._replace(db=None) == _address(pool)._replace(db=None)
 
     @cached_property
@@ -511,6 +516,13 @@ class _Address(NamedTuple):
     username: str | None
     password: str | None
     credential_provider: int
+
+
+def _sentinel_managed(pool: Any) -> bool:
+    """Whether ``pool`` connects to whichever master Redis Sentinel names."""
+    return isinstance(pool, SentinelConnectionPool) or issubclass(
+        getattr(pool, "connection_class", object), SentinelManagedConnection
+    )
 
 
 def _address(pool: redis.ConnectionPool) -> _Address:

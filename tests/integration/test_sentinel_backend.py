@@ -12,6 +12,7 @@ from typing import IO
 import pytest
 import redis
 from celery import Celery
+from redis.sentinel import Sentinel
 
 from idempotent_tasks.app_store import store_for, store_url
 from idempotent_tasks.records import ClaimRequest, Outcome
@@ -66,6 +67,10 @@ def test_a_sentinel_result_backend_gives_the_store_the_master_it_names(tmp_path:
             ttl_seconds=60,
         )
         assert store.claim(request).outcome is Outcome.ACQUIRED
+        # (its Sentinels asked with the store's timeouts, not the OS's minutes)
+        pool = store.client.connection_pool
+        asked = pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs
+        assert (asked["socket_connect_timeout"], asked["socket_timeout"]) == (2, 5)
         # Then the claim is on the master the Sentinel names, in the backend's database
         on_master = redis.Redis(port=master.port, db=3)
         try:
@@ -95,3 +100,18 @@ def test_every_redis_result_backend_is_the_default_stores(url: str, pool_class: 
     store = store_for(app)
     assert isinstance(store, RedisStore)
     assert type(store.client.connection_pool).__name__ == pool_class
+
+
+def test_a_sentinel_store_pushes_no_message_for_a_broker_behind_sentinel() -> None:
+    # Given a store on the master of one Sentinel service, and a broker on another service's
+    # master: their pools look alike (no host, the default port), their servers need not be
+    app = Celery("sentinel-broker", set_as_current=False, broker="memory://")
+    app.conf.result_backend = "sentinel://127.0.0.1:1/3"
+    app.conf.result_backend_transport_options = {"master_name": "results"}
+    store = store_for(app)
+    assert isinstance(store, RedisStore)
+    broker_pool = Sentinel([("127.0.0.1", 1)]).master_for("broker").connection_pool
+    # Then the store never takes the broker's list for one of its own server's (its script
+    # would push the message where no worker reads it)
+    assert not store.same_server(broker_pool)
+    assert not store.same_server(store.client.connection_pool)
