@@ -305,9 +305,11 @@ class IdempotentJob(Job):
                 return self._wait_for_new_owner(state, request.key)
             if claim.outcome is Outcome.ACQUIRED:
                 if waits:
-                    # The wait came out of this run's timeout: the body starts in a run of its
-                    # own, which takes the key over from this owner at once.
-                    state["previous_owner"] = request.owner
+                    # The wait came out of this run's timeout: the key is given back, and the
+                    # body runs in a run of its own, with its whole timeout (the key taken at
+                    # its first look, unless another call took it meanwhile: then that one
+                    # runs). Kept instead, the key would sit claimed, unrenewed, in the queue.
+                    attempt.release_quietly()
                     return Requeue(f"key {request.key!r} is free: its body runs next")
                 return self._run_body(attempt, request.key, options, state)
             record = claim.record
