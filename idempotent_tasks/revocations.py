@@ -83,9 +83,13 @@ def end_terminated_call(task: IdempotentTask, request: Any) -> None:
     a restart), it would run.
     """
     _record_on_dead_letter(task, request, "terminated while it ran")
-    _, _, key = _call_of(task, request)
+    args, kwargs, key = _call_of(task, request)
     if key is None:
         return
+    # Killed before its claim reached the store (Celery terminates a call as soon as a pool
+    # process accepts it), its key is still queued for it: that reservation goes too.
+    reservation = task._claim_request(key, args, kwargs, request.id, owner="")
+    publishing.cancel_reservation(task, reservation)
     try:
         store_for(task.app).drop_pickup(storage_key(task.name, key), request.id)
     except (StoreUnavailable, CorruptRecord) as exc:

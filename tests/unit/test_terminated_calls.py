@@ -63,6 +63,25 @@ def test_a_terminated_calls_message_is_not_published_again() -> None:
     assert record is not None and record.task_id == "task-1"
 
 
+def test_a_call_terminated_before_its_claim_frees_its_key() -> None:
+    clocked = Clocked()
+    app, store = clocked.app, clocked.store
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a keyed call published, and terminated as its pool process accepted it, before
+    # its claim reached the store
+    clocked.reserve(charge, "task-1")
+    request = Context(id="task-1", args=["o"], kwargs={}, idempotency_key="k")
+    task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+    # Then its key is free (a new call of it runs), and the guard publishes nothing
+    assert store.get(storage_key(charge.name, "k")) is None
+    clocked.now += 3600 + 60
+    assert republish_lost(app, store) == 0
+
+
 def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_publish() -> None:
     # SIGTERM, Celery's way to terminate a running call, is SystemExit in the pool process
     clocked = Clocked()
