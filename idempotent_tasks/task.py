@@ -533,6 +533,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.
             self._wait_for_new_owner(attempt)
+        if is_replaced(value):
+            # An eager call taken over by one that replaced itself cannot wait for the
+            # replacement's value; the marker is no value to hand its caller.
+            raise IdempotencyConflict(attempt.request.key, self.name, None)
         self._dead_letter_succeeded()
         return value
 

@@ -14,10 +14,11 @@ from celery.signals import after_task_publish
 from celery.utils.log import task_logger
 from pydantic import BaseModel
 
-from idempotent_tasks import IdempotentTask, StoreUnavailable
+from idempotent_tasks import IdempotencyConflict, IdempotentTask, StoreUnavailable
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.core import Attempt
 from idempotent_tasks.keys import storage_key
+from idempotent_tasks.replacements import REPLACED
 from idempotent_tasks.task import KEY_HEADER
 
 
@@ -207,3 +208,25 @@ def test_a_pydantic_tasks_shadow_name_reads_the_models_it_was_called_with() -> N
 
     # Celery names the call before it dumps the models: so must a keyed call
     assert charge.apply_async((_Order(order_id=7),), idempotency_key="k-7").get() == 7
+
+
+def test_an_eager_call_taken_over_by_a_call_that_replaced_itself_says_so() -> None:
+    app = Celery("eager-replaced", set_as_current=False, broker="memory://")
+    app.conf.update(task_always_eager=True, idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, bind=True, shared=False)
+    def charge(self: Any, order: str) -> str:
+        # While the body runs, another execution takes the key over and replaces itself
+        store = store_for(app)
+        record = store.get(storage_key(self.name, "k-1"))
+        assert record is not None
+        taker = self._claim_request(
+            "k-1", (order,), {}, "other", owner="taker", previous_owner=record.owner
+        )
+        taken = store.claim(taker)
+        store.complete(taker, taken.token, self._codec.encode(REPLACED)[0])
+        return f"charged {order}"
+
+    # Then the eager caller is told another execution holds the key, not handed the marker
+    with pytest.raises(IdempotencyConflict):
+        charge.apply_async(("o-1",), idempotency_key="k-1").get()
