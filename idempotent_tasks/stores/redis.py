@@ -25,7 +25,13 @@ from zlib import crc32
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
-from redis.exceptions import AskError, ClusterCrossSlotError, NoPermissionError, NoScriptError
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    NoPermissionError,
+    NoScriptError,
+    ReadOnlyError,
+)
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
@@ -434,8 +440,13 @@ class _KeptConnection:
         try:
             connection.send_command(*command)
             reply = connection.read_response()
-        except redis.ResponseError:
-            raise  # an error reply: the connection is in step, nothing is left to read
+        except redis.ResponseError as exc:
+            # An error reply: the connection is in step, nothing is left to read. But a
+            # replica's READONLY (a master demoted by a failover) asks for a new connection:
+            # made again, it reaches whichever server the name or the Sentinels give now.
+            if isinstance(exc, ReadOnlyError):
+                self.hand_back(broken=True)
+            raise
         except BaseException:
             # Whatever interrupted the round trip (a soft time limit, a signal) may have left
             # the reply unread, for the next command to take as its own: drop the connection.

@@ -219,6 +219,18 @@ def test_a_read_only_replica_is_an_unavailable_store(replica: str) -> None:
     store.close()
 
 
+def test_a_read_only_reply_drops_the_connection_kept_for_scripts(replica: str) -> None:
+    # Given a store whose server turned replica (its master demoted by a failover: the name it
+    # connects by may point elsewhere by now)
+    store = RedisStore.from_url(replica, prefix="replica")
+    with pytest.raises(StoreUnavailable, match="refuses"):
+        store.claim(_request("k"))
+    # Then the connection kept for its scripts is dropped: the next script connects anew
+    kept = getattr(store.client.connection_pool, _KEPT_ATTRIBUTE)
+    assert kept.connection is None
+    store.close()
+
+
 def test_a_cluster_node_that_serves_no_slot_is_an_unavailable_store(tmp_path: Path) -> None:
     # Given a store on a Redis Cluster node that serves none of the slots (CLUSTERDOWN, as
     # while a cluster reshapes or fails over)
