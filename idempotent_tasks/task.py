@@ -282,6 +282,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 except Exception:
                     publishing.cancel_reservation(self, reservation)
                     raise
+                except BaseException:
+                    # Interrupted (Ctrl-C, a green thread's timeout, an exit) somewhere in
+                    # kombu's publish: sent or not, the guard publishes it (once more at most).
+                    hand_to_guard(store_for(self.app), reservation.storage_key, reservation.task_id)
+                    raise
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
         )

@@ -446,3 +446,29 @@ def test_a_sweep_frees_the_key_of_a_call_that_expired_instead_of_sending_it_agai
     assert store.get("t:expired") is None
     lasting = store.get("t:lasting")
     assert lasting is not None and lasting.status is Status.QUEUED
+
+
+def test_a_publish_interrupted_after_its_reservation_hands_the_call_to_the_guard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from celery.app.task import Task
+
+    app = Celery("interrupted", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    # Given a publish interrupted (Ctrl-C) inside kombu's send, after the key was reserved
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Task, "apply_async", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        charge.apply_async(("o-1",), idempotency_key="k-1")
+    # Then the key stays queued for the call, due at once: the guard publishes it, rather
+    # than every call of the key meanwhile being handed a result that never comes
+    record = store_for(app).get(storage_key(charge.name, "k-1"))
+    assert record is not None and record.status.value == "queued"
+    assert record.lease_expires_at <= record.store_time()
