@@ -90,6 +90,8 @@ def _sentinel_master(backend: Any, params: dict[str, Any], options: dict[str, An
     """A client of the master a Sentinel backend's Sentinels name (found again after a
     failover), as Celery's backend finds it, with the store's timeouts on the Sentinels too:
     a Sentinel that does not answer must not hold a claim up for minutes."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
     from redis.sentinel import Sentinel
 
     transport = dict(backend.app.conf.result_backend_transport_options or {})
@@ -100,7 +102,12 @@ def _sentinel_master(backend: Any, params: dict[str, Any], options: dict[str, An
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         [(host["host"], host["port"]) for host in params["hosts"]],
         min_other_sentinels=transport.get("min_other_sentinels", 0),
-        sentinel_kwargs={**timeouts, **(transport.get("sentinel_kwargs") or {})},
+        # One try per Sentinel (the master's own connection retries the whole lookup).
+        sentinel_kwargs={
+            "retry": Retry(NoBackoff(), 1),
+            **timeouts,
+            **(transport.get("sentinel_kwargs") or {}),
+        },
         **{**connection, **options},
     )
     credentials = {name: params[name] for name in ("username", "password") if name in params}

@@ -155,6 +155,12 @@ def publish(
             if pending.reached:  # a reservation made, or maybe made, before the push failed
                 publishing.cancel_reservation(task, request)
             raise
+        except BaseException:
+            # Interrupted (Ctrl-C, a green thread's timeout, an exit), the message pushed or
+            # not: a call reserved stays for the guard to publish (once more at most).
+            if pending.reached and pending.found is None:
+                hand_to_guard(store, request.storage_key, request.task_id)
+            raise
         finally:
             _PENDING.reset(token)
     if not pending.reached:

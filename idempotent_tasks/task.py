@@ -429,7 +429,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "it waits for the new owner's value",
                 key,
             )
-            self._wait_for_new_owner(attempt)
+            self._wait_for_new_owner(attempt, body_ran=False)
         if claim.outcome is Outcome.ACQUIRED:
             return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
@@ -537,21 +537,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self._answer_taken_over_call(taken_from, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.
-            self._wait_for_new_owner(attempt)
+            self._wait_for_new_owner(attempt, body_ran=True)
         if is_replaced(value):
-            # An eager call taken over by one that replaced itself cannot wait for the
-            # replacement's value; the marker is no value to hand its caller.
-            raise IdempotencyConflict(attempt.request.key, self.name, None)
+            # An eager call taken over by one that replaced itself: answered as an eager
+            # duplicate of that key is, with the replacement's value if it is ready (None if
+            # not); the marker is no value to hand its caller.
+            value = self._eager_replacement_value(attempt.request)
         self._dead_letter_succeeded()
         return value
 
-    def _wait_for_new_owner(self, attempt: Attempt) -> NoReturn:
+    def _wait_for_new_owner(self, attempt: Attempt, *, body_ran: bool) -> NoReturn:
         """This call lost its ``attempt``'s claim to another execution (while its body ran,
         or before it started): wait for that one's value like a duplicate, so every caller of
         this task id gets the stored one; its copies are owed the value too, and so is the
-        call whose key the attempt took over, if any."""
+        call whose key the attempt took over, if any.
+
+        Once its body ran, the copies never expire: dropped as expired, they would leave the
+        caller with REVOKED though the key completes. One whose body did not run keeps its
+        expiry, as it could still take the key over and run it."""
         headers = {WAITS_HEADER: 0, SUPERSEDED_HEADER: True, **_taken_from_header(attempt)}
-        self._republish_self(defaults.WAIT_INITIAL_DELAY, None, headers)
+        self._republish_self(defaults.WAIT_INITIAL_DELAY, None, headers, never_expires=body_ran)
 
     def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
         """Store ``value`` as the result of the call whose claim or queued message this one
@@ -639,12 +644,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
             seconds_until(replacement.options.get("countdown"), replacement.options.get("eta")),
             retries=0,
             routing=_routing_of(replacement),
-            # Celery sends the replacement without this call's expiry: kept, it would make the
-            # key count as expired, free for a duplicate to begin the loop anew.
-            expires=replacement.options.get("expires"),
+            # Celery sends the replacement with its own expiry (its task's default), not this
+            # call's: kept, it would make the key count as expired, free for a duplicate to
+            # begin the loop anew.
+            expires=_expiry_of(replacement),
         )
         if pickup is not None:
             attempt.release_quietly(pickup)
+
+    def _eager_replacement_value(self, claim: ClaimRequest) -> Any:
+        """The replacement's value of a key completed as replaced, for an eager call."""
+        try:
+            record = store_for(self.app).get(claim.storage_key)
+        except (StoreUnavailable, CorruptRecord) as exc:
+            logger.warning("the key %r cannot be read again: %s", claim.key, exc)
+            return None
+        if record is None:
+            return None
+        return self._replacement_value(record, claim.lease_seconds)
 
     def _replacement_value(self, record: Record, lease_seconds: float) -> Any:
         """A duplicate's answer for a key whose call replaced itself: the replacement's result
@@ -731,6 +748,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             previous_owner=attempt.request.owner,
             routing=routing,
             attempt=attempt,
+            expires=signature.options.get("expires"),  # retry(expires=...) may change it
         )
         attempt.release_quietly(pickup)
 
@@ -1051,6 +1069,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers: dict[str, Any] | None = None,
         *,
         quiet: bool = False,
+        never_expires: bool = False,
     ) -> NoReturn:
         """Publish this very message again after ``countdown`` s, not counting it as a retry.
 
@@ -1071,7 +1090,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if quiet:
             signature = self._quiet_copy(countdown, headers or {})
         else:
-            signature = self._copy(countdown, headers or {})
+            signature = self._copy(countdown, headers or {}, never_expires=never_expires)
         try:
             signature.apply_async()
         except Exception as publish_error:
@@ -1081,20 +1100,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise Ignore()
         raise Retry(exc=exc, when=countdown, sig=signature)
 
-    def _copy(self, countdown: float, headers: dict[str, Any]) -> Any:
-        """This very message, to publish again after ``countdown`` s with ``headers`` added.
+    def _copy(
+        self, countdown: float, headers: dict[str, Any], *, never_expires: bool = False
+    ) -> Any:
+        """This very message, to publish again after ``countdown`` s with ``headers`` added;
+        ``never_expires``: without the call's expiry.
 
         A copy that only writes down how the call ended (its dead letter, or its dead letter's
         success) never expires: the call's ``expires`` bounds when it may start, and expired,
-        the copy would be dropped unread, its failure never dead-lettered. Nor does the copy a
-        call that started waits with for the execution that took its key over: dropped as
-        expired, it would leave its caller with REVOKED though the key completes.
+        the copy would be dropped unread, its failure never dead-lettered.
         """
         options: dict[str, Any] = {}
         if (
-            UNWRITTEN_FAILURE_HEADER in headers
+            never_expires
+            or UNWRITTEN_FAILURE_HEADER in headers
             or UNWRITTEN_SUCCESS_HEADER in headers
-            or SUPERSEDED_HEADER in headers
         ):
             options["expires"] = None
         return self.signature_from_request(
@@ -1311,6 +1331,17 @@ def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)
     return taken_from if isinstance(taken_from, str) else None
+
+
+def _expiry_of(signature: Any) -> Any:
+    """The ``expires`` Celery sends ``signature`` with: its own option, else its task's."""
+    if "expires" in signature.options:
+        return signature.options["expires"]
+    try:
+        task = signature.type
+    except Exception:  # a task this process does not know: Celery applies none either
+        return None
+    return getattr(task, "expires", None)
 
 
 def _dumped_models(

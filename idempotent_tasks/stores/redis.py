@@ -446,6 +446,7 @@ class _KeptConnection:
             # made again, it reaches whichever server the name or the Sentinels give now.
             if isinstance(exc, ReadOnlyError):
                 self.hand_back(broken=True)
+                self.pool.disconnect(inuse_connections=False)  # the pool's idle ones too
             raise
         except BaseException:
             # Whatever interrupted the round trip (a soft time limit, a signal) may have left

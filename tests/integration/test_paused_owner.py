@@ -122,21 +122,53 @@ def test_a_worker_paused_until_its_claim_was_taken_over_and_completed_runs_no_bo
     assert runs == []
 
 
-def test_a_call_paused_past_its_expiry_until_its_key_was_completed_gets_the_keys_value(
-    app: Celery, monkeypatch: pytest.MonkeyPatch
+def test_a_call_taken_over_while_its_body_ran_past_its_expiry_gets_the_keys_value(
+    app: Celery,
 ) -> None:
-    @app.task(base=IdempotentTask, name=fresh("paused.expiring"), shared=False)
-    def charge(order: str) -> str:
+    key = fresh("key")
+    taken: list[tuple[ClaimRequest, int]] = []
+
+    @app.task(base=IdempotentTask, bind=True, name=fresh("paused.expiring"), shared=False)
+    def charge(self: Any, order: str) -> str:
+        # While its body runs past the call's 1 s expiry, another execution takes its key over
+        # (its lease lapsed in a long pause, say), and has not finished when the body ends
+        store = store_for(app)
+        record = store.get(storage_key(self.name, key))
+        assert record is not None
+        taker = self._claim_request(
+            key, (order,), {}, "the-taker", owner="taker", previous_owner=record.owner
+        )
+        taken.append((taker, store.claim(taker).token))
+        time.sleep(1.5)
         return f"charged {order} here"
 
-    # Given a call sent with a 1 s expiry, paused after its claim for 1.5 s, until another
-    # execution took the key over and completed it
-    monkeypatch.setattr(Attempt, "claim", _paused_after_asking("charged by the other", pause=1.5))
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        result = charge.apply_async(("o-1",), idempotency_key=fresh("key"), expires=1.0)
-        # Then the copy it waits with, sent past that expiry, is not dropped as expired: the
-        # call had started, and its caller gets the key's value (not TaskRevokedError)
+        result = charge.apply_async(("o-1",), idempotency_key=key, expires=1.0)
+        # When the taker completes the key, after the call's body ended (1.5 s) and began to
+        # wait, within the taker's own 2 s lease
+        time.sleep(1.8)
+        (taker, token), store = taken[0], store_for(app)
+        store.complete(taker, token, charge._codec.encode("charged by the other")[0])
+        # Then the copy the call waits with, sent past its expiry, was not dropped as expired:
+        # its body had run, and its caller gets the key's value (not TaskRevokedError)
         assert result.get(timeout=30) == "charged by the other"
+
+
+def test_a_retry_sent_without_its_calls_expiry_keeps_its_key_queued_past_it(app: Celery) -> None:
+    @app.task(base=IdempotentTask, bind=True, name=fresh("retry.expiry"), shared=False)
+    def charge(self: Any, order: str) -> str:
+        raise self.retry(countdown=60, expires=None)
+
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # Given a call sent with a 1 s expiry, which retries itself in a minute without it
+        charge.apply_async(("o-1",), idempotency_key=key, expires=1.0)
+        time.sleep(1.5)
+        # Then past that expiry the key stays queued for the retry, not due as if it expired
+        # (the guard or a call of the key would free it, and the retry go unguarded)
+        record = store_for(app).get(storage_key(charge.name, key))  # the worker's store
+        assert record is not None and record.status is Status.QUEUED
+        assert record.lease_expires_at > record.store_time() + 30
 
 
 def test_an_rq_job_paused_until_its_claim_was_taken_over_and_completed_runs_no_body(

@@ -184,6 +184,35 @@ def test_a_broker_with_a_key_prefix_takes_two_trips(
         store_for(app).close()
 
 
+def test_a_push_interrupted_after_the_reservation_hands_the_call_to_the_guard(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, every_process_new: None
+) -> None:
+    # Given a broker kombu pushes onto apart from the store's script (a key prefix): the key is
+    # reserved first, then kombu pushes
+    app = _app(redis_url, global_keyprefix="pfx:")
+
+    @app.task(base=IdempotentTask, name=fresh("one_trip.interrupted"))
+    def interrupted(x: int) -> int:
+        return x
+
+    def ctrl_c(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        key = fresh("key")
+        # When that push is interrupted (Ctrl-C, a green thread's timeout)
+        monkeypatch.setattr(redis.Redis, "lpush", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.apply_async((1,), idempotency_key=key, queue=fresh("queue"))
+        monkeypatch.undo()
+        # Then the call is kept, queued and due at once, for the guard to publish (not left
+        # for the whole pickup timeout, every call of the key answered with it meanwhile)
+        record = _queued_record(app, interrupted, key)
+        assert record.lease_expires_at <= record.store_time()
+    finally:
+        store_for(app).close()
+
+
 def test_a_key_this_process_sent_before_takes_two_trips(
     one_trip_app: tuple[Celery, Any, _Reserves],
 ) -> None:
