@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,9 @@ import pytest
 import redis
 from rq.job import Job, JobStatus
 
-from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, Failure
 from idempotent_tasks.rq import resources
+from idempotent_tasks.rq.dead_letters import row_options
 from tests.integration import rq_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +54,30 @@ class RQEnv:
 
     def rows_of(self, job_id: str) -> list[DeadLetter]:
         return [item for item in self.dlq.items(limit=1000) if item.task_id == job_id]
+
+    def seed_dead_letter(
+        self, task_name: str, key: str, args: list[Any], queue_name: str
+    ) -> tuple[str, DeadLetter]:
+        """A pending dead letter of an RQ job of ``task_name`` under ``key`` (a new job id, on
+        ``queue_name``), as a final failure writes one: the job id and the row."""
+        job_id = str(uuid.uuid4())
+        item = self.dlq.add(
+            Failure(
+                failure_id=f"{job_id}:0",
+                task_name=task_name,
+                task_id=job_id,
+                idempotency_key=key,
+                args=args,
+                kwargs={},
+                options=row_options(queue_name),
+                error_type="RuntimeError",
+                error_message="seeded",
+                traceback=None,
+                max_retries=3,
+                framework="rq",
+            )
+        )
+        return job_id, item
 
 
 def rq_env_fixture(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RQEnv]:

@@ -30,12 +30,11 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 
-from idempotent_tasks.dlq import DeadLetterStatus, Failure
+from idempotent_tasks.dlq import DeadLetterStatus
 from idempotent_tasks.dlq.schema import dead_letters
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue, retry_dead_letters
-from idempotent_tasks.rq.dead_letters import row_options
 from tests.integration import rq_jobs
 from tests.integration.databases import set_pg_database_online
 from tests.integration.redis_server import writes_held
@@ -404,23 +403,7 @@ def test_a_dead_letters_retry_stopped_while_it_ran_records_it_on_its_row(
     workers = start_workers(1, rq_env, [queue_name], tmp_path_factory.mktemp("rq-stop-retry"))
     try:
         # Given a dead letter of a long keyed job, re-enqueued by the sweep and running
-        job_id = str(uuid.uuid4())
-        item = rq_env.dlq.add(
-            Failure(
-                failure_id=f"{job_id}:0",
-                task_name=SLOW_FIRST,
-                task_id=job_id,
-                idempotency_key=key,
-                args=[name, 60],
-                kwargs={},
-                options=row_options(queue_name),
-                error_type="RuntimeError",
-                error_message="seeded",
-                traceback=None,
-                max_retries=3,
-                framework="rq",
-            )
-        )
+        job_id, item = rq_env.seed_dead_letter(SLOW_FIRST, key, [name, 60], queue_name)
         assert rq_env.dlq.retry_now(item.id)
         assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 1
         wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the retry to start")
@@ -478,23 +461,7 @@ def test_a_dead_letters_job_cancelled_once_sent_again_is_not_sent_again(
     # Given a dead letter the sweep sent again, onto a queue no worker serves yet
     name, key = f"cancelled-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
     queue_name = f"it-rq-cancel-{uuid.uuid4().hex[:8]}"
-    job_id = str(uuid.uuid4())
-    item = rq_env.dlq.add(
-        Failure(
-            failure_id=f"{job_id}:0",
-            task_name=SLOW_FIRST,
-            task_id=job_id,
-            idempotency_key=key,
-            args=[name, 0],
-            kwargs={},
-            options=row_options(queue_name),
-            error_type="RuntimeError",
-            error_message="seeded",
-            traceback=None,
-            max_retries=3,
-            framework="rq",
-        )
-    )
+    job_id, item = rq_env.seed_dead_letter(SLOW_FIRST, key, [name, 0], queue_name)
     assert rq_env.dlq.retry_now(item.id)
     assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 1
     # When an operator cancels its job, and its row is later found stuck retrying (an hour on)

@@ -22,11 +22,10 @@ from rq import Queue, Retry
 from rq.job import JobStatus
 from rq.results import Result
 
-from idempotent_tasks.dlq import DeadLetterStatus, Failure
+from idempotent_tasks.dlq import DeadLetterStatus
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Status
 from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue, retry_dead_letters
-from idempotent_tasks.rq.dead_letters import row_options
 from idempotent_tasks.rq.job import CODEC
 from idempotent_tasks.rq.options import META_KEY
 from tests.integration import rq_jobs
@@ -338,23 +337,7 @@ def test_a_dead_letters_job_whose_key_stands_for_other_arguments_records_it_on_i
     # Given a dead letter of record(name, 1) under a key, whose caller then called again with
     # corrected arguments, record(name, 2), which completed under the same key
     name, key = fresh("corrected"), fresh("key")
-    job_id = str(uuid.uuid4())
-    item = rq_env.dlq.add(
-        Failure(
-            failure_id=f"{job_id}:0",
-            task_name=RECORD,
-            task_id=job_id,
-            idempotency_key=key,
-            args=[name, 1],
-            kwargs={},
-            options=row_options(queue.name),
-            error_type="RuntimeError",
-            error_message="seeded",
-            traceback=None,
-            max_retries=3,
-            framework="rq",
-        )
-    )
+    _, item = rq_env.seed_dead_letter(RECORD, key, [name, 1], queue.name)
     corrected = queue.enqueue(rq_jobs.record, name, 2, idempotency_key=key)
     assert wait_value(corrected) == {"name": name, "value": 2, "run": 1}
     # When the sweep sends the dead letter again
