@@ -1,12 +1,14 @@
 """IdempotentTask on RabbitMQ with the rpc:// result backend, with a real worker.
 
-rpc:// sends a task's result to the reply queue of the thread that published it, and to no
+rpc:// sends a task's result to the reply queue of the caller that published it, and to no
 one else: a duplicate call cannot be handed another call's ``AsyncResult``.
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from celery.result import EagerResult
 
 from tests.integration.helpers import fresh, ledger_events, wait_until
-from tests.integration.workers import WorkerProcess
+from tests.integration.workers import ROOT, WorkerProcess
 from tests.services import require
 
 pytestmark = pytest.mark.slow
@@ -43,38 +45,43 @@ def amqp(
         worker.stop()
 
 
+#: A caller in a process of its own: publishes a duplicate, prints how it was answered.
+DUPLICATE_CALLER = """
+import json, sys
+from tests.integration import amqp_app
+task = getattr(amqp_app, sys.argv[1])
+result = task.apply_async((sys.argv[2], 4.0), idempotency_key=sys.argv[3])
+print(json.dumps({"kind": type(result).__name__, "value": result.get(timeout=30)}))
+"""
+
+
 @pytest.mark.parametrize("task_name", ["slow_charge", "slow_charge_or_skip"])
-def test_a_duplicate_sent_from_another_thread_gets_the_owners_value(
-    amqp: Any, task_name: str
-) -> None:
+def test_a_duplicate_from_another_caller_gets_the_owners_value(amqp: Any, task_name: str) -> None:
     task = getattr(amqp, task_name)
     order, key = fresh("rpc"), fresh("key")
-    # Given a keyed call running on the worker, published from one thread
-    owner = task.apply_async((order, 1.5), idempotency_key=key)
+    # Given a keyed call running on the worker for 4 s
+    owner = task.apply_async((order, 4.0), idempotency_key=key)
     wait_until(lambda: ledger_events(order, "start") == 1, 20, "the owner to start")
-    # When a duplicate is published from another thread (its own rpc reply queue), while the
-    # owner runs
-    got: list[Any] = []
-    failed: list[BaseException] = []
-
-    def duplicate() -> None:
-        try:
-            got.append(task.apply_async((order, 1.5), idempotency_key=key).get(timeout=30))
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=duplicate)
-    thread.start()
-    # (one thread waits on rpc at a time: Celery's rpc backend is not made for two at once)
-    thread.join(timeout=40)
+    # When another caller (a process of its own: its own rpc reply queue) calls the key while
+    # the owner runs
+    caller = subprocess.run(
+        [sys.executable, "-c", DUPLICATE_CALLER, task_name, order, key],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert caller.returncode == 0, caller.stderr
+    answered = json.loads(caller.stdout.strip().splitlines()[-1])
     value = owner.get(timeout=30)
-    # Then both callers get the owner's value, and the body ran once
-    assert failed == []
-    assert got == [value]
+    # Then it was answered through its own message (not handed the owner's result, which rpc
+    # sends to the owner's caller alone) with the owner's value, and the body ran once
+    assert answered == {"kind": "AsyncResult", "value": value}
     assert value["order_id"] == order
     assert ledger_events(order, "start") == 1
     # And a call once it completed is answered from the cache, publishing nothing
-    later = task.apply_async((order, 1.5), idempotency_key=key)
+    later = task.apply_async((order, 4.0), idempotency_key=key)
     assert isinstance(later, EagerResult) and later.get() == value
 
 
