@@ -35,6 +35,9 @@ SWEEP_BATCH = 100
 #: Longest task id, key and failure id the columns keep; longer ones are kept whole in the
 #: item's options, under these names (the columns show their start and a digest).
 MAX_TASK_ID_CHARS, MAX_KEY_CHARS, MAX_FAILURE_ID_CHARS = 255, 1024, 300
+#: Longest key the table keeps in UTF-8 bytes as well: PostgreSQL's index on it takes at most
+#: 2704 bytes an entry, and 1024 characters of CJK or emoji are up to 4096.
+MAX_KEY_BYTES = 1024
 #: Longest task name and error type the table keeps (their columns).
 MAX_TASK_NAME_CHARS, MAX_ERROR_TYPE_CHARS = 255, 255
 FULL_TASK_ID, FULL_KEY = "full_task_id", "full_idempotency_key"
@@ -113,7 +116,7 @@ class DeadLetterQueue:
         )
         key = failure.idempotency_key
         if key is not None:
-            key = _fitted(_storable(key), MAX_KEY_CHARS, options, FULL_KEY)
+            key = _fitted(_storable(key), MAX_KEY_CHARS, options, FULL_KEY, MAX_KEY_BYTES)
         failure_id = _compared_id(_storable(failure.failure_id))
         row = {
             "id": str(uuid.uuid4()),
@@ -501,7 +504,7 @@ _KEPT_TRACEBACK_CHARS = 65536
 def _refuses_the_row(original: BaseException | None) -> bool:
     """Whether a database error refuses a row for what it holds: PostgreSQL's data
     exceptions and program limits, MySQL's refusals of a row."""
-    sqlstate = getattr(original, "sqlstate", None)
+    sqlstate = getattr(original, "sqlstate", None) or getattr(original, "pgcode", None)
     if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "54"):
         return True
     code = original.args[0] if original is not None and original.args else None
@@ -556,12 +559,24 @@ def _ended_before(item: DeadLetter) -> bool:
     )
 
 
-def _fitted(value: str, limit: int, options: dict[str, Any], full_name: str) -> str:
-    """``value`` as its column keeps it: when longer than ``limit``, its start and a digest of
-    the whole, the whole value going to ``options[full_name]`` (items read it back from there)."""
-    if len(value) > limit:
+def _fitted(
+    value: str,
+    limit: int,
+    options: dict[str, Any],
+    full_name: str,
+    max_bytes: int | None = None,
+) -> str:
+    """``value`` as its column keeps it: when longer than ``limit`` characters (or
+    ``max_bytes`` in UTF-8), its start and a digest of the whole, the whole value going to
+    ``options[full_name]`` (items read it back from there)."""
+    kept = fitted(value, limit)
+    if max_bytes is not None and len(kept.encode()) > max_bytes:
+        digest = hashlib.sha256(value.encode()).hexdigest()[:32]
+        start = value.encode()[: max_bytes - len(digest) - 1].decode("utf-8", errors="ignore")
+        kept = f"{start}~{digest}"
+    if kept != value:
         options[full_name] = value
-    return fitted(value, limit)
+    return kept
 
 
 def _readable(

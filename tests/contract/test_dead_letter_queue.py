@@ -454,6 +454,22 @@ def test_task_ids_keys_and_failure_ids_longer_than_their_columns_are_kept_whole(
     assert other.id != item.id and other.task_id == "t" * 299 + "2"
 
 
+@pytest.mark.parametrize(
+    ("first", "span"), [(0x4E00, 0x5000), (0x1F300, 0x600)], ids=["cjk", "emoji"]
+)
+def test_a_key_long_in_bytes_is_kept_whole(dlq: DeadLetterQueue, first: int, span: int) -> None:
+    # Given a key of 1000 characters of 3 or 4 bytes each, all sorts (no compression shrinks
+    # it): within the column's characters, over what PostgreSQL's index on it takes (2704
+    # bytes an entry)
+    chosen = random.Random(7)
+    key = "order-" + "".join(chr(first + chosen.randrange(span)) for _ in range(1000))
+    # When its failure is written, then it lands, and reads back whole
+    item = dlq.add(_failure(idempotency_key=key, failure_id="task-long-key:0"))
+    assert item.status is DeadLetterStatus.PENDING
+    read_back = dlq.get(item.id)
+    assert read_back is not None and read_back.idempotency_key == key
+
+
 def test_the_same_failure_twice_is_one_row(dlq: DeadLetterQueue, clock: Clock) -> None:
     # Given a write repeated after a lost reply (same failed delivery, later)
     failure = _failure(failure_id="task-7:2")
