@@ -80,13 +80,18 @@ def check_task_id(task_id: object) -> None:
         )
 
 
-def fitted(value: str, limit: int) -> str:
-    """``value``, or, when longer than ``limit`` characters, a shorter text naming it: its start
-    and a digest of the whole."""
-    if len(value) <= limit:
+def fitted(value: str, limit: int, max_bytes: int | None = None) -> str:
+    """``value``, or, when longer than ``limit`` characters (or ``max_bytes`` in UTF-8), a
+    shorter text naming it: its start and a digest of the whole."""
+    too_many_bytes = max_bytes is not None and len(value.encode()) > max_bytes
+    if len(value) <= limit and not too_many_bytes:
         return value
     digest = hashlib.sha256(value.encode()).hexdigest()[:32]
-    return f"{value[: limit - len(digest) - 1]}~{digest}"
+    start = value[: limit - len(digest) - 1]
+    if max_bytes is not None:
+        # Cut at a character's edge: a character of several bytes is not split.
+        start = start.encode()[: max_bytes - len(digest) - 1].decode(errors="ignore")
+    return f"{start}~{digest}"
 
 
 def bind_arguments(

@@ -98,3 +98,11 @@ def from_db_time(moment: datetime | None) -> datetime | None:
     if moment.tzinfo is None:
         return moment.replace(tzinfo=timezone.utc)
     return moment.astimezone(timezone.utc)
+
+
+def driver_codes(error: BaseException | None) -> tuple[str | None, object]:
+    """A driver's error as its codes: the SQLSTATE (psycopg's ``sqlstate``, psycopg2's
+    ``pgcode``) and the first argument (PyMySQL's and mysqlclient's error number)."""
+    state = getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
+    args: tuple[object, ...] = getattr(error, "args", None) or ()
+    return (state if isinstance(state, str) else None), (args[0] if args else None)

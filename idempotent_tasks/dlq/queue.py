@@ -23,7 +23,13 @@ from ..stores.sql_clock import ServerClock
 from . import queries
 from .arguments import safe_repr, utf8_text
 from .backoff import next_retry_at
-from .engine import create_dlq_engine, default_sqlite_url, from_db_time, to_db_time
+from .engine import (
+    create_dlq_engine,
+    default_sqlite_url,
+    driver_codes,
+    from_db_time,
+    to_db_time,
+)
 from .items import ARGS_LOSSY, DeadLetter, DeadLetterStatus, Failure
 from .schema import COMPONENT, DEAD_LETTER_MIGRATIONS, SCHEMA_VERSION, dead_letters
 from .schema_setup import ensure_component
@@ -504,11 +510,8 @@ _KEPT_TRACEBACK_CHARS = 65536
 def _refuses_the_row(original: BaseException | None) -> bool:
     """Whether a database error refuses a row for what it holds: PostgreSQL's data
     exceptions and program limits, MySQL's refusals of a row."""
-    sqlstate = getattr(original, "sqlstate", None) or getattr(original, "pgcode", None)
-    if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "54"):
-        return True
-    code = original.args[0] if original is not None and original.args else None
-    return code in _MYSQL_ROW_REFUSALS
+    state, number = driver_codes(original)
+    return (state is not None and state[:2] in ("22", "54")) or number in _MYSQL_ROW_REFUSALS
 
 
 def _row_size(row: dict[str, Any]) -> int:
@@ -569,11 +572,7 @@ def _fitted(
     """``value`` as its column keeps it: when longer than ``limit`` characters (or
     ``max_bytes`` in UTF-8), its start and a digest of the whole, the whole value going to
     ``options[full_name]`` (items read it back from there)."""
-    kept = fitted(value, limit)
-    if max_bytes is not None and len(kept.encode()) > max_bytes:
-        digest = hashlib.sha256(value.encode()).hexdigest()[:32]
-        start = value.encode()[: max_bytes - len(digest) - 1].decode("utf-8", errors="ignore")
-        kept = f"{start}~{digest}"
+    kept = fitted(value, limit, max_bytes)
     if kept != value:
         options[full_name] = value
     return kept

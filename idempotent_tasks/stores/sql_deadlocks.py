@@ -19,6 +19,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from ..dlq.engine import driver_codes
 from ..errors import StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,8 @@ class Deadlocked(StoreUnavailable):
 
 def was_rolled_back_for_another(error: SQLAlchemyError) -> bool:
     """Whether ``error`` is the server rolling the transaction back for another's sake."""
-    original = getattr(error, "orig", None)
-    state = getattr(original, "sqlstate", None) or getattr(original, "pgcode", None)
-    if state in _ROLLED_BACK_STATES:
-        return True
-    args: tuple[object, ...] = getattr(original, "args", None) or ()
-    return bool(args) and args[0] in _ROLLED_BACK_ERRORS
+    state, number = driver_codes(getattr(error, "orig", None))
+    return state in _ROLLED_BACK_STATES or number in _ROLLED_BACK_ERRORS
 
 
 Store = TypeVar("Store")
