@@ -84,11 +84,17 @@ def seconds_until(countdown: Any = None, eta: Any = None) -> float:
     A naive ``eta`` is UTC, as Celery's worker reads it (not this host's local time).
     """
     if eta is not None:
-        when = datetime.fromisoformat(eta) if isinstance(eta, str) else cast(datetime, eta)
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        return max((when - datetime.now(timezone.utc)).total_seconds(), 0.0)
+        return max(_seconds_to(eta), 0.0)
     return max(float(countdown or 0), 0.0)
+
+
+def _seconds_to(moment: Any) -> float:
+    """Seconds from now to a moment (a ``datetime``, or ISO 8601 text). A naive moment is UTC,
+    as Celery's worker reads it (not this host's local time)."""
+    when = datetime.fromisoformat(moment) if isinstance(moment, str) else cast(datetime, moment)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return float((when - datetime.now(timezone.utc)).total_seconds())
 
 
 def seconds_to_expiry(expires: Any) -> float | None:
@@ -99,10 +105,7 @@ def seconds_to_expiry(expires: Any) -> float | None:
     if isinstance(expires, int | float):
         return float(expires)
     try:
-        when = datetime.fromisoformat(expires) if isinstance(expires, str) else expires
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        return float((when - datetime.now(timezone.utc)).total_seconds())
+        return _seconds_to(expires)
     except (TypeError, ValueError, AttributeError):
         return None  # not a moment Celery would take either: it fails the publish itself
 
