@@ -28,6 +28,11 @@ _STORE = "_idempotent_tasks_store"
 _DLQ = "_idempotent_tasks_dlq"
 
 
+#: What building a store or a dead-letter queue raises for a set-up no wait mends: a driver
+#: not installed, a URL that does not parse or names no store, a data folder not makeable.
+SETUP_ERRORS: tuple[type[Exception], ...] = (ImportError, OSError, ValueError, SQLAlchemyError)
+
+
 class DeadLetterQueueUnusable(StoreUnavailable):
     """The app's dead-letter queue cannot even be set up: a matter of configuration, which no
     wait mends (a worker refuses to start on it)."""
@@ -123,7 +128,7 @@ def dlq_for(app: Any) -> DeadLetterQueue:
                 app_setting(app.conf, "idempotency_dlq_url"),
                 base_delay=float(app_setting(app.conf, "idempotency_dlq_base_delay")),
             )
-        except (ImportError, OSError, ValueError, SQLAlchemyError) as exc:
+        except SETUP_ERRORS as exc:
             # Its driver missing, its URL malformed, the default SQLite folder not writable: a
             # failure is then kept as for a database that is down (the task goes back to its
             # queue), never lost. A worker refuses to start on it (see startup).

@@ -12,10 +12,9 @@ import click
 from celery.bin.base import CLIContext
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_UNAVAILABLE
-from sqlalchemy.exc import SQLAlchemyError
 
 from . import cli_format, defaults
-from .app_store import dlq_for, store_for, store_url
+from .app_store import SETUP_ERRORS, dlq_for, store_for, store_url
 from .codec import ResultCodec
 from .dead_letters import SWEEP_TASK
 from .dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
@@ -118,7 +117,7 @@ def _store(ctx: click.Context) -> tuple[Store, str]:
     url = store_url(app)
     try:
         store = store_for(app)
-    except (ImportError, ValueError, OSError, SQLAlchemyError) as exc:
+    except SETUP_ERRORS as exc:
         raise click.ClickException(f"cannot open the claim store: {exc}") from exc
     ctx.call_on_close(store.close)
     if isinstance(store, MemoryStore):

@@ -7,13 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 from celery.signals import worker_init
-from sqlalchemy.exc import SQLAlchemyError
 
-from .app_store import DeadLetterQueueUnusable, dlq_for, store_for
+from .app_store import SETUP_ERRORS, DeadLetterQueueUnusable, dlq_for, store_for
 from .errors import SchemaVersionError, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
+
+#: A store or dead-letter queue the worker cannot set up, however long it waits.
+_UNUSABLE: tuple[type[Exception], ...] = (*SETUP_ERRORS, DeadLetterQueueUnusable)
 
 #: Attribute of an app holding its worker's own hard time limit (``--time-limit``).
 WORKER_TIME_LIMIT = "_idempotent_tasks_worker_time_limit"
@@ -45,7 +47,7 @@ def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
         return
     try:
         dlq, store = dlq_for(app), store_for(app)
-    except (DeadLetterQueueUnusable, ImportError, ValueError, SQLAlchemyError) as exc:
+    except _UNUSABLE as exc:
         # A driver missing, a URL no store takes: every keyed task and every failure would be
         # handed back again and again.
         logger.critical("worker refuses to start: %s", exc)
