@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -125,8 +126,19 @@ def test_a_worker_killed_mid_job_is_taken_over_after_the_lease_and_its_job_is_no
             worker.stop()
 
 
+@pytest.mark.parametrize(
+    ("function", "more", "error_type"),
+    [(rq_jobs.flaky, 99, "TimeoutError"), (rq_jobs.fails_after, 2.5, "ValueError")],
+    # Late: it fails 2.5 s into its 4 s timeout, and the pause before it goes back to its
+    # queue (2 s, half the timeout) outlasts the timeout.
+    ids=["at-once", "late-in-its-timeout"],
+)
 def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
-    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+    rq_env: RQEnv,
+    tmp_path_factory: pytest.TempPathFactory,
+    function: Any,
+    more: float,
+    error_type: str,
 ) -> None:
     name = f"outage-{uuid.uuid4().hex[:8]}"
     queue = IdempotentQueue(
@@ -138,7 +150,7 @@ def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
         set_pg_database_online(DLQ_DATABASE, False)
         try:
             # When a job fails for good (a 4 s timeout: it looks again every 2 s)
-            job = queue.enqueue(rq_jobs.flaky, name, 99, idempotency_key=name, job_timeout=4)
+            job = queue.enqueue(function, name, more, idempotency_key=name, job_timeout=4)
             wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
             # Then it goes back to its queue rather than fail unrecorded
             _wait_carrying_its_failure(job)
@@ -147,7 +159,7 @@ def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
         # And once the database is back, its dead letter is written and the job fails
         wait_failed(job, timeout=20)
         (row,) = rq_env.rows_of(job.id)
-        assert row.error_type == "TimeoutError" and row.idempotency_key == name
+        assert row.error_type == error_type and row.idempotency_key == name
         assert row.status is DeadLetterStatus.PENDING
         assert "unwritten_failure" not in job.get_meta()["idempotency"]
         # Without running the body again
@@ -418,38 +430,6 @@ def test_a_dead_letters_retry_stopped_while_it_ran_records_it_on_its_row(
         wait_until(recorded, 10, "the stop on the row")
         row = rq_env.dlq.get(item.id)
         assert row is not None and (row.retry_count, row.error_type) == (1, "StopJobCommand")
-    finally:
-        for worker in workers:
-            worker.stop()
-
-
-def test_a_final_failure_late_in_its_timeout_while_the_dead_letter_database_is_down_is_kept(
-    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    name = f"late-outage-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-late-outage-{uuid.uuid4().hex[:8]}",
-        connection=rq_env.connection,
-        dlq_url=rq_env.dlq_url,
-    )
-    workers = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late-outage"))
-    try:
-        # Given the dead-letter database refusing connections
-        set_pg_database_online(DLQ_DATABASE, False)
-        try:
-            # When a job fails for good 2.5 s into its 4 s timeout: the pause before it goes
-            # back to its queue (2 s, half the timeout) outlasts the timeout
-            job = queue.enqueue(rq_jobs.fails_after, name, 2.5, idempotency_key=name, job_timeout=4)
-            wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the job to run")
-            # Then it goes back to its queue all the same, carrying its failure
-            _wait_carrying_its_failure(job)
-        finally:
-            set_pg_database_online(DLQ_DATABASE, True)
-        # And once the database is back, its dead letter is written, the body not run again
-        wait_failed(job, timeout=20)
-        (row,) = rq_env.rows_of(job.id)
-        assert (row.error_type, row.idempotency_key) == ("ValueError", name)
-        assert rq_jobs.starts(name) == 1
     finally:
         for worker in workers:
             worker.stop()

@@ -33,6 +33,15 @@ class Clocked:
         self.store = MemoryStore(clock=lambda: self.now)
         setattr(self.app, _STORE, (os.getpid(), self.store))
 
+    def charge_task(self) -> Any:
+        """A keyed task of this app whose body returns its order."""
+
+        @self.app.task(base=IdempotentTask, shared=False)
+        def charge(order: str) -> str:
+            return order
+
+        return charge
+
     def reserve(self, task: Any, task_id: str) -> None:
         """Publish-time reservation of key ``k`` for ``task_id``, with the guard's copy."""
         reservation = task._claim_request("k", ("o",), {}, task_id, owner="")
@@ -44,18 +53,14 @@ class Clocked:
 def test_a_terminated_calls_message_is_not_published_again() -> None:
     clocked = Clocked()
     app, store = clocked.app, clocked.store
-
-    @app.task(base=IdempotentTask, shared=False)
-    def charge(order: str) -> str:
-        return order
+    charge = clocked.charge_task()
 
     # Given a keyed call that was published, then claimed and running
     clocked.reserve(charge, "task-1")
     running = charge._claim_request("k", ("o",), {}, "task-1", owner="pool-process")
     assert store.claim(running).outcome is Outcome.ACQUIRED
     # When it is revoked with terminate=True
-    request = Context(id="task-1", args=["o"], kwargs={}, idempotency_key="k")
-    task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+    _terminate(charge, "task-1")
     # Then, long after its lease and the pickup timeout, the guard publishes nothing
     clocked.now += running.lease_seconds + 3600
     assert republish_lost(app, store) == 0
@@ -66,16 +71,12 @@ def test_a_terminated_calls_message_is_not_published_again() -> None:
 def test_a_call_terminated_before_its_claim_frees_its_key() -> None:
     clocked = Clocked()
     app, store = clocked.app, clocked.store
-
-    @app.task(base=IdempotentTask, shared=False)
-    def charge(order: str) -> str:
-        return order
+    charge = clocked.charge_task()
 
     # Given a keyed call published, and terminated as its pool process accepted it, before
     # its claim reached the store
     clocked.reserve(charge, "task-1")
-    request = Context(id="task-1", args=["o"], kwargs={}, idempotency_key="k")
-    task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+    _terminate(charge, "task-1")
     # Then its key is free (a new call of it runs), and the guard publishes nothing
     assert store.get(storage_key(charge.name, "k")) is None
     clocked.now += 3600 + 60
@@ -90,8 +91,7 @@ def test_a_terminated_call_whose_body_ends_with_system_exit_leaves_nothing_to_pu
     @app.task(base=IdempotentTask, shared=False)
     def charge(order: str) -> str:
         # The main process handles the revoke while the body still runs
-        request = Context(id="task-9", args=["o"], kwargs={}, idempotency_key="k")
-        task_revoked.send(sender=charge, request=request, terminated=True, signum=15, expired=False)
+        _terminate(charge, "task-9")
         raise SystemExit(15)
 
     clocked.reserve(charge, "task-9")
@@ -195,3 +195,10 @@ def test_a_terminated_calls_claim_is_released_once_its_process_is_gone(requeued:
     charge.release_terminated_call(request_dict, requeued=requeued)
     record = store.get(storage_key(charge.name, "k"))
     assert record is not None and (record.status, record.owner) == (Status.PROCESSING, "issued-2")
+
+
+def _terminate(task: Any, task_id: str) -> None:
+    """What the worker's main process does for ``revoke(task_id, terminate=True)`` of a call
+    of ``task`` with key ``k``."""
+    request = Context(id=task_id, args=["o"], kwargs={}, idempotency_key="k")
+    task_revoked.send(sender=task, request=request, terminated=True, signum=15, expired=False)
