@@ -31,7 +31,13 @@ from .engine import (
     to_db_time,
 )
 from .items import ARGS_LOSSY, DeadLetter, DeadLetterStatus, Failure
-from .schema import COMPONENT, DEAD_LETTER_MIGRATIONS, SCHEMA_VERSION, dead_letters
+from .schema import (
+    COMPONENT,
+    DEAD_LETTER_MIGRATIONS,
+    SCHEMA_VERSION,
+    UnreadableJSON,
+    dead_letters,
+)
 from .schema_setup import ensure_component
 
 logger = logging.getLogger(__name__)
@@ -602,7 +608,16 @@ def _item(row: Any) -> DeadLetter:
         ) from exc
 
 
+def _shown(text: str) -> str:
+    """Text read from bytes that are not UTF-8 (see ``schema.ExactText``), printable: each
+    byte that is not UTF-8 becomes U+FFFD."""
+    return text.encode(errors="surrogateescape").decode(errors="replace")
+
+
 def _read_item(row: Any) -> DeadLetter:
+    for column in ("args", "kwargs", "options"):
+        if isinstance(row[column], UnreadableJSON):
+            raise ValueError(f"{column} holds {row[column]!r}")
     if not isinstance(row["args"], list):
         raise TypeError(f"args is not a JSON array: {row['args']!r:.80}")
     for column in ("kwargs", "options"):
@@ -615,7 +630,7 @@ def _read_item(row: Any) -> DeadLetter:
         task_name=options.pop(FULL_TASK_NAME, row["task_name"]),
         task_id=options.pop(FULL_TASK_ID, row["task_id"]),
         framework=row["framework"],
-        failure_id=row["failure_id"],
+        failure_id=_shown(row["failure_id"]),
         idempotency_key=options.pop(FULL_KEY, row["idempotency_key"]),
         args=list(row["args"]),
         kwargs=dict(row["kwargs"]),

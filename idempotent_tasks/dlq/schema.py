@@ -4,7 +4,8 @@ versions."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -55,6 +56,10 @@ class ExactText(TypeDecorator[str]):
     MySQL's and MariaDB's default collations compare ignoring case, accents and trailing
     spaces (and in ``utf8mb4_general_ci`` every emoji equals every other), which would make
     keys ``order-42`` and ``ORDER-42`` one row. There the text is kept as its UTF-8 bytes.
+
+    Bytes that are not UTF-8 (written by hand, or latin1 text that an earlier version's
+    migration to bytes kept as it was) read back as text that writes back to the same bytes
+    (Python's ``surrogateescape``): such a row is still found, updated and deleted by its id.
     """
 
     impl = String
@@ -71,11 +76,44 @@ class ExactText(TypeDecorator[str]):
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
         if isinstance(value, str) and dialect.name in ("mysql", "mariadb"):
-            return value.encode()
+            return value.encode(errors="surrogateescape")
         return value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> Any:
-        return value.decode() if isinstance(value, bytes) else value
+        return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class UnreadableJSON:
+    """What a JSON column holds that does not parse (SQLite keeps any text): read as this
+    marker, so that the other rows of the same query are read all the same."""
+
+    text: Any
+    error: str
+
+    def __repr__(self) -> str:
+        return f"unreadable JSON ({self.error}): {self.text!r:.80}"
+
+
+class TolerantJSON(TypeDecorator[Any]):
+    """JSON whose rows are read even where one holds text that does not parse: that value
+    reads as :class:`UnreadableJSON` instead of failing the whole fetch."""
+
+    impl = JSON
+    cache_ok = True
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        parse = super().result_processor(dialect, coltype)
+        if parse is None:
+            return None  # the driver parses JSON itself, and its database only keeps JSON
+
+        def tolerant(value: Any) -> Any:
+            try:
+                return parse(value)
+            except ValueError as exc:
+                return UnreadableJSON(value, str(exc))
+
+        return tolerant
 
 
 dead_letters = Table(
@@ -91,9 +129,9 @@ dead_letters = Table(
     # "<task id>:<retries>": task ids that differ only in case are different tasks.
     Column("failure_id", ExactText(300), nullable=False, unique=True),
     Column("idempotency_key", String(1024)),
-    Column("args", JSON, nullable=False),
-    Column("kwargs", JSON, nullable=False),
-    Column("options", JSON, nullable=False),
+    Column("args", TolerantJSON, nullable=False),
+    Column("kwargs", TolerantJSON, nullable=False),
+    Column("options", TolerantJSON, nullable=False),
     Column("error_type", String(255), nullable=False),
     Column("error_message", LongText, nullable=False),
     Column("traceback", LongText),
@@ -180,15 +218,23 @@ pickups = Table(
 
 def _compared_exactly(table: Table, column: str) -> Migration:
     """Version 1 -> 2 of a table with an :class:`ExactText` column: on MySQL/MariaDB the
-    column, compared by a case- and accent-insensitive collation before, becomes bytes."""
+    column, compared by a case- and accent-insensitive collation before, becomes bytes.
+
+    Its text becomes utf8mb4 first (with a binary collation, so no two values become equal):
+    a table in the server's default character set (latin1 on many) would otherwise keep
+    latin1 bytes, which read back as no text at all.
+    """
 
     def migrate(connection: Connection) -> None:
         dialect = connection.dialect
         if dialect.name in ("mysql", "mariadb"):
-            column_type = table.c[column].type.compile(dialect=dialect)
-            connection.execute(
-                text(f"ALTER TABLE {table.name} MODIFY {column} {column_type} NOT NULL")
-            )
+            exact = cast(ExactText, table.c[column].type)
+            as_utf8mb4 = f"VARCHAR({exact.length}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+            as_bytes = exact.compile(dialect=dialect)
+            for column_type in (as_utf8mb4, as_bytes):
+                connection.execute(
+                    text(f"ALTER TABLE {table.name} MODIFY {column} {column_type} NOT NULL")
+                )
 
     return migrate
 

@@ -6,7 +6,8 @@ import random
 import time
 from collections.abc import Mapping
 
-from sqlalchemy import Engine, Table, inspect
+from sqlalchemy import Connection, Engine, Table, inspect
+from sqlalchemy.engine.interfaces import ReflectedIndex
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
 from ..errors import SchemaVersionError, StoreUnavailable
@@ -82,6 +83,9 @@ def _create_or_check(
         missing = [t for t in [schema_versions, *tables] if not inspector.has_table(t.name)]
         if missing:
             metadata.create_all(connection, tables=missing, checkfirst=True)
+        for table in tables:
+            if table not in missing:
+                _create_missing_indexes(connection, inspector.get_indexes(table.name), table)
         found = connection.execute(queries.select_schema_version(component)).scalar_one_or_none()
         if found is None:
             connection.execute(queries.insert_schema_version(component, version))
@@ -104,6 +108,18 @@ def _create_or_check(
             f"the {what} tables at {_safe(engine)} are at schema version {found}, older than "
             f"{version}, and no migration from it exists"
         )
+
+
+def _create_missing_indexes(
+    connection: Connection, present: list[ReflectedIndex], table: Table
+) -> None:
+    """Create the indexes of ``table`` the database lacks: MySQL commits each CREATE at once,
+    so a process stopped between a table's CREATE TABLE and its CREATE INDEX left the table
+    without them (and every sweep scanning it whole)."""
+    names = {index["name"] for index in present}
+    for index in table.indexes:
+        if index.name not in names:
+            index.create(connection)
 
 
 def _safe(engine: Engine) -> str:

@@ -34,6 +34,7 @@ from idempotent_tasks.errors import (
     SchemaVersionError,
     StoreUnavailable,
 )
+from tests.integration.databases import version_one_dead_letter
 from tests.services import require
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -190,6 +191,22 @@ def test_a_second_queue_on_existing_tables_uses_them(make_queue: MakeQueue) -> N
     second = make_queue()
     assert second.get(item.id) == item
     assert _version_rows(second.engine) == [(COMPONENT, SCHEMA_VERSION)]
+
+
+def test_an_index_missing_from_existing_tables_is_created(make_queue: MakeQueue) -> None:
+    # Given the table without one of its indexes (MySQL commits CREATE TABLE at once: a process
+    # stopped before its CREATE INDEX leaves it so)
+    first = make_queue()
+    first.ensure_schema()
+    [sweep_index] = [index for index in dead_letters.indexes if index.name.endswith("_sweep")]
+    with first.engine.begin() as connection:
+        sweep_index.drop(connection)
+    # When a queue opens it, then the index is there again
+    make_queue().ensure_schema()
+    index_names = {
+        index["name"] for index in sa.inspect(first.engine).get_indexes(dead_letters.name)
+    }
+    assert sweep_index.name in index_names
 
 
 def test_a_newer_schema_is_refused_naming_both_versions(make_queue: MakeQueue) -> None:
@@ -578,6 +595,62 @@ def test_a_batch_of_rows_it_cannot_read_does_not_end_the_take(
     # it: it takes again, and gets the readable one
     assert _ids(dlq.take_due(limit=2)) == {readable.id}
     assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 2
+
+
+def test_a_row_whose_json_does_not_parse_is_left_out_and_given_up_on(
+    tmp_path: Path, clock: Clock
+) -> None:
+    # Given two due rows on SQLite (which keeps any text in a JSON column; PostgreSQL and
+    # MariaDB refuse it), one edited by hand into JSON that does not parse
+    dlq = DeadLetterQueue(
+        f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}", clock=clock, rng=random.Random(SEED)
+    )
+    try:
+        readable = _add_at(dlq, clock, T0)
+        edited = _add_at(dlq, clock, T0, error_message="warehouse down")
+        with dlq.engine.begin() as connection:
+            connection.execute(
+                sa.text(f"UPDATE {dead_letters.name} SET kwargs = '{{not json' WHERE id = :id"),
+                {"id": edited.id},
+            )
+        # Then a listing reads the other row, and names the edited one
+        reported: list[CorruptRecord] = []
+        assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
+        assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
+        with pytest.raises(CorruptRecord, match="kwargs holds unreadable JSON"):
+            dlq.get(edited.id)
+        # And a sweep takes the other row, and gives the edited one up
+        clock.now = T0 + timedelta(hours=1)
+        assert _ids(dlq.take_due(limit=10)) == {readable.id}
+        assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
+    finally:
+        dlq.dispose()
+
+
+def test_a_failure_id_whose_bytes_are_not_utf8_is_read_and_its_row_swept(clock: Clock) -> None:
+    # Given a due row on MariaDB whose failure id holds latin1 bytes (an earlier version's
+    # migration of a latin1 table to bytes kept them so)
+    require("MariaDB")
+    _drop_dead_letter_tables(MARIADB_URL)
+    dlq = DeadLetterQueue(MARIADB_URL, clock=clock, rng=random.Random(SEED))
+    try:
+        item = _add_at(dlq, clock, T0)
+        with dlq.engine.begin() as connection:
+            connection.execute(
+                sa.text(f"UPDATE {dead_letters.name} SET failure_id = :raw WHERE id = :id"),
+                {"raw": b"caf\xe9-42:0", "id": item.id},
+            )
+        # Then it is listed and read, the byte that is not UTF-8 shown as U+FFFD
+        assert [found.failure_id for found in dlq.items()] == ["caf\ufffd-42:0"]
+        found = dlq.get(item.id)
+        assert found is not None and found.failure_id == "caf\ufffd-42:0"
+        # And a sweep takes it, and its end is written as any other row's
+        clock.now = T0 + timedelta(hours=1)
+        assert _ids(dlq.take_due(limit=10)) == {item.id}
+        assert dlq.mark_succeeded(item.id) is True
+        assert dlq.stats()[Statuses.SUCCEEDED.value] == 1
+    finally:
+        dlq.dispose()
 
 
 @pytest.mark.parametrize(
@@ -1363,43 +1436,9 @@ def test_a_version_one_table_is_brought_to_exact_failure_ids_keeping_its_rows(
 ) -> None:
     # Given a dead-letter table as version 1 made it (failure ids compared by the database's
     # default collation: on MariaDB, blind to case) holding one failure
-    old = sa.MetaData()
-    columns = [
-        sa.Column("failure_id", sa.String(300), nullable=False, unique=True)
-        if column.name == "failure_id"
-        else column._copy()
-        for column in dead_letters.columns
-    ]
-    old_table = sa.Table(dead_letters.name, old, *columns)
     engine = sa.create_engine(dlq_url)
     try:
-        with engine.begin() as connection:
-            old.create_all(connection)
-            schema_versions.create(connection, checkfirst=True)
-            connection.execute(schema_versions.insert().values(component=COMPONENT, version=1))
-            now = datetime.now(timezone.utc)
-            connection.execute(
-                old_table.insert().values(
-                    id=str(uuid.uuid4()),
-                    task_name="tasks.charge",
-                    task_id="Order-42",
-                    framework="celery",
-                    failure_id="Order-42:0",
-                    idempotency_key=None,
-                    args=[],
-                    kwargs={},
-                    options={},
-                    error_type="RuntimeError",
-                    error_message="boom",
-                    traceback=None,
-                    retry_count=0,
-                    max_retries=0,
-                    next_retry_at=None,
-                    status=DeadLetterStatus.PERMANENT_FAILURE.value,
-                    created_at=now,
-                    updated_at=now,
-                )
-            )
+        version_one_dead_letter(engine, failure_id="Order-42:0", task_id="Order-42")
         # When a queue of this version opens it
         dlq = DeadLetterQueue(dlq_url)
         try:

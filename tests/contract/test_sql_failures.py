@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -24,7 +25,7 @@ from idempotent_tasks.dlq.schema import (
 from idempotent_tasks.errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
-from tests.integration.databases import fresh_mariadb_database
+from tests.integration.databases import fresh_mariadb_database, version_one_dead_letter
 
 from .conftest import store_url
 
@@ -131,30 +132,17 @@ def _version_one_tables(engine: sa.Engine) -> sa.Table:
     return old.tables[claims.name]
 
 
-@pytest.mark.parametrize("kind", ["postgresql", "mariadb", "sqlite"])
-def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
-    kind: str, request: pytest.FixtureRequest
-) -> None:
-    # Given a database with the version 1 tables and a completed key in them
-    url = store_url(kind, request)
-    engine = sa.create_engine(url)
-    old_claims = _version_one_tables(engine)
-    result = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"1")
-    old_key = ClaimRequest(
-        storage_key="t:order-42",
-        key="order-42",
-        task_name="t",
-        task_id="x",
-        owner="o",
-        fingerprint="fp",
-        lease_seconds=30,
-        ttl_seconds=600,
-    )
+V1_RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"1")
+
+
+def _completed_version_one_claim(engine: sa.Engine, old_claims: sa.Table, key: str) -> ClaimRequest:
+    """Write a completed claim of ``key`` (prefix "migrated") into version 1's claims table;
+    the request that claims the key again."""
     with engine.begin() as connection:
         connection.execute(
             old_claims.insert().values(
-                id="migrated:t:order-42",
-                key="order-42",
+                id=f"migrated:t:{key}",
+                key=key,
                 task_name="t",
                 status="completed",
                 owner="o",
@@ -167,17 +155,40 @@ def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
                 updated_at=0.0,
                 expires_at=4e9,
                 result_cached=True,
-                content_type=result.content_type,
-                content_encoding=result.content_encoding,
-                result=result.body,
+                content_type=V1_RESULT.content_type,
+                content_encoding=V1_RESULT.content_encoding,
+                result=V1_RESULT.body,
             )
         )
+    return ClaimRequest(
+        storage_key=f"t:{key}",
+        key=key,
+        task_name="t",
+        task_id="x",
+        owner="o2",
+        fingerprint="fp",
+        lease_seconds=30,
+        ttl_seconds=600,
+    )
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb", "sqlite"])
+def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    # Given a database with the version 1 tables and a completed key in them
+    url = store_url(kind, request)
+    engine = sa.create_engine(url)
+    old_key = _completed_version_one_claim(engine, _version_one_tables(engine), "order-42")
     # When a store of this version opens it
     store = SqlStore(url, prefix="migrated")
     try:
         # Then the row is still there, and a key that differs only in case is its own
-        found = store.claim(dataclasses.replace(old_key, owner="o2"))
-        assert (found.outcome, found.record and found.record.result) == (Outcome.COMPLETED, result)
+        found = store.claim(old_key)
+        assert (found.outcome, found.record and found.record.result) == (
+            Outcome.COMPLETED,
+            V1_RESULT,
+        )
         other = dataclasses.replace(old_key, storage_key="t:ORDER-42", key="ORDER-42", owner="o3")
         claimed = store.claim(other)
         assert claimed.outcome is Outcome.ACQUIRED
@@ -306,6 +317,25 @@ def _gift_request(owner: str = "o") -> ClaimRequest:
     )
 
 
+def _failure(**fields: Any) -> Failure:
+    return Failure(
+        **{
+            "failure_id": "x:0",
+            "task_name": "t",
+            "task_id": "x",
+            "idempotency_key": None,
+            "args": [],
+            "kwargs": {},
+            "options": {},
+            "error_type": "PaymentDeclined",
+            "error_message": "declined",
+            "traceback": None,
+            "max_retries": 3,
+            **fields,
+        }
+    )
+
+
 def _keeps_any_script(url: str) -> None:
     """A key and an error message beyond latin1 go through the store's and the dead-letter
     table's writes, and come back as they went in."""
@@ -323,19 +353,7 @@ def _keeps_any_script(url: str) -> None:
         store.close()
     queue = DeadLetterQueue(url)
     try:
-        failure = Failure(
-            failure_id="x:0",
-            task_name="t",
-            task_id="x",
-            idempotency_key=GIFT,
-            args=[GIFT],
-            kwargs={},
-            options={},
-            error_type="PaymentDeclined",
-            error_message=f"declined: {GIFT}",
-            traceback=None,
-            max_retries=3,
-        )
+        failure = _failure(idempotency_key=GIFT, args=[GIFT], error_message=f"declined: {GIFT}")
         item = queue.add(failure)
         found = queue.get(item.id)
         assert found is not None
@@ -416,3 +434,33 @@ def test_other_databases_take_any_result_the_settings_allow(
         assert store.result_byte_limit() is None
     finally:
         store.close()
+
+
+def test_version_one_tables_on_a_latin1_server_keep_keys_beyond_ascii(latin1_url: str) -> None:
+    # Given version 1's tables on a latin1 server (its default character set), a completed key
+    # and a dead letter of a task id beyond ASCII in them
+    engine = sa.create_engine(latin1_url)
+    old_key = _completed_version_one_claim(engine, _version_one_tables(engine), "caf\xe9-42")
+    version_one_dead_letter(engine, failure_id="caf\xe9-42:0", task_id="caf\xe9-42")
+    try:
+        # When this version opens them, then the key is still found completed (its id was
+        # kept as its UTF-8 bytes, not latin1's: the body would run again)
+        store = SqlStore(latin1_url, prefix="migrated")
+        try:
+            found = store.claim(old_key)
+            assert (found.outcome, found.record and found.record.result) == (
+                Outcome.COMPLETED,
+                V1_RESULT,
+            )
+        finally:
+            store.close()
+        # And the dead letter reads back as written
+        queue = DeadLetterQueue(latin1_url)
+        try:
+            assert [(item.task_id, item.failure_id) for item in queue.items()] == [
+                ("caf\xe9-42", "caf\xe9-42:0")
+            ]
+        finally:
+            queue.dispose()
+    finally:
+        engine.dispose()

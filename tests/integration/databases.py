@@ -1,6 +1,9 @@
-"""PostgreSQL databases of the integration layer's own, and a way to take one offline."""
+"""PostgreSQL and MariaDB databases of the tests' own, a way to take one offline, and tables
+as earlier versions made them."""
 
 from __future__ import annotations
+
+import uuid
 
 import sqlalchemy as sa
 
@@ -70,3 +73,51 @@ def set_schema_version(url: str, component: str, version: int) -> None:
             .values(version=version)
         )
     engine.dispose()
+
+
+def version_one_dead_letter(engine: sa.Engine, failure_id: str, task_id: str) -> None:
+    """Create the dead-letter table as version 1 made it (``failure_id`` compared by the
+    database's default collation and in its default character set) and record that version,
+    with one failure in it."""
+    from datetime import datetime, timezone
+
+    from idempotent_tasks.dlq.schema import dead_letters, schema_versions
+
+    old = sa.MetaData()
+    old_table = sa.Table(
+        dead_letters.name,
+        old,
+        *(
+            sa.Column("failure_id", sa.String(300), nullable=False, unique=True)
+            if column.name == "failure_id"
+            else column._copy()
+            for column in dead_letters.columns
+        ),
+    )
+    now = datetime.now(timezone.utc)
+    with engine.begin() as connection:
+        old.create_all(connection)
+        schema_versions.create(connection, checkfirst=True)
+        connection.execute(schema_versions.insert().values(component="dead_letters", version=1))
+        connection.execute(
+            old_table.insert().values(
+                id=str(uuid.uuid4()),
+                task_name="tasks.charge",
+                task_id=task_id,
+                framework="celery",
+                failure_id=failure_id,
+                idempotency_key=None,
+                args=[],
+                kwargs={},
+                options={},
+                error_type="RuntimeError",
+                error_message="boom",
+                traceback=None,
+                retry_count=0,
+                max_retries=0,
+                next_retry_at=None,
+                status="permanent_failure",
+                created_at=now,
+                updated_at=now,
+            )
+        )
