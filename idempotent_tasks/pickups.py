@@ -27,6 +27,7 @@ from . import defaults, signals
 from .broker_errors import broker_cannot_take
 from .errors import CorruptRecord, StoreUnavailable
 from .records import ClaimRequest, DuePickup, Pickup
+from .settings import app_setting
 
 logger = get_task_logger(__name__)
 
@@ -76,6 +77,20 @@ def pickup_timeout(conf: Any) -> float:
         return max(float(configured), 0.0)
     transport_options = conf.get("broker_transport_options") or {}
     return float(transport_options.get("visibility_timeout", defaults.PICKUP_TIMEOUT) or 0)
+
+
+def claim_ttl(conf: Any, ttl_seconds: float) -> float | None:
+    """How long a running claim's record outlives its lease when ``idempotency_ttl`` is too
+    short for the guard (``None``: the TTL, long enough, or the guard is off).
+
+    The guard publishes a dead owner's lost message again a pickup timeout after its lease
+    ended, at its next sweep; the record must still be there, and then for its copy's claim.
+    """
+    timeout = pickup_timeout(conf)
+    if not timeout:
+        return None
+    needed = 2 * timeout + float(app_setting(conf, "idempotency_dlq_poll_interval"))
+    return needed if needed > ttl_seconds else None
 
 
 def seconds_until(countdown: Any = None, eta: Any = None) -> float:

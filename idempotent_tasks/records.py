@@ -77,6 +77,15 @@ class ClaimRequest:
     ttl_seconds: float
     validate: bool = True
     previous_owner: str | None = None
+    #: How long a running claim's record outlives its lease (``None``: ``ttl_seconds``). The
+    #: pickup guard looks for a dead owner's record a pickup timeout after its lease ends (its
+    #: message may be lost too): a TTL shorter than that would let the record go first.
+    claim_ttl_seconds: float | None = None
+
+    @property
+    def claim_ttl(self) -> float:
+        """Seconds a running claim's record outlives its lease."""
+        return self.ttl_seconds if self.claim_ttl_seconds is None else self.claim_ttl_seconds
 
 
 @dataclass(frozen=True, kw_only=True)

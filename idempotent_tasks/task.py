@@ -75,7 +75,7 @@ from .keys import (
     storage_key,
     validate_key,
 )
-from .pickups import hand_to_guard, make_pickup, pickup_timeout, seconds_until
+from .pickups import claim_ttl, hand_to_guard, make_pickup, pickup_timeout, seconds_until
 from .publishing import RESERVED_HEADER
 from .records import ClaimRequest, Outcome, Record, SideWrite, Status
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
@@ -1167,6 +1167,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ttl_seconds=ttl_seconds,
             validate=bool(self.idempotency_validate),
             previous_owner=previous_owner,
+            claim_ttl_seconds=self._claim_ttl,
         )
 
     def _celery_result(self, value: Any) -> SideWrite | None:
@@ -1201,18 +1202,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ttl = resolve(self.idempotency_ttl, default=app_setting(conf, "idempotency_ttl"))
         lease_seconds = positive_seconds(lease, "idempotency_lease")
         ttl_seconds = positive_seconds(ttl, "idempotency_ttl")
-        if ttl_seconds < self._pickup_timeout:
-            # A claim lives its lease and TTL; the guard sends a dead owner's lost message
-            # again only a pickup timeout after its lease: the claim is gone by then.
-            module_logger.warning(
-                "%s: idempotency_ttl (%g s) is shorter than the pickup timeout (%g s): a call "
-                "whose worker died and whose message the broker lost is not sent again; lower "
-                "idempotency_pickup_timeout",
-                self.name,
-                ttl_seconds,
-                self._pickup_timeout,
-            )
         return lease_seconds, ttl_seconds
+
+    @cached_property
+    def _claim_ttl(self) -> float | None:
+        return claim_ttl(self.app.conf, self._lease_and_ttl[1])
 
     @cached_property
     def _hard_time_limit(self) -> float | None:

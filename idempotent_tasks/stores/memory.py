@@ -250,7 +250,7 @@ class MemoryStore:
                 found,
                 lease_expires_at=now + request.lease_seconds,
                 updated_at=now,
-                expires_at=now + request.lease_seconds + request.ttl_seconds,
+                expires_at=now + request.lease_seconds + request.claim_ttl,
             )
             return True
 
@@ -349,5 +349,5 @@ class MemoryStore:
             lease_expires_at=now + request.lease_seconds,
             created_at=created_at,
             updated_at=now,
-            expires_at=now + request.lease_seconds + request.ttl_seconds,
+            expires_at=now + request.lease_seconds + request.claim_ttl,
         )

@@ -250,7 +250,7 @@ class RedisStore:
                 request.fingerprint,
                 request.task_id,
                 _ms(request.lease_seconds),
-                _ms(request.ttl_seconds),
+                _ms(request.claim_ttl),
                 "1" if request.validate else "0",
                 request.previous_owner or "",
                 request.key,
@@ -342,7 +342,7 @@ class RedisStore:
         return bool(self._run("release", keys, args))
 
     def extend(self, request: ClaimRequest, token: int) -> bool:
-        args = [request.owner, token, _ms(request.lease_seconds), _ms(request.ttl_seconds)]
+        args = [request.owner, token, _ms(request.lease_seconds), _ms(request.claim_ttl)]
         return bool(self._run("extend", self.names(request.storage_key)[:2], args))
 
     def result_byte_limit(self) -> None:

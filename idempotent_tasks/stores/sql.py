@@ -408,7 +408,7 @@ class SqlStore:
         values = {
             "lease_expires_at": now + request.lease_seconds,
             "updated_at": now,
-            "expires_at": now + request.lease_seconds + request.ttl_seconds,
+            "expires_at": now + request.lease_seconds + request.claim_ttl,
         }
         claim_id = self.claim_id(request.storage_key)
         return self._rowcount(update_held(claim_id, request.owner, token, now, values)) == 1
@@ -540,7 +540,7 @@ class SqlStore:
             "lease_expires_at": now + request.lease_seconds,
             "created_at": now,
             "updated_at": now,
-            "expires_at": now + request.lease_seconds + request.ttl_seconds,
+            "expires_at": now + request.lease_seconds + request.claim_ttl,
             "result_cached": False,
             "content_type": None,
             "content_encoding": None,

@@ -148,6 +148,25 @@ def test_completed_key_expires_after_its_ttl(store: Store, make_request: Make) -
     assert later.outcome is Outcome.ACQUIRED
 
 
+def test_a_running_claim_outlives_its_lease_by_its_claim_ttl_not_the_ttl(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim whose record is to outlive its lease by longer than the key's TTL (the
+    # pickup guard must find a dead owner's record), renewed once
+    owner = make_request(lease_seconds=0.2, ttl_seconds=0.1, claim_ttl_seconds=30.0)
+    token = store.claim(owner).token
+    assert store.extend(owner, token)
+    # When its lease and TTL have passed, then the record is still there
+    time.sleep(0.5)
+    record = store.get(owner.storage_key)
+    assert record is not None and record.status is Status.PROCESSING
+    assert record.expires_at == pytest.approx(time.time() + 30, abs=2)
+    # And a completion keeps the result for the TTL alone
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.STORED
+    time.sleep(0.3)
+    assert store.get(owner.storage_key) is None
+
+
 def test_expired_lease_is_taken_over_with_token_plus_one(store: Store, make_request: Make) -> None:
     # Given an owner that died without releasing (its lease simply runs out)
     dead = make_request(lease_seconds=0.2)

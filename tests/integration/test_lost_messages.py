@@ -173,6 +173,27 @@ def test_an_owner_killed_with_its_message_lost_is_published_again(worker_and_bea
 
 
 @pytest.mark.usefixtures("short_pickup")
+def test_a_dead_owners_lost_message_is_published_again_though_keys_live_less_than_the_timeout(
+    worker_and_beat: Any,
+) -> None:
+    # Given a worker and beat whose keys live 0.5 s once done, less than the 1 s pickup
+    # timeout, running a keyed task (1 s lease)
+    name, key = fresh("short-ttl"), fresh("key")
+    first = worker_and_beat(IT_LEASE="1", IT_TTL="0.5")
+    result = worker_app.charge.apply_async((name, 5), {"sleep": 2.0}, idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the first run to start")
+    # When the worker is SIGKILLed and the broker loses the message it held
+    first.kill()
+    _lose_unacked(result.id)
+    # Then the claim outlives its lease by more than a pickup timeout (not by the TTL: gone
+    # before the sweep looked), so the sweep publishes it again, and a worker runs it
+    worker_and_beat(beat=False, IT_LEASE="1", IT_TTL="0.5")
+    value = result.get(timeout=40)
+    assert value["order_id"] == name and value["task_id"] == result.id
+    assert ledger_events(name, "finish") == 1
+
+
+@pytest.mark.usefixtures("short_pickup")
 def test_a_lost_message_is_published_again_by_the_next_publish_of_its_key(
     worker_and_beat: Any,
 ) -> None:

@@ -28,6 +28,7 @@ app = Celery(
 app.conf.update(
     idempotency_store_url=os.environ.get("IT_STORE_URL", "redis://127.0.0.1:6379/11"),
     idempotency_lease=float(os.environ.get("IT_LEASE", "300")),
+    idempotency_ttl=float(os.environ.get("IT_TTL", "86400")),
     idempotency_pickup_timeout=float(os.environ.get("IT_PICKUP_TIMEOUT", "3600")),
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("IT_VISIBILITY_TIMEOUT", "3600")),

@@ -98,22 +98,30 @@ def test_signal_receivers_get_the_payload_and_their_errors_are_contained() -> No
     assert got == [{"signal": signal, "a": 1}]
 
 
-def test_a_ttl_shorter_than_the_pickup_timeout_is_warned_of(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_claim_outlives_its_lease_long_enough_for_the_pickup_guard() -> None:
     app = Celery("t", set_as_current=False, broker="memory://")
-    app.conf.update(idempotency_store_url="memory://", idempotency_pickup_timeout=3600)
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_pickup_timeout=3600,
+        idempotency_dlq_poll_interval=30,
+    )
 
     @app.task(base=IdempotentTask, shared=False, idempotency_ttl=600)
     def short(x: int) -> int:
         return x
 
-    @app.task(base=IdempotentTask, shared=False, idempotency_ttl=7200)
+    @app.task(base=IdempotentTask, shared=False, idempotency_ttl=86400)
     def long(x: int) -> int:
         return x
 
-    with caplog.at_level("WARNING", logger="idempotent_tasks.task"):
-        assert short._lease_and_ttl == (300.0, 600.0)
-        assert long._lease_and_ttl == (300.0, 7200.0)
-    warned = [r.getMessage() for r in caplog.records if "pickup timeout" in r.getMessage()]
-    assert len(warned) == 1 and short.name in warned[0]
+    # A TTL shorter than the guard needs: the claim outlives its lease by two pickup timeouts
+    # and a sweep interval (the guard looks a pickup timeout after the lease)
+    request = short._claim_request("k", (1,), {}, "id", owner="o")
+    assert (request.ttl_seconds, request.claim_ttl) == (600.0, 7230.0)
+    # A longer one: by the TTL
+    request = long._claim_request("k", (1,), {}, "id", owner="o")
+    assert (request.ttl_seconds, request.claim_ttl) == (86400.0, 86400.0)
+    # With the guard off, by the TTL too
+    app.conf.idempotency_pickup_timeout = 0
+    short.__dict__.pop("_claim_ttl")
+    assert short._claim_request("k", (1,), {}, "id", owner="o").claim_ttl == 600.0

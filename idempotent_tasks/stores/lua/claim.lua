@@ -5,7 +5,7 @@
 -- ARGV[2]  fingerprint of the call's arguments
 -- ARGV[3]  task id
 -- ARGV[4]  lease, milliseconds
--- ARGV[5]  ttl of a completed record, milliseconds
+-- ARGV[5]  how long the claimed record outlives its lease, milliseconds
 -- ARGV[6]  "1" to compare fingerprints, "0" not to
 -- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
 -- ARGV[8]  the caller's key (for display)

@@ -4,7 +4,7 @@
 -- ARGV[1]  owner id
 -- ARGV[2]  fencing token
 -- ARGV[3]  lease, milliseconds from now
--- ARGV[4]  ttl of a completed record, milliseconds (the record outlives its lease by this)
+-- ARGV[4]  how long the record outlives its lease, milliseconds
 -- Returns  1 if renewed, 0 if the claim is not (or no longer) this owner's
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
