@@ -26,7 +26,7 @@ from kombu.utils import json as kombu_json
 from . import defaults, signals
 from .broker_errors import broker_cannot_take
 from .errors import CorruptRecord, StoreUnavailable
-from .records import ClaimRequest, DuePickup, Pickup
+from .records import DuePickup, Pickup
 from .settings import app_setting
 
 logger = get_task_logger(__name__)
@@ -140,19 +140,8 @@ def end_expired_call(store: Any, due: DuePickup) -> None:
     """Free the key of a call that expired before any worker took it (its message dropped
     unseen): its reservation is cancelled, so the key's next call runs, and nothing publishes
     the expired one again."""
-    # cancel_reservation reads only a request's storage key and task id.
-    reservation = ClaimRequest(
-        storage_key=due.storage_key,
-        key=due.storage_key,
-        task_name=due.task_name,
-        task_id=due.task_id,
-        owner="",
-        fingerprint="",
-        lease_seconds=1.0,
-        ttl_seconds=1.0,
-    )
     try:
-        if store.cancel_reservation(reservation):
+        if store.cancel_reservation(due.storage_key, due.task_id):
             logger.warning(
                 "%s (%s) expired before any worker took it: its key is free",
                 due.task_name,

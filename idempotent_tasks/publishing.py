@@ -148,14 +148,15 @@ def reaches_this_caller(task: IdempotentTask, answer: Any) -> bool:
     return isinstance(answer, EagerResult) or not isinstance(task.backend, RPCBackend)
 
 
-def cancel_reservation(task: IdempotentTask, request: ClaimRequest) -> None:
-    """Take back the reservation of a message that could not be published."""
+def cancel_reservation(task: IdempotentTask, storage_key: str, task_id: str) -> None:
+    """Take back the reservation of a message that could not be published (or of a call that
+    ended unrun)."""
     try:
-        store_for(task.app).cancel_reservation(request)
+        store_for(task.app).cancel_reservation(storage_key, task_id)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning(
-            "could not cancel the reservation of key %r (%s): it will be published later",
-            request.key,
+            "could not cancel the reservation of %s (%s): it will be published later",
+            task_id,
             exc,
         )
 

@@ -153,7 +153,7 @@ def publish(
             return _reserve_unpublished(task, pending, error)
         except Exception:
             if pending.reached:  # a reservation made, or maybe made, before the push failed
-                publishing.cancel_reservation(task, request)
+                publishing.cancel_reservation(task, request.storage_key, request.task_id)
             raise
         except BaseException:
             # Interrupted (Ctrl-C, a green thread's timeout, an exit), the message pushed or

@@ -40,11 +40,11 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
     args, kwargs, key = _call_of(task, request)
     if key is None:
         return
-    reservation = task._claim_request(key, args, kwargs, request.id, owner="")
-    publishing.cancel_reservation(task, reservation)
+    stored_as = storage_key(task.name, key)
+    publishing.cancel_reservation(task, stored_as, request.id)
     store = store_for(task.app)
     try:
-        record = store.get(reservation.storage_key)
+        record = store.get(stored_as)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not read key %r of revoked call %s: %s", key, request.id, exc)
         return
@@ -83,15 +83,15 @@ def end_terminated_call(task: IdempotentTask, request: Any) -> None:
     a restart), it would run.
     """
     _record_on_dead_letter(task, request, "terminated while it ran")
-    args, kwargs, key = _call_of(task, request)
+    _, _, key = _call_of(task, request)
     if key is None:
         return
     # Killed before its claim reached the store (Celery terminates a call as soon as a pool
     # process accepts it), its key is still queued for it: that reservation goes too.
-    reservation = task._claim_request(key, args, kwargs, request.id, owner="")
-    publishing.cancel_reservation(task, reservation)
+    stored_as = storage_key(task.name, key)
+    publishing.cancel_reservation(task, stored_as, request.id)
     try:
-        store_for(task.app).drop_pickup(storage_key(task.name, key), request.id)
+        store_for(task.app).drop_pickup(stored_as, request.id)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not drop the pickup of terminated call %s: %s", request.id, exc)
 

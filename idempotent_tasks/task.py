@@ -280,7 +280,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     hand_to_guard(store_for(self.app), reservation.storage_key, reservation.task_id)
                     raise
                 except Exception:
-                    publishing.cancel_reservation(self, reservation)
+                    publishing.cancel_reservation(
+                        self, reservation.storage_key, reservation.task_id
+                    )
                     raise
                 except BaseException:
                     # Interrupted (Ctrl-C, a green thread's timeout, an exit) somewhere in

@@ -37,9 +37,9 @@ class Store(Protocol):
         """
         ...
 
-    def cancel_reservation(self, request: ClaimRequest) -> bool:
-        """Delete the ``queued`` record of ``request.task_id`` (its publish failed); whether
-        there was one."""
+    def cancel_reservation(self, storage_key: str, task_id: str) -> bool:
+        """Delete the ``queued`` record of ``task_id`` (its publish failed, or the call ended
+        unrun); whether there was one."""
         ...
 
     def make_reservation_due(

@@ -57,14 +57,12 @@ class MemoryStore:
             self._queue(request, pickup, now, created_at=now, token=0)
             return None
 
-    def cancel_reservation(self, request: ClaimRequest) -> bool:
+    def cancel_reservation(self, storage_key: str, task_id: str) -> bool:
         with self._lock:
-            found = self._live(request.storage_key, self._clock())
-            if found is None or found.status is not Status.QUEUED:
+            found = self._live(storage_key, self._clock())
+            if found is None or found.status is not Status.QUEUED or found.task_id != task_id:
                 return False
-            if found.task_id != request.task_id:
-                return False
-            self._drop(request.storage_key)
+            self._drop(storage_key)
             return True
 
     def make_reservation_due(

@@ -188,9 +188,9 @@ class RedisStore:
     def _own_address(self) -> _Address:
         return _address(self.client.connection_pool)
 
-    def cancel_reservation(self, request: ClaimRequest) -> bool:
-        record, _, index = self.names(request.storage_key)
-        return bool(self._run("cancel", [record, index], [request.task_id, request.storage_key]))
+    def cancel_reservation(self, storage_key: str, task_id: str) -> bool:
+        record, _, index = self.names(storage_key)
+        return bool(self._run("cancel", [record, index], [task_id, storage_key]))
 
     def make_reservation_due(
         self, storage_key: str, task_id: str, republished: int | None = None

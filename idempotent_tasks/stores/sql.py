@@ -159,12 +159,12 @@ class SqlStore:
         raise StoreUnavailable(f"reserve of {request.storage_key!r} kept losing races; try again")
 
     @run_again_after_deadlock
-    def cancel_reservation(self, request: ClaimRequest) -> bool:
-        claim_id = self.claim_id(request.storage_key)
+    def cancel_reservation(self, storage_key: str, task_id: str) -> bool:
+        claim_id = self.claim_id(storage_key)
         # Released rather than deleted, like a released claim: tokens keep growing.
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
-            if _count(connection, release_queued(claim_id, request.task_id, now)) == 0:
+            if _count(connection, release_queued(claim_id, task_id, now)) == 0:
                 return False
             connection.execute(delete_pickup(claim_id))
             return True

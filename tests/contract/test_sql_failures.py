@@ -105,7 +105,7 @@ def test_a_cancel_needs_no_second_pooled_connection_to_read_the_clock(
     store = SqlStore(url, prefix="one-connection")
     try:
         # Then its first operation, a cancel, reads the clock before it holds the connection
-        assert store.cancel_reservation(_request()) is True
+        assert store.cancel_reservation("k", "x") is True
     finally:
         store.close()
 

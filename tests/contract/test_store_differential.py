@@ -232,7 +232,7 @@ class Runner:
             assert op.pickup is not None
             return self.record(store.reserve(req, op.pickup))
         if op.kind == "cancel":
-            return store.cancel_reservation(req)
+            return store.cancel_reservation(req.storage_key, req.task_id)
         if op.kind == "claim":
             result = store.claim(req)
             if result.outcome is Outcome.ACQUIRED:

@@ -539,13 +539,13 @@ def test_cancel_reservation_deletes_only_its_own_queued_record(
     mine = make_request(task_id="task-1")
     store.reserve(mine, make_pickup())
     stranger = make_request(storage_key=mine.storage_key, task_id="task-2")
-    assert store.cancel_reservation(stranger) is False
+    assert store.cancel_reservation(stranger.storage_key, stranger.task_id) is False
     record = store.get(mine.storage_key)
     assert record is not None
     assert (record.status, record.task_id) == (Status.QUEUED, "task-1")
-    assert store.cancel_reservation(mine) is True
+    assert store.cancel_reservation(mine.storage_key, mine.task_id) is True
     assert store.get(mine.storage_key) is None
-    assert store.cancel_reservation(mine) is False
+    assert store.cancel_reservation(mine.storage_key, mine.task_id) is False
     time.sleep(PAST_DUE)
     assert store.take_due(10) == []
 
@@ -643,7 +643,7 @@ def test_cancel_reservation_leaves_a_claimed_key_alone(store: Store, make_reques
     request = make_request(task_id="task-1")
     store.reserve(request, make_pickup())
     store.claim(request)
-    assert store.cancel_reservation(request) is False
+    assert store.cancel_reservation(request.storage_key, request.task_id) is False
     record = store.get(request.storage_key)
     assert record is not None
     assert (record.status, record.owner) == (Status.PROCESSING, request.owner)
