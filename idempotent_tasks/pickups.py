@@ -80,11 +80,14 @@ def pickup_timeout(conf: Any) -> float:
 
 
 def claim_ttl(conf: Any, ttl_seconds: float) -> float | None:
-    """How long a running claim's record outlives its lease when ``idempotency_ttl`` is too
-    short for the guard (``None``: the TTL, long enough, or the guard is off).
+    """How long a key not completed yet outlives its lease (its due time, while queued) when
+    ``idempotency_ttl`` is too short for the guard (``None``: the TTL, long enough, or the
+    guard is off).
 
-    The guard publishes a dead owner's lost message again a pickup timeout after its lease
-    ended, at its next sweep; the record must still be there, and then for its copy's claim.
+    The guard publishes a queued key's message again at its due time, and a dead owner's a
+    pickup timeout after its lease ended, at its next sweep: the record must still be there
+    then, and for the copy's claim. Later re-publications (after 2x, 4x ... the timeout) are
+    bounded by this as by the TTL.
     """
     timeout = pickup_timeout(conf)
     if not timeout:

@@ -77,14 +77,15 @@ class ClaimRequest:
     ttl_seconds: float
     validate: bool = True
     previous_owner: str | None = None
-    #: How long a running claim's record outlives its lease (``None``: ``ttl_seconds``). The
-    #: pickup guard looks for a dead owner's record a pickup timeout after its lease ends (its
-    #: message may be lost too): a TTL shorter than that would let the record go first.
+    #: How long a key not completed yet outlives its lease, or its due time while queued
+    #: (``None``: ``ttl_seconds``). The pickup guard looks for a key whose message counts as
+    #: lost at its due time, or a pickup timeout after a dead owner's lease: a TTL shorter than
+    #: that would let the record, and the message kept with it, go first.
     claim_ttl_seconds: float | None = None
 
     @property
     def claim_ttl(self) -> float:
-        """Seconds a running claim's record outlives its lease."""
+        """Seconds a key not completed yet outlives its lease or its due time."""
         return self.ttl_seconds if self.claim_ttl_seconds is None else self.claim_ttl_seconds
 
 

@@ -110,7 +110,7 @@ class TolerantJSON(TypeDecorator[Any]):
         def tolerant(value: Any) -> Any:
             try:
                 return parse(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # nested too deep for json
                 return UnreadableJSON(value, str(exc))
 
         return tolerant

@@ -83,13 +83,10 @@ def _create_or_check(
         missing = [t for t in [schema_versions, *tables] if not inspector.has_table(t.name)]
         if missing:
             metadata.create_all(connection, tables=missing, checkfirst=True)
-        for table in tables:
-            if table not in missing:
-                _create_missing_indexes(connection, inspector.get_indexes(table.name), table)
         found = connection.execute(queries.select_schema_version(component)).scalar_one_or_none()
         if found is None:
             connection.execute(queries.insert_schema_version(component, version))
-            return
+            found = version
     while int(found) < version and int(found) in migrations:
         step = migrations[int(found)]
         with engine.begin() as connection:
@@ -108,6 +105,11 @@ def _create_or_check(
             f"the {what} tables at {_safe(engine)} are at schema version {found}, older than "
             f"{version}, and no migration from it exists"
         )
+    # Only at this version: the indexes are this version's.
+    with engine.begin() as connection:
+        inspector = inspect(connection)
+        for table in tables:
+            _create_missing_indexes(connection, inspector.get_indexes(table.name), table)
 
 
 def _create_missing_indexes(

@@ -311,7 +311,7 @@ class MemoryStore:
             lease_expires_at=now + pickup.due_in,
             created_at=created_at,
             updated_at=now,
-            expires_at=now + pickup.due_in + request.ttl_seconds,
+            expires_at=now + pickup.due_in + request.claim_ttl,
         )
         self._pending[request.storage_key] = _Pending(pickup, due_at=now + pickup.due_in)
 

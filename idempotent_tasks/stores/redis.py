@@ -163,7 +163,7 @@ class RedisStore:
                 request.task_name,
                 _ms(pickup.due_in),
                 _ms(pickup.timeout),
-                _ms(request.ttl_seconds),
+                _ms(request.claim_ttl),
                 pickup.envelope,
                 request.storage_key,
                 *pushed,
@@ -334,7 +334,7 @@ class RedisStore:
             args += [
                 _ms(pickup.due_in),
                 _ms(pickup.timeout),
-                _ms(request.ttl_seconds),
+                _ms(request.claim_ttl),
                 pickup.envelope,
                 request.task_id,
                 request.storage_key,

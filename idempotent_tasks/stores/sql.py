@@ -517,7 +517,7 @@ class SqlStore:
             "fingerprint": request.fingerprint,
             "lease_expires_at": now + pickup.due_in,
             "updated_at": now,
-            "expires_at": now + pickup.due_in + request.ttl_seconds,
+            "expires_at": now + pickup.due_in + request.claim_ttl,
             "result_cached": False,
             "content_type": None,
             "content_encoding": None,

@@ -464,3 +464,29 @@ def test_version_one_tables_on_a_latin1_server_keep_keys_beyond_ascii(latin1_url
             queue.dispose()
     finally:
         engine.dispose()
+
+
+def test_a_pickup_whose_row_id_is_not_utf8_is_still_taken_and_moved_on(
+    request: pytest.FixtureRequest,
+) -> None:
+    # Given a queued key, due, whose rows' ids hold latin1 bytes on MariaDB (an earlier
+    # version's migration of a latin1 table kept them so)
+    store = SqlStore(store_url("mariadb", request), prefix=f"bytes-{uuid.uuid4().hex[:8]}")
+    try:
+        queued = dataclasses.replace(_request(), storage_key="caf\xe9", key="caf\xe9")
+        assert store.reserve(queued, Pickup(envelope=b"{}", due_in=0.0, timeout=60)) is None
+        written_id = store.claim_id("caf\xe9")
+        with store.engine.begin() as connection:
+            for table in (claims, pickups):
+                connection.execute(
+                    sa.text(f"UPDATE {table.name} SET id = :raw WHERE id = :id"),
+                    {"raw": written_id.encode("latin-1"), "id": written_id.encode()},
+                )
+        # When the sweep looks, then it takes it (read), and moves it on (written by that id)
+        assert [due.task_id for due in store.take_due(10)] == [queued.task_id]
+        assert store.take_due(10) == []
+    finally:
+        with store.engine.begin() as connection:
+            for table in (claims, pickups):
+                connection.execute(table.delete().where(table.c.id.like(f"{store.prefix}:%")))
+        store.close()

@@ -148,18 +148,25 @@ def test_completed_key_expires_after_its_ttl(store: Store, make_request: Make) -
     assert later.outcome is Outcome.ACQUIRED
 
 
-def test_a_running_claim_outlives_its_lease_by_its_claim_ttl_not_the_ttl(
+def test_a_key_not_completed_outlives_its_lease_or_due_time_by_its_claim_ttl(
     store: Store, make_request: Make
 ) -> None:
-    # Given a claim whose record is to outlive its lease by longer than the key's TTL (the
-    # pickup guard must find a dead owner's record), renewed once
+    # Given keys whose records are to outlive their lease or due time by longer than their
+    # TTL (the pickup guard must find them): one claimed and renewed once, one queued
     owner = make_request(lease_seconds=0.2, ttl_seconds=0.1, claim_ttl_seconds=30.0)
     token = store.claim(owner).token
     assert store.extend(owner, token)
-    # When its lease and TTL have passed, then the record is still there
+    queued = make_request(
+        storage_key=f"{owner.storage_key}-queued", ttl_seconds=0.1, claim_ttl_seconds=30.0
+    )
+    assert store.reserve(queued, Pickup(envelope=b"{}", due_in=0.1, timeout=60)) is None
+    # When their lease or due time and TTL have passed, then the records are still there
     time.sleep(0.5)
     record = store.get(owner.storage_key)
     assert record is not None and record.status is Status.PROCESSING
+    assert record.expires_at == pytest.approx(time.time() + 30, abs=2)
+    record = store.get(queued.storage_key)
+    assert record is not None and record.status is Status.QUEUED
     assert record.expires_at == pytest.approx(time.time() + 30, abs=2)
     # And a completion keeps the result for the TTL alone
     assert store.complete(owner, token, RESULT) is CompleteOutcome.STORED

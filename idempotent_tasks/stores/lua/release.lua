@@ -4,7 +4,7 @@
 -- KEYS[3]  fencing counter (kept at least as long as the queued record, so tokens only grow)
 -- ARGV[1]  owner id          ARGV[2]  fencing token
 -- ARGV[3]  due in, ms ("" for no pickup)    ARGV[4]  re-publication timeout, ms
--- ARGV[5]  ttl, ms           ARGV[6]  envelope    ARGV[7]  task id    ARGV[8]  storage key
+-- ARGV[5]  how long the record outlives its due time, ms    ARGV[6]  envelope    ARGV[7]  task id    ARGV[8]  storage key
 -- Returns  1 if released, 0 if the claim is not (or no longer) this owner's
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
 if found[1] ~= 'processing' or found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then

@@ -3,7 +3,8 @@
 -- KEYS[2]  due index of the record's shard (sorted set: storage key -> due time)
 -- ARGV[1]  task id          ARGV[2]  fingerprint       ARGV[3]  the caller's key
 -- ARGV[4]  task name        ARGV[5]  due in, ms        ARGV[6]  re-publication timeout, ms
--- ARGV[7]  ttl, ms          ARGV[8]  envelope          ARGV[9]  storage key (index member)
+-- ARGV[7]  how long the record outlives its due time, ms
+-- ARGV[8]  envelope         ARGV[9]  storage key (index member)
 -- With a message to publish in the same step (the broker is this Redis server):
 -- KEYS[3]  the broker's list (queue) to push it on, in database ARGV[11] ('': the store's)
 -- ARGV[10] the message, as the broker's transport encodes it
