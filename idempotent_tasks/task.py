@@ -46,6 +46,7 @@ from .dead_letters import (
     continuation_options,
     dead_letter_headers,
     mark_succeeded,
+    record_unrun_retry,
     renew_retrying,
     retrying_kept_alive,
     routing_options,
@@ -391,7 +392,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
-            renew_retrying(self.app, dead_letter_id, sweep_id)
+            if not renew_retrying(self.app, dead_letter_id, sweep_id):
+                # Its row is no longer retrying for the sweep that sent this message: it ended
+                # (succeeded, given up on, purged), or it was sent again since (this message
+                # slower than the retrying timeout); that copy's run is the one counted.
+                logger.warning(
+                    "%s[%s]: dead letter %s is no longer retried by this message: not run",
+                    self.name,
+                    request.id,
+                    dead_letter_id,
+                )
+                raise Ignore()
         key = self._call_key(request, args, kwargs)
         if key is None:
             return self._run_unclaimed(args, kwargs)
@@ -464,7 +475,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             with retrying_kept_alive(self.app, self.request):
                 value = self.run(*args, **kwargs)
-        except (Retry, Ignore, Reject):
+        except Retry:
+            raise
+        except (Ignore, Reject) as ended:
+            if getattr(self.request, "idempotency_replaced", False):
+                self._dead_letter_succeeded()  # its work is done, its replacement sent
+            elif not self._requeued(ended):
+                self._dead_letter_ended_by_body(ended)
             raise
         except Exception as exc:
             self.on_final_failure(exc, None, args, kwargs)
@@ -503,6 +520,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
             else:
                 despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
+                self._dead_letter_ended_by_body(ended)
             raise
         except Exception as exc:
             despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
@@ -994,6 +1012,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if request_header(self.request, FAILURE_REPORTED_HEADER):
                 raise Ignore()  # its failure ran its errbacks already: not twice
             raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
+
+    def _dead_letter_ended_by_body(self, ended: Exception) -> None:
+        """A dead letter's retry whose body ended it with ``Ignore`` or ``Reject`` (not handed
+        back to the broker): a failed retry on its row, which would otherwise stay ``retrying``
+        and be sent again after its timeout, for ever and uncounted."""
+        dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
+        if dead_letter_id is not None:
+            sweep_id = request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
+            how = f"its body ended it without a value ({ended!r})"
+            record_unrun_retry(self.app, dead_letter_id, sweep_id, type(ended).__name__, how)
 
     def _dead_letter_succeeded(self) -> None:
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)

@@ -23,6 +23,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore, Reject
 from rq.job import JobStatus
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry
@@ -974,3 +975,125 @@ def _holder(
         lease_seconds=lease_seconds,
         ttl_seconds=60,
     )
+
+
+def _eager_app(dlq_url: str, name: str) -> Celery:
+    app = Celery(name, set_as_current=False, broker="memory://")
+    app.conf.update(
+        idempotency_store_url="memory://",
+        idempotency_dlq_url=dlq_url,
+        result_backend="cache+memory://",
+    )
+    return app
+
+
+def _sent_by(taken: Any, key: str | None) -> dict[str, Any]:
+    """The headers of the message a sweep sends for the row it took."""
+    headers = {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
+    if key is not None:
+        headers["idempotency_key"] = key
+    return headers
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["without-a-key", "keyed"])
+def test_a_dead_letters_message_sent_again_since_or_whose_row_ended_does_not_run(
+    dlq_url: str, queue: DeadLetterQueue, keyed: bool
+) -> None:
+    app = _eager_app(dlq_url, "stale")
+    ran: list[str] = []
+
+    @app.task(name=f"stale.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        ran.append(order)
+        return order
+
+    key = f"order-{uuid.uuid4().hex}" if keyed else None
+    # Given a row a sweep took and sent, then (its message slower than the retrying timeout)
+    # found stuck and took and sent again
+    row = queue.add(dataclasses.replace(_failure(), task_name=charge.name, idempotency_key=key))
+    [first] = queue.take_due()
+    time.sleep(0.01)
+    assert queue.recover_stuck(timedelta(0), framework="celery") == 1
+    [second] = queue.take_due()
+    # When the first message arrives, then its body does not run: the row is the second's
+    charge.apply(("order",), task_id=row.task_id, headers=_sent_by(first, key))
+    assert ran == []
+    found = queue.get(row.id)
+    assert found is not None
+    assert (found.status, found.sweep_id) == (DeadLetterStatus.RETRYING, second.sweep_id)
+    # And the second one runs, and marks the row
+    charge.apply(("order",), task_id=row.task_id, headers=_sent_by(second, key))
+    assert ran == ["order"]
+    found = queue.get(row.id)
+    assert found is not None and found.status is DeadLetterStatus.SUCCEEDED
+    # And a message of the row delivered again once it succeeded does not run the body again
+    charge.apply(("order",), task_id=row.task_id, headers=_sent_by(second, key))
+    assert ran == ["order"]
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["without-a-key", "keyed"])
+@pytest.mark.parametrize("ending", ["ignore", "reject"])
+def test_a_dead_letters_retry_its_body_ends_without_a_value_uses_a_retry(
+    dlq_url: str, queue: DeadLetterQueue, keyed: bool, ending: str
+) -> None:
+    app = _eager_app(dlq_url, "ended")
+
+    @app.task(name=f"ended.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        raise Ignore() if ending == "ignore" else Reject("not now", requeue=False)
+
+    key = f"order-{uuid.uuid4().hex}" if keyed else None
+    # Given a row a sweep took and sent
+    row = queue.add(dataclasses.replace(_failure(), task_name=charge.name, idempotency_key=key))
+    [taken] = queue.take_due()
+    # When its body ends it with Ignore or Reject
+    charge.apply(("order",), task_id=row.task_id, headers=_sent_by(taken, key))
+    # Then that is a failed retry on its row (left retrying, it would be sent again after its
+    # timeout, for ever, no retry used)
+    found = queue.get(row.id)
+    assert found is not None
+    assert (found.status, found.retry_count) == (DeadLetterStatus.PENDING, 1)
+    assert found.error_type == ("Ignore" if ending == "ignore" else "Reject")
+
+
+def test_a_dead_letters_retry_without_a_key_that_replaces_itself_succeeds(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    queue_name = f"replaced-{uuid.uuid4().hex}"
+    app = _sweeping_app(
+        f"{redis_url}/{BROKER_DB}",
+        dlq_url,
+        task_default_queue=queue_name,
+        broker_connection_retry_on_startup=True,
+    )
+    added: list[str] = []
+
+    @app.task(name=f"replaced.add.{uuid.uuid4().hex}", shared=False)
+    def add(order: str) -> None:
+        added.append(order)
+
+    @app.task(
+        name=f"replaced.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False, bind=True
+    )
+    def charge(self: Any, order: str) -> None:
+        raise self.replace(add.s(order))
+
+    # Given a dead letter of a call without a key
+    failure = _failure(options={"queue": queue_name})
+    row = queue.add(dataclasses.replace(failure, task_name=charge.name))
+    # When a sweep sends it again, and its body replaces itself on a worker
+    with _root_logging_kept(), start_worker(app, pool="solo", perform_ping_check=False):
+        assert app.tasks[SWEEP_TASK].run() == 1
+        found = wait_until(
+            lambda: (
+                (item := queue.get(row.id)) is not None
+                and item.status is not DeadLetterStatus.RETRYING
+                and item
+            ),
+            timeout=20,
+            what="the retry's outcome on its row",
+        )
+        wait_until(lambda: added == ["order"], 20, "the replacement to run")
+    # Then its row succeeded: its work is handed on (left retrying, it would be sent again at
+    # its timeout, for ever)
+    assert found.status is DeadLetterStatus.SUCCEEDED

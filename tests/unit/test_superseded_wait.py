@@ -15,7 +15,8 @@ from celery.exceptions import Ignore, Retry
 
 from idempotent_tasks import IdempotencyConflict, IdempotentTask
 from idempotent_tasks.app_store import store_for
-from idempotent_tasks.dead_letters import DEAD_LETTER_HEADER
+from idempotent_tasks.dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER, dlq_for
+from idempotent_tasks.dlq import Failure
 from idempotent_tasks.replacements import REPLACED, WAIT_SINCE_HEADER
 from idempotent_tasks.task import (
     _REPUBLISH,
@@ -32,6 +33,29 @@ def app() -> Celery:
     app = Celery("superseded", set_as_current=False, broker="memory://")
     app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
     return app
+
+
+def _sent_by_a_sweep(app: Celery, task_name: str) -> dict[str, Any]:
+    """The headers of a dead letter's retry a sweep just sent (its row taken, ``retrying``)."""
+    queue = dlq_for(app)
+    item = queue.add(
+        Failure(
+            failure_id=f"{uuid.uuid4()}:0",
+            task_name=task_name,
+            task_id="task-of-the-slow-call",
+            idempotency_key="key-3",
+            args=["k"],
+            kwargs={},
+            options={},
+            error_type="RuntimeError",
+            error_message="declined",
+            traceback=None,
+            max_retries=3,
+        )
+    )
+    assert queue.retry_now(item.id)
+    [taken] = queue.take_due(framework="celery")
+    return {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
 
 
 def _deliver(task: Any, key: str, headers: dict[str, Any], **request: Any) -> Any:
@@ -86,7 +110,7 @@ def test_a_taken_over_owner_waits_for_the_new_one_whatever_on_duplicate(
         {"headers": {RESERVED_HEADER: True}},
         {"delivery_info": {"redelivered": True}},
         {"headers": {PREVIOUS_OWNER_HEADER: "first-owner"}},
-        {"headers": {DEAD_LETTER_HEADER: "row-1"}},
+        {"dead_letter": True},
     ],
     ids=["reserved-for-it", "redelivered", "a-retry", "a-dead-letters-retry"],
 )
@@ -99,6 +123,10 @@ def test_the_keys_own_message_a_redelivery_or_a_retry_waits_whatever_on_duplicat
     def charge(order: str) -> str:
         return order
 
+    headers = delivery.get("headers", {})
+    if delivery.get("dead_letter"):
+        headers = _sent_by_a_sweep(app, charge.name)
+
     # Given a key another call took (the message it was queued for was slow to arrive, its
     # owner died and the broker redelivers it, or it retried and its key was free meanwhile)
     _held_by_another_call(charge, "key-3")
@@ -107,7 +135,7 @@ def test_the_keys_own_message_a_redelivery_or_a_retry_waits_whatever_on_duplicat
         _deliver(
             charge,
             "key-3",
-            delivery.get("headers", {}),
+            headers,
             id="task-of-the-slow-call",
             delivery_info={"routing_key": "celery", **delivery.get("delivery_info", {})},
         )
