@@ -362,27 +362,31 @@ class SqlStore:
                 # later owner's task id (as the Redis and memory stores, drop it).
                 connection.execute(delete_pickup(claim_id))
                 return CompleteOutcome.STORED
-        found = self._claim_row(request.storage_key)
-        if found is not None and found["owner"] == request.owner and is_live(found, now):
-            if found["status"] == COMPLETED:
-                return CompleteOutcome.STORED  # a repeated completion
-        if found is not None and found["status"] != QUEUED and is_live(found, now):
-            return CompleteOutcome.STALE
-        # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
-        # since): write the result anew, unless another claimer took the key meanwhile. The
-        # row is the key's fencing counter: its token never goes back.
-        if found is not None:
-            token = max(token, int(found["token"]))
-        row = {**self._processing_row(request, now, token=token, takeover=False), **done}
-        with self._begin() as connection:
-            if found is None:
-                inserted = _count(connection, insert_if_absent(self.dialect, row))
-            else:
-                inserted = _count(connection, replace_if_unchanged(claim_id, found, row))
-            if inserted != 1:
+        for _ in range(MAX_CLAIM_ROUNDS):
+            found = self._claim_row(request.storage_key)
+            if found is not None and found["owner"] == request.owner and is_live(found, now):
+                if found["status"] == COMPLETED:
+                    return CompleteOutcome.STORED  # a repeated completion
+            if found is not None and found["status"] != QUEUED and is_live(found, now):
                 return CompleteOutcome.STALE
-            connection.execute(delete_pickup(claim_id))
-            return CompleteOutcome.RECOVERED
+            # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
+            # since): write the result anew, unless another claimer took the key meanwhile. The
+            # row is the key's fencing counter: its token never goes back.
+            highest = token if found is None else max(token, int(found["token"]))
+            row = {**self._processing_row(request, now, token=highest, takeover=False), **done}
+            with self._begin() as connection:
+                if found is None:
+                    written = _count(connection, insert_if_absent(self.dialect, row))
+                else:
+                    written = _count(connection, replace_if_unchanged(claim_id, found, row))
+                if written == 1:
+                    connection.execute(delete_pickup(claim_id))
+                    return CompleteOutcome.RECOVERED
+            # Written between the read and this write (a cleanup, a reservation, a sweep moving
+            # its due time on, a claim): look again, as Redis's one script would have seen it.
+        raise StoreUnavailable(
+            f"completion of {request.storage_key!r} kept losing races; try again"
+        )
 
     @run_again_after_deadlock
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:

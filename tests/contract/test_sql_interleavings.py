@@ -176,3 +176,24 @@ def test_a_fresh_claim_drops_the_pickup_an_expired_row_left_behind(
     # Then the guard never publishes the first call's arguments under its task id
     assert store.take(second.storage_key) is None
     assert store.take_due(10) == []
+
+
+def test_a_completion_whose_expired_row_is_cleaned_up_meanwhile_still_recovers(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    # Given an owner whose claim expired (its process paused past lease and TTL) whose body
+    # did finish
+    store, clock = clocked_store
+    owner = request_for(make_request, lease_seconds=10.0, ttl_seconds=5.0)
+    token = store.claim(owner).token
+    clock.now += 16
+    # When the beat's cleanup deletes the expired row between the completion's read and write
+    cleaned = write_after_next_read(store, store.cleanup)
+    outcome = store.complete(owner, token, RESULT)
+    # Then the result is the key's all the same (as on Redis): not dropped as stale, which
+    # would let the next call run the body again
+    assert cleaned == [1]
+    assert outcome is CompleteOutcome.RECOVERED
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.result) == (Status.COMPLETED, RESULT)
