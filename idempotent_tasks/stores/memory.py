@@ -27,6 +27,9 @@ from .base import refuse_side_write
 
 #: Largest power of two a pickup's re-publication backoff grows to.
 MAX_BACKOFF_EXPONENT = 20
+#: Seconds (of the store's clock) between sweeps of expired records: one no call touches
+#: again would otherwise stay for ever, as would its fencing counter.
+SWEEP_EVERY = 60.0
 
 
 @dataclasses.dataclass
@@ -47,10 +50,12 @@ class MemoryStore:
         self._records: dict[str, Record] = {}
         self._fences: dict[str, int] = {}
         self._pending: dict[str, _Pending] = {}
+        self._next_sweep = 0.0
 
     def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
         with self._lock:
             now = self._clock()
+            self._sweep(now)
             found = self._live(request.storage_key, now)
             if found is not None:
                 return dataclasses.replace(found, read_at=now)
@@ -141,6 +146,7 @@ class MemoryStore:
     def claim(self, request: ClaimRequest) -> ClaimResult:
         with self._lock:
             now = self._clock()
+            self._sweep(now)
             found = self._live(request.storage_key, now)
             if found is None:
                 return self._acquire(
@@ -285,6 +291,17 @@ class MemoryStore:
             self._drop(storage_key)
             return None
         return found
+
+    def _sweep(self, now: float) -> None:
+        """Drop expired records, and the fencing counters of keys left without one (as Redis
+        expires a counter just after its record), once every :data:`SWEEP_EVERY` seconds."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_EVERY
+        for storage_key in [key for key, found in self._records.items() if found.expires_at <= now]:
+            self._drop(storage_key)
+        for storage_key in [key for key in self._fences if key not in self._records]:
+            del self._fences[storage_key]
 
     def _drop(self, storage_key: str) -> None:
         self._records.pop(storage_key, None)

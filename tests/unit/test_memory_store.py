@@ -1,0 +1,46 @@
+"""The memory store's housekeeping (its protocol is the store contract's, in tests/contract)."""
+
+from __future__ import annotations
+
+from idempotent_tasks.records import ClaimRequest, EncodedResult
+from idempotent_tasks.stores.memory import SWEEP_EVERY, MemoryStore
+
+RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _request(key: str, lease_seconds: float = 10.0) -> ClaimRequest:
+    return ClaimRequest(
+        storage_key=f"t:{key}",
+        key=key,
+        task_name="t",
+        task_id=f"id-{key}",
+        owner=f"owner-{key}",
+        fingerprint="fp",
+        lease_seconds=lease_seconds,
+        ttl_seconds=30.0,
+    )
+
+
+def test_expired_keys_no_call_touches_again_are_forgotten() -> None:
+    # Given keys completed, and one still running, in a long-lived process
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    for key in ("a", "b", "c"):
+        request = _request(key)
+        store.complete(request, store.claim(request).token, RESULT)
+    running = _request("running", lease_seconds=1000.0)
+    store.claim(running)
+    # When their TTL and a sweep interval have passed, and another key is claimed
+    clock.now += 31 + SWEEP_EVERY
+    store.claim(_request("d"))
+    # Then the expired keys, and their fencing counters, are gone; the others stay
+    assert sorted(store._records) == ["t:d", "t:running"]
+    assert sorted(store._fences) == ["t:d", "t:running"]
