@@ -1,7 +1,8 @@
 """Running a SQL store's operation again when the database chose it as a deadlock's victim.
 
 A transaction the server rolls back to break a deadlock (InnoDB's error 1213, PostgreSQL's
-40P01) or a serialization failure (40001) changed nothing: the operation can simply run again.
+40P01) or a serialization failure (40001, MariaDB's 1020) changed nothing: the operation can
+simply run again.
 InnoDB takes next-key locks for an ``INSERT`` that does nothing on conflict and for a range
 ``DELETE``, so a claim and the cleanup of expired rows can meet that way even though every
 transaction writes claim rows before pickup rows. Failing the claim as an unavailable store
@@ -31,8 +32,10 @@ FIRST_PAUSE = 0.01
 
 #: SQLSTATEs of a transaction rolled back to let another go on (PostgreSQL's psycopg).
 _ROLLED_BACK_STATES = frozenset({"40P01", "40001"})
-#: MySQL/MariaDB error numbers of the same (PyMySQL and mysqlclient give them first in args).
-_ROLLED_BACK_ERRORS = frozenset({1213})
+#: MySQL/MariaDB error numbers of the same (PyMySQL and mysqlclient give them first in args):
+#: a deadlock (1213), and a row changed since this transaction's snapshot (1020: MariaDB's
+#: ``innodb_snapshot_isolation``, on by default since 11.6.2).
+_ROLLED_BACK_ERRORS = frozenset({1213, 1020})
 
 
 class Deadlocked(StoreUnavailable):

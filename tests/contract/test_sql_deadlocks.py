@@ -118,3 +118,17 @@ def _outcome(store: SqlStore, call: ClaimRequest, token: int) -> object:
         return store.complete(call, token, RESULT)
     except Exception as exc:  # reported by the assertion on the outcome
         return exc
+
+
+def test_a_row_changed_since_mariadbs_snapshot_runs_the_operation_again() -> None:
+    # MariaDB 11.6.2 and later refuse, with innodb_snapshot_isolation on (their default), a
+    # write to a row changed since the transaction's snapshot; this machine's 10.11 cannot
+    # produce it, so the error is the one PyMySQL raises for it
+    import pymysql
+
+    from idempotent_tasks.stores.sql_deadlocks import was_rolled_back_for_another
+
+    changed = pymysql.err.OperationalError(1020, "Record has changed since last read in table")
+    assert was_rolled_back_for_another(sa.exc.OperationalError("UPDATE", {}, changed))
+    other = pymysql.err.OperationalError(2013, "Lost connection to MySQL server")
+    assert not was_rolled_back_for_another(sa.exc.OperationalError("UPDATE", {}, other))
