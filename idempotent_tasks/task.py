@@ -905,6 +905,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     "not dead-lettered",
                     key,
                 )
+                # A dead letter's retry that did succeed: its row says so (left retrying, it
+                # would be sent again at its timeout).
+                self._dead_letter_succeeded()
                 return
             if not requeued:
                 try:

@@ -159,6 +159,59 @@ def test_a_dead_letters_retry_terminated_while_it_ran_records_it_on_its_row(
     assert (row.status.value, row.retry_count, row.error_type) == ("pending", 1, "TaskRevokedError")
 
 
+def test_a_dead_letters_retry_killed_after_completing_its_key_marks_its_row_succeeded(
+    tmp_path: Path,
+) -> None:
+    from celery.exceptions import TimeLimitExceeded
+
+    clocked = Clocked()
+    url = f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
+    clocked.app.conf.idempotency_dlq_url = url
+    charge = clocked.charge_task()
+    # Given a dead letter a sweep took and re-published, whose retry completed its key (its
+    # value stored under the owner id this worker issued) and was then killed at its hard
+    # time limit (publishing its callbacks, say)
+    queue = DeadLetterQueue(url)
+    item = queue.add(
+        Failure(
+            failure_id="task-6:0",
+            task_name=charge.name,
+            task_id="task-6",
+            idempotency_key="k",
+            args=["o"],
+            kwargs={},
+            options={},
+            error_type="RuntimeError",
+            error_message="first",
+            traceback=None,
+            max_retries=3,
+        )
+    )
+    assert queue.retry_now(item.id)
+    [taken] = queue.take_due()
+    claim = charge._claim_request("k", ("o",), {}, "task-6", owner="issued-owner")
+    token = clocked.store.claim(claim).token
+    clocked.store.complete(claim, token, None)
+    request = {
+        "id": "task-6",
+        "args": ["o"],
+        "kwargs": {},
+        "idempotency_key": "k",
+        "delivery_info": {"exchange": "", "routing_key": "celery"},
+        "retries": 0,
+        "idempotency_dead_letter_id": item.id,
+        "idempotency_dead_letter_sweep": taken.sweep_id,
+        ISSUED_OWNER: "issued-owner",
+        ISSUED_BY: os.getpid(),
+    }
+    # When the worker ends the killed call
+    charge.end_killed_call(request, TimeLimitExceeded(1.0))
+    # Then its row succeeded (left retrying, it would be sent again at its timeout)
+    row = queue.get(item.id)
+    queue.dispose()
+    assert row is not None and row.status.value == "succeeded"
+
+
 @pytest.mark.parametrize("requeued", [False, True], ids=["revoked", "cancelled"])
 def test_a_terminated_calls_claim_is_released_once_its_process_is_gone(requeued: bool) -> None:
     clocked = Clocked()
