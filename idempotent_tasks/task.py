@@ -114,6 +114,11 @@ ON_DUPLICATE_CHOICES = ("wait", "skip", "raise")
 #: Bounds of what a dead letter keeps of an error.
 MAX_ERROR_MESSAGE_CHARS = 10_000
 MAX_TRACEBACK_CHARS = 60_000
+#: The same, in the header of the message that writes a failure later (the database down):
+#: AMQP carries a message's headers in one frame (128 KiB on RabbitMQ by default), and one
+#: too large makes the broker close the connection, the message lost though kombu sent it.
+HEADER_ERROR_MESSAGE_CHARS = 2_000
+HEADER_TRACEBACK_CHARS = 8_000
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -388,7 +393,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise Ignore()
         unwritten = request_header(request, UNWRITTEN_FAILURE_HEADER)
         if unwritten is not None:
-            self._write_failure(Failure(**unwritten))
+            self._write_failure(self._unwritten_failure(unwritten, args, kwargs))
         dead_letter_id = request_header(request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
@@ -1003,7 +1008,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 exc,
                 delay,
             )
-            headers: dict[str, Any] = {UNWRITTEN_FAILURE_HEADER: dataclasses.asdict(failure)}
+            headers: dict[str, Any] = {UNWRITTEN_FAILURE_HEADER: _failure_header(failure)}
             if request_header(self.request, FAILURE_REPORTED_HEADER):
                 # Celery stored the call's failure already: the message that writes its dead
                 # letter must store no state over it (STARTED, RETRY).
@@ -1015,6 +1020,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if request_header(self.request, FAILURE_REPORTED_HEADER):
                 raise Ignore()  # its failure ran its errbacks already: not twice
             raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
+
+    def _unwritten_failure(
+        self, header: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Failure:
+        """The failure a message carries to write (see :func:`_failure_header`), its
+        arguments read back from the message's own, as ``on_final_failure`` stored them."""
+        if "args" not in header:
+            stored_args, stored_kwargs, _ = stored_arguments(
+                args, kwargs, exact=self.serializer != "json"
+            )
+            header = {**header, "args": stored_args, "kwargs": stored_kwargs}
+        return Failure(**header)
 
     def _dead_letter_ended_by_body(self, ended: Exception) -> None:
         """A dead letter's retry whose body ended it with ``Ignore`` or ``Reject`` (not handed
@@ -1299,6 +1316,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ),
             allow_unsafe=allow_pickle,
         )
+
+
+def _failure_header(failure: Failure) -> dict[str, Any]:
+    """A failure as the message that writes it later carries it in a header: without its
+    arguments (the message's own), its error message and traceback cut to fit a broker's
+    frame (the traceback's end kept: where it failed)."""
+    kept = dataclasses.asdict(failure)
+    del kept["args"], kept["kwargs"]
+    kept["error_message"] = failure.error_message[:HEADER_ERROR_MESSAGE_CHARS]
+    if failure.traceback is not None:
+        kept["traceback"] = failure.traceback[-HEADER_TRACEBACK_CHARS:]
+    return kept
 
 
 def _ends_killed_calls(request_class: Any) -> bool:

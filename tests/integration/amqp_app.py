@@ -46,3 +46,11 @@ def slow_charge(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
 def slow_charge_or_skip(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
     """:func:`slow_charge` whose duplicates are dropped while it runs."""
     return slow_charge.run(order_id, seconds)
+
+
+@app.task(base=IdempotentTask)
+def fails_with_a_large_payload(order_id: str, payload: str) -> None:
+    """Fails for good, its payload and error message large enough that a dead letter carried
+    whole in a message's headers would not fit RabbitMQ's frame (128 KiB)."""
+    note("start", order_id)
+    raise RuntimeError(f"{order_id} declined: {payload[:30_000]}")

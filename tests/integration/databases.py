@@ -31,6 +31,17 @@ def fresh_pg_database(name: str) -> str:
     return pg_url(name)
 
 
+def dead_letter_database(name: str) -> str:
+    """A fresh PostgreSQL database holding the dead-letter tables; its URL."""
+    from idempotent_tasks.dlq import DeadLetterQueue
+
+    url = fresh_pg_database(name)
+    queue = DeadLetterQueue(url)
+    queue.ensure_schema()
+    queue.dispose()
+    return url
+
+
 def set_pg_database_online(name: str, online: bool) -> None:
     """Let connections into ``name``, or refuse new ones and cut the open ones."""
     engine = _admin()

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from celery.result import EagerResult
 
+from idempotent_tasks.dlq import DeadLetterQueue
+from tests.integration.databases import dead_letter_database, set_pg_database_online
 from tests.integration.helpers import fresh, ledger_events, wait_until
 from tests.integration.workers import ROOT, WorkerProcess
 from tests.services import require
@@ -108,3 +110,49 @@ def test_a_call_rabbitmq_dropped_as_expired_frees_its_key_for_the_next_call(amqp
     assert second.id != first.id
     assert second.get(timeout=30) == {"order_id": order, "task_id": second.id}
     assert ledger_events(order, "start") == 1
+
+
+def test_a_large_failure_whose_dead_letter_waits_for_its_database_is_not_lost(
+    amqp: Any, it_env: dict[str, str], tmp_path: Path
+) -> None:
+    # Given a worker on a queue of its own whose dead-letter database is offline
+    url = dead_letter_database("it_amqp_dlq_down")
+    queue_name = f"{amqp.QUEUE}-dlq-down"
+    worker = WorkerProcess(
+        "amqp-dlq-down",
+        {**it_env, "IT_DLQ_URL": url},
+        tmp_path,
+        app_module="tests.integration.amqp_app",
+        extra_args=("-Q", queue_name),
+    )
+    name, payload = fresh("large-failure"), "p" * 120_000
+    try:
+        set_pg_database_online("it_amqp_dlq_down", False)
+        # When a call with a large payload fails for good (its error message large too)
+        amqp.fails_with_a_large_payload.apply_async(
+            (name, payload), idempotency_key=fresh("key"), queue=queue_name
+        )
+        wait_until(
+            lambda: worker.log().count("could not write its dead letter") >= 2,
+            30,
+            "the message that writes it later to come back",
+        )
+        # And the database comes back
+        set_pg_database_online("it_amqp_dlq_down", True)
+        # Then the failure is written once, with its whole payload (the message that writes
+        # it later carried it in its headers, over RabbitMQ's frame, and was dropped before)
+        dead_letters = DeadLetterQueue(url)
+        try:
+            rows = wait_until(
+                lambda: [row for row in dead_letters.items() if row.args[:1] == [name]],
+                30,
+                "the dead letter",
+            )
+        finally:
+            dead_letters.dispose()
+        assert len(rows) == 1 and rows[0].args == [name, payload]
+        assert rows[0].error_message.startswith(f"{name} declined: ppp")
+        assert ledger_events(name, "start") == 1
+    finally:
+        set_pg_database_online("it_amqp_dlq_down", True)
+        worker.stop()

@@ -15,6 +15,7 @@ from idempotent_tasks.dlq import DeadLetterQueue, Failure
 from idempotent_tasks.dlq.schema import COMPONENT, SCHEMA_VERSION
 from tests.integration import worker_app
 from tests.integration.databases import (
+    dead_letter_database,
     fresh_mariadb_database,
     fresh_pg_database,
     set_pg_database_online,
@@ -40,15 +41,6 @@ def _failure(name: str) -> Failure:
         traceback=None,
         max_retries=3,
     )
-
-
-def _dead_letter_database(name: str) -> str:
-    """A fresh PostgreSQL database holding the dead-letter tables; its URL."""
-    url = fresh_pg_database(name)
-    queue = DeadLetterQueue(url)
-    queue.ensure_schema()
-    queue.dispose()
-    return url
 
 
 @pytest.mark.slow
@@ -85,7 +77,7 @@ def test_database_down_at_failure_time_loses_nothing(
 ) -> None:
     # Given a dead-letter database that is offline when a task fails for good (a call that
     # expires 4 s after it was sent, in one case: the database stays down past that)
-    url = _dead_letter_database("it_dlq_down")
+    url = dead_letter_database("it_dlq_down")
     worker = WorkerProcess("down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
     try:
         set_pg_database_online("it_dlq_down", False)
@@ -156,7 +148,7 @@ def test_a_worker_refuses_to_start_on_a_dead_letter_database_newer_than_its_code
     it_env: dict[str, str], worker_app: Any, tmp_path: Path
 ) -> None:
     # Given a dead-letter database an upgrade moved to a newer schema
-    url = _dead_letter_database("it_dlq_newer")
+    url = dead_letter_database("it_dlq_newer")
     set_schema_version(url, COMPONENT, SCHEMA_VERSION + 1)
     # When a worker starts on it, then it refuses, naming both versions
     with pytest.raises(RuntimeError, match="exited") as refused:
