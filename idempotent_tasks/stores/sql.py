@@ -81,6 +81,7 @@ from .sql_statements import (
     delete_pickup_of_processing,
     forget_claim,
     insert_if_absent,
+    postpone_pickup,
     release_queued,
     replace_if_unchanged,
     retime_pickup,
@@ -104,6 +105,9 @@ MAX_BACKOFF_EXPONENT = 20
 #: Batches of due pickups one :meth:`SqlStore.take_due` reads at most (rows left behind by
 #: claims are dropped on the way and may fill a batch).
 MAX_TAKE_ROUNDS = 10
+#: Seconds an unreadable pickup row is put off by each sweep that meets it: due first for
+#: ever, enough of them would fill every batch and hold every other key back.
+UNREADABLE_PICKUP_DELAY = 3600.0
 
 
 # -- the store ----------------------------------------------------------------------------
@@ -210,6 +214,7 @@ class SqlStore:
                 except (CorruptRecord, ValueError, TypeError) as exc:
                     # One unreadable row must not stop the sweep for every other key.
                     logger.error("skipping the unreadable pickup of %r: %s", row["id"], exc)
+                    self._postpone_unreadable(row["id"], now)
                     continue
                 except StoreUnavailable:
                     if not taken:
@@ -220,6 +225,14 @@ class SqlStore:
             if len(rows) < wanted:
                 break
         return taken
+
+    def _postpone_unreadable(self, claim_id: str, now: float) -> None:
+        """Put an unreadable pickup row off (for an operator to mend or forget), so the
+        sweep's next batch reads the rows behind it."""
+        try:
+            self._rowcount(postpone_pickup(claim_id, now + UNREADABLE_PICKUP_DELAY))
+        except StoreUnavailable as exc:
+            logger.warning("could not put the unreadable pickup of %r off: %s", claim_id, exc)
 
     def take(self, storage_key: str) -> DuePickup | None:
         claim_id = self.claim_id(storage_key)

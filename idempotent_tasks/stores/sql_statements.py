@@ -201,6 +201,11 @@ def delete_pickup_if_unchanged(claim_id: str, republished: int, due_at: float) -
     return delete(pickups).where(_same_pickup(claim_id, republished, due_at))
 
 
+def postpone_pickup(claim_id: str, due_at: float) -> Update:
+    """Make a pickup row due at ``due_at`` whatever it holds (one that cannot be read)."""
+    return pickups.update().where(pickups.c.id == claim_id).values(due_at=due_at)
+
+
 def delete_pickup(claim_id: str) -> Delete:
     """Delete a pickup row whatever its state."""
     return delete(pickups).where(pickups.c.id == claim_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -289,6 +290,34 @@ def test_a_pickup_row_that_cannot_be_read_is_a_corrupt_record_and_the_sweep_take
         # And forgetting the key (the operator's way out) deletes the row
         assert store.forget("k") is True
         assert store.take("k") is None
+    finally:
+        store.close()
+
+
+def test_unreadable_pickups_filling_a_whole_batch_do_not_hold_the_other_keys_back(
+    request: pytest.FixtureRequest,
+) -> None:
+    store = SqlStore(store_url("sqlite", request), prefix=f"batch-{uuid.uuid4().hex[:8]}")
+    try:
+        # Given two due pickups that cannot be read, due before a readable one
+        broken = [
+            dataclasses.replace(_request(), storage_key=f"b{index}", key=f"b{index}")
+            for index in range(2)
+        ]
+        for queued in broken:
+            assert store.reserve(queued, Pickup(envelope=b"{}", due_in=0.0, timeout=60)) is None
+        fine = dataclasses.replace(_request(), storage_key="k2", key="k2")
+        assert store.reserve(fine, Pickup(envelope=b"{}", due_in=0.01, timeout=60)) is None
+        with store.engine.begin() as connection:
+            for queued in broken:
+                connection.execute(
+                    sa.text(f"UPDATE {pickups.name} SET timeout = 'x' WHERE id = :id"),
+                    {"id": store.claim_id(queued.storage_key)},
+                )
+        time.sleep(0.05)
+        # When the sweep takes two at a time, then the readable key is taken: the unreadable
+        # ones, met first, are put off rather than fill every batch
+        assert [due.storage_key for due in store.take_due(2)] == ["k2"]
     finally:
         store.close()
 
