@@ -25,7 +25,7 @@ from .dlq.arguments import (
 from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
-from .errors import StoreUnavailable
+from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from .keys import validate_key
 from .pickups import republish_lost
 from .settings import app_setting
@@ -193,6 +193,16 @@ def retrying_kept_alive(app: Any, request: Any) -> AbstractContextManager[None]:
     )
 
 
+def readable_row(app: Any, dead_letter_id: str) -> DeadLetter | None:
+    """The row of ``dead_letter_id``, or ``None`` when there is none here (purged, or another
+    host's own default table) or it cannot be read (the database down: logged)."""
+    try:
+        return dlq_for(app).get(str(dead_letter_id))
+    except (StoreUnavailable, CorruptRecord, SchemaVersionError) as exc:
+        module_logger.warning("could not read dead letter %s: %s", dead_letter_id, exc)
+        return None
+
+
 def mark_succeeded(app: Any, dead_letter_id: str) -> bool:
     """A re-published dead letter succeeded: mark its row. Whether it was written; a database
     error is logged."""
@@ -213,7 +223,7 @@ def record_unrun_retry(
     with no retry used. A database error is logged."""
     try:
         dlq_for(app).record_retry_failure(str(dead_letter_id), error_type, how, None, sweep_id)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, CorruptRecord, SchemaVersionError) as exc:
         module_logger.warning(
             "could not record %s on dead letter %s: %s", error_type, dead_letter_id, exc
         )

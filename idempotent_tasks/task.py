@@ -46,6 +46,7 @@ from .dead_letters import (
     continuation_options,
     dead_letter_headers,
     mark_succeeded,
+    readable_row,
     record_unrun_retry,
     renew_retrying,
     retrying_kept_alive,
@@ -53,7 +54,7 @@ from .dead_letters import (
     stamp_options,
     write_failure,
 )
-from .dlq import Failure
+from .dlq import DeadLetterStatus, Failure
 from .dlq.arguments import error_text, stored_arguments
 from .dlq.items import ARGS_LOSSY
 from .errors import (
@@ -398,16 +399,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if dead_letter_id is not None:
             sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
             if not renew_retrying(self.app, dead_letter_id, sweep_id):
-                # Its row is no longer retrying for the sweep that sent this message: it ended
-                # (succeeded, given up on, purged), or it was sent again since (this message
-                # slower than the retrying timeout); that copy's run is the one counted.
-                logger.warning(
-                    "%s[%s]: dead letter %s is no longer retried by this message: not run",
-                    self.name,
-                    request.id,
-                    dead_letter_id,
-                )
-                raise Ignore()
+                self._end_stale_retry(dead_letter_id, sweep_id, args, kwargs)
         key = self._call_key(request, args, kwargs)
         if key is None:
             return self._run_unclaimed(args, kwargs)
@@ -1033,6 +1025,41 @@ class IdempotentTask(Task):  # type: ignore[misc]
             header = {**header, "args": stored_args, "kwargs": stored_kwargs}
         return Failure(**header)
 
+    def _end_stale_retry(
+        self,
+        dead_letter_id: str,
+        sweep_id: str | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """A dead letter's retry whose row is not ``retrying`` for the sweep that sent it:
+        end it without running its body where its row says how, else return (it runs).
+
+        Sent again since (this message slower than the retrying timeout), or waiting for its
+        next retry: the other copy's run is the one counted, and answers. Given up on: it ends
+        as its last retry did. Succeeded: a call with a key answers from it (a redelivery of
+        the run that succeeded, whose callbacks may not have gone out); one without a key runs
+        again only as that very message's redelivery. No row here (purged, another host's own
+        table) or none readable: it runs, as a retry always did.
+        """
+        row = readable_row(self.app, dead_letter_id)
+        if row is None:
+            return
+        request = self.request
+        if row.status in (DeadLetterStatus.RETRYING, DeadLetterStatus.PENDING):
+            logger.warning(
+                "%s[%s]: dead letter %s is %s for another message: this one is not run",
+                self.name,
+                request.id,
+                row.id,
+                row.status.value,
+            )
+            raise Ignore()
+        if row.status is DeadLetterStatus.PERMANENT_FAILURE:
+            raise DeadLettered(row.error_type, row.error_message, row.task_id)
+        if self._delivered_key(request, args, kwargs) is None and row.sweep_id != sweep_id:
+            raise Ignore()
+
     def _dead_letter_ended_by_body(self, ended: Exception) -> None:
         """A dead letter's retry whose body ended it with ``Ignore`` or ``Reject`` (not handed
         back to the broker): a failed retry on its row, which would otherwise stay ``retrying``
@@ -1040,8 +1067,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
         if dead_letter_id is not None:
             sweep_id = request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
-            how = f"its body ended it without a value ({ended!r})"
-            record_unrun_retry(self.app, dead_letter_id, sweep_id, type(ended).__name__, how)
+            how = f"ended without a value ({ended!r})"
+            despite_time_limit(
+                SoftTimeLimitExceeded,
+                lambda: record_unrun_retry(
+                    self.app, dead_letter_id, sweep_id, type(ended).__name__, how
+                ),
+            )
 
     def _dead_letter_succeeded(self) -> None:
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)

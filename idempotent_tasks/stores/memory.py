@@ -49,6 +49,8 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._records: dict[str, Record] = {}
         self._fences: dict[str, int] = {}
+        #: When the fencing counter of a key without a record may go: its last record's expiry.
+        self._fences_until: dict[str, float] = {}
         self._pending: dict[str, _Pending] = {}
         self._next_sweep = 0.0
 
@@ -293,18 +295,27 @@ class MemoryStore:
         return found
 
     def _sweep(self, now: float) -> None:
-        """Drop expired records, and the fencing counters of keys left without one (as Redis
-        expires a counter just after its record), once every :data:`SWEEP_EVERY` seconds."""
+        """Drop expired records, and the fencing counters of keys whose last record would
+        have expired by now (as Redis expires a counter just after its record, however it
+        ended: released or forgotten ones too), once every :data:`SWEEP_EVERY` seconds."""
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_EVERY
         for storage_key in [key for key, found in self._records.items() if found.expires_at <= now]:
             self._drop(storage_key)
-        for storage_key in [key for key in self._fences if key not in self._records]:
-            del self._fences[storage_key]
+        for storage_key in [
+            key
+            for key, until in self._fences_until.items()
+            if key not in self._records and until <= now
+        ]:
+            del self._fences_until[storage_key]
+            self._fences.pop(storage_key, None)
 
     def _drop(self, storage_key: str) -> None:
-        self._records.pop(storage_key, None)
+        found = self._records.pop(storage_key, None)
+        if found is not None:
+            until = self._fences_until.get(storage_key, 0.0)
+            self._fences_until[storage_key] = max(until, found.expires_at)
         self._pending.pop(storage_key, None)
 
     def _queue(

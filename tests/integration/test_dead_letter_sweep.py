@@ -37,6 +37,7 @@ from idempotent_tasks.dead_letters import (
     SWEEP_TASK,
 )
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.errors import DeadLettered
 from idempotent_tasks.keys import fingerprint, storage_key
 from idempotent_tasks.records import ClaimRequest, Outcome
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
@@ -1026,8 +1027,37 @@ def test_a_dead_letters_message_sent_again_since_or_whose_row_ended_does_not_run
     assert ran == ["order"]
     found = queue.get(row.id)
     assert found is not None and found.status is DeadLetterStatus.SUCCEEDED
-    # And a message of the row delivered again once it succeeded does not run the body again
-    charge.apply(("order",), task_id=row.task_id, headers=_sent_by(second, key))
+    # And the first message, delivered again once the row succeeded, does not run the body
+    # again either (with a key, it is answered from its completed key)
+    answered = charge.apply(("order",), task_id=row.task_id, headers=_sent_by(first, key))
+    assert ran == ["order"]
+    if keyed:
+        assert answered.get() == "order"
+
+
+def test_a_dead_letters_message_whose_row_gave_up_ends_as_its_last_retry_did(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    app = _eager_app(dlq_url, "gave-up")
+    ran: list[str] = []
+
+    @app.task(name=f"gave-up.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        ran.append(order)
+        return order
+
+    # Given a row whose last retry failed (a Celery retry of it still on its way, say)
+    row = queue.add(dataclasses.replace(_failure(), task_name=charge.name, max_retries=1))
+    [taken] = queue.take_due()
+    queue.record_retry_failure(taken.id, "RuntimeError", "declined again", None, taken.sweep_id)
+    # When a message of that retry arrives, then it fails as the row did, running nothing
+    ended = charge.apply(("order",), task_id=row.task_id, headers=_sent_by(taken, None))
+    with pytest.raises(DeadLettered, match="declined again"):
+        ended.get()
+    assert ran == []
+    # And a retry whose row is not in this table (another host's, or purged) runs
+    headers = {DEAD_LETTER_HEADER: str(uuid.uuid4()), DEAD_LETTER_SWEEP_HEADER: "elsewhere"}
+    assert charge.apply(("order",), task_id=row.task_id, headers=headers).get() == "order"
     assert ran == ["order"]
 
 

@@ -44,3 +44,18 @@ def test_expired_keys_no_call_touches_again_are_forgotten() -> None:
     # Then the expired keys, and their fencing counters, are gone; the others stay
     assert sorted(store._records) == ["t:d", "t:running"]
     assert sorted(store._fences) == ["t:d", "t:running"]
+
+
+def test_a_released_keys_fencing_counter_outlives_its_record_as_on_redis() -> None:
+    # Given a key claimed (its claim to live 1030 s) and released
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    released = _request("r", lease_seconds=1000.0)
+    token = store.claim(released).token
+    assert store.release(released, token)
+    # When a sweep runs before that claim would have expired
+    clock.now += SWEEP_EVERY + 1
+    store.claim(_request("d"))
+    # Then the key's next claim gets a higher token, not the first one again
+    again = _request("r")
+    assert store.claim(again).token == token + 1
