@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import time
 import warnings
@@ -120,6 +121,7 @@ MAX_TRACEBACK_CHARS = 60_000
 #: too large makes the broker close the connection, the message lost though kombu sent it.
 HEADER_ERROR_MESSAGE_CHARS = 2_000
 HEADER_TRACEBACK_CHARS = 8_000
+HEADER_OPTIONS_CHARS = 32_000
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -851,10 +853,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"
             )
         task_id = publishing.fitted_task_id(request.id)
-        # Routing last: a stamp named like a routing option does not move the retry elsewhere.
-        options = {**continuation_options(request), **routing_options(request.delivery_info)}
-        if not faithful:
-            options[ARGS_LOSSY] = True  # the sweep refuses to send it again
         failure = Failure(
             failure_id=f"{task_id}:{request.retries}",
             task_name=self.name,
@@ -862,7 +860,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             idempotency_key=key,
             args=stored_args,
             kwargs=stored_kwargs,
-            options=options,
+            options=_failure_options(request, faithful),
             error_type=type(exc).__name__,
             error_message=message[:MAX_ERROR_MESSAGE_CHARS],
             # exc's own traceback: one killed in another process has none, and names itself.
@@ -1019,10 +1017,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The failure a message carries to write (see :func:`_failure_header`), its
         arguments read back from the message's own, as ``on_final_failure`` stored them."""
         if "args" not in header:
-            stored_args, stored_kwargs, _ = stored_arguments(
+            stored_args, stored_kwargs, faithful = stored_arguments(
                 args, kwargs, exact=self.serializer != "json"
             )
             header = {**header, "args": stored_args, "kwargs": stored_kwargs}
+            if "options" not in header:  # too large to carry: this copy's own are the call's
+                header["options"] = _failure_options(self.request, faithful)
         return Failure(**header)
 
     def _end_stale_retry(
@@ -1350,12 +1350,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
 
 
+def _failure_options(request: Any, faithful: bool) -> dict[str, Any]:
+    """The options a call's dead letter keeps: how it goes on, and where it was routed."""
+    # Routing last: a stamp named like a routing option does not move the retry elsewhere.
+    options = {**continuation_options(request), **routing_options(request.delivery_info)}
+    if not faithful:
+        options[ARGS_LOSSY] = True  # the sweep refuses to send it again
+    return options
+
+
 def _failure_header(failure: Failure) -> dict[str, Any]:
     """A failure as the message that writes it later carries it in a header: without its
-    arguments (the message's own), its error message and traceback cut to fit a broker's
-    frame (the traceback's end kept: where it failed)."""
+    arguments (the message's own), nor its options when they are large (a long chain: the
+    message's own too), its error message and traceback cut to fit a broker's frame (the
+    traceback's end kept: where it failed)."""
     kept = dataclasses.asdict(failure)
     del kept["args"], kept["kwargs"]
+    if len(json.dumps(kept["options"], default=str)) > HEADER_OPTIONS_CHARS:
+        del kept["options"]
     kept["error_message"] = failure.error_message[:HEADER_ERROR_MESSAGE_CHARS]
     if failure.traceback is not None:
         kept["traceback"] = failure.traceback[-HEADER_TRACEBACK_CHARS:]

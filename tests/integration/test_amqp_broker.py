@@ -128,9 +128,11 @@ def test_a_large_failure_whose_dead_letter_waits_for_its_database_is_not_lost(
     name, payload = fresh("large-failure"), "p" * 120_000
     try:
         set_pg_database_online("it_amqp_dlq_down", False)
-        # When a call with a large payload fails for good (its error message large too)
+        # When a call with a large payload fails for good (its error message large too, and
+        # a callback of its own with a large argument)
+        callback = amqp.slow_charge.si("c" * 140_000, 0.0)
         amqp.fails_with_a_large_payload.apply_async(
-            (name, payload), idempotency_key=fresh("key"), queue=queue_name
+            (name, payload), idempotency_key=fresh("key"), queue=queue_name, link=callback
         )
         wait_until(
             lambda: worker.log().count("could not write its dead letter") >= 2,
@@ -139,8 +141,9 @@ def test_a_large_failure_whose_dead_letter_waits_for_its_database_is_not_lost(
         )
         # And the database comes back
         set_pg_database_online("it_amqp_dlq_down", True)
-        # Then the failure is written once, with its whole payload (the message that writes
-        # it later carried it in its headers, over RabbitMQ's frame, and was dropped before)
+        # Then the failure is written once, with its whole payload and its callback (the
+        # message that writes it later carried them in its headers, over RabbitMQ's frame,
+        # and was dropped before)
         dead_letters = DeadLetterQueue(url)
         try:
             rows = wait_until(
@@ -151,6 +154,7 @@ def test_a_large_failure_whose_dead_letter_waits_for_its_database_is_not_lost(
         finally:
             dead_letters.dispose()
         assert len(rows) == 1 and rows[0].args == [name, payload]
+        assert "c" * 140_000 in json.dumps(rows[0].options["link"])
         assert rows[0].error_message.startswith(f"{name} declined: ppp")
         assert ledger_events(name, "start") == 1
     finally:
