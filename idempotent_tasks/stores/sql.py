@@ -90,6 +90,7 @@ from .sql_statements import (
     select_claim,
     select_due,
     select_pickup,
+    select_processing,
     update_held,
     upsert_pickup,
 )
@@ -197,7 +198,13 @@ class SqlStore:
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
-        return self._rowcount(delete_pickup_of_processing(claim_id, task_id, now)) > 0
+        with self._begin() as connection:
+            if _count(connection, delete_pickup_of_processing(claim_id, task_id, now)) > 0:
+                return True
+            # Claimed without a reservation, or its pickup dropped already: there was such a
+            # record all the same (as the Redis and memory stores answer).
+            found = connection.execute(select_processing(claim_id, task_id, now)).first()
+            return found is not None
 
     def take_due(self, limit: int) -> list[DuePickup]:
         taken: list[DuePickup] = []

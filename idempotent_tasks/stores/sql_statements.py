@@ -132,6 +132,11 @@ def delete_pickup_of_processing(claim_id: str, task_id: str, now: float) -> Dele
     return delete(pickups).where((pickups.c.id == claim_id) & held)
 
 
+def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
+    """The live ``processing`` row of ``task_id``, if there is one."""
+    return select(claims.c.id).where(_live_row(claim_id, PROCESSING, task_id, now))
+
+
 def select_abandoned(claim_id: str, task_id: str, now: float) -> Select[Any]:
     """The ``processing`` row of ``task_id`` whose owner's lease ended, if there is one."""
     abandoned = _live_row(claim_id, PROCESSING, task_id, now) & (claims.c.lease_expires_at <= now)

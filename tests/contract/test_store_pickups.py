@@ -625,8 +625,10 @@ def test_a_terminated_calls_pickup_is_dropped_and_its_claim_kept(
     owner = make_request(task_id="task-1", lease_seconds=0.1)
     assert store.reserve(owner, make_pickup(envelope=b"terminated")) is None
     token = store.claim(owner).token
-    # When the call is terminated on purpose (only its own task id can say so)
+    # When the call is terminated on purpose (only its own task id can say so; said twice,
+    # the record is still there, its pickup gone)
     assert store.drop_pickup(owner.storage_key, "task-2") is False
+    assert store.drop_pickup(owner.storage_key, "task-1") is True
     assert store.drop_pickup(owner.storage_key, "task-1") is True
     # Then its claim stays, but nothing is ever published again for it
     record = store.get(owner.storage_key)
