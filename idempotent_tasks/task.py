@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import warnings
+from datetime import datetime
 from functools import cached_property
 from traceback import format_exception
 from typing import Any, ClassVar, NoReturn, cast
@@ -78,7 +79,14 @@ from .keys import (
     storage_key,
     validate_key,
 )
-from .pickups import claim_ttl, hand_to_guard, make_pickup, pickup_timeout, seconds_until
+from .pickups import (
+    claim_ttl,
+    hand_to_guard,
+    make_pickup,
+    pickup_timeout,
+    seconds_to_expiry,
+    seconds_until,
+)
 from .publishing import RESERVED_HEADER
 from .records import ClaimRequest, Outcome, Record, SideWrite, Status
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
@@ -107,6 +115,9 @@ SUPERSEDED_HEADER = "idempotency_superseded"
 #: Header naming the task id of another call whose key this call (or the call it retries or
 #: waits for) took over: this call answers that call's callers too.
 TAKEN_FROM_HEADER = "idempotency_taken_from"
+#: When the call a copy of a message stands for expires (ISO 8601): the copy itself does not,
+#: so it is answered with the key's value past it, and ends expired only if it would run it.
+EXPIRES_HEADER = "idempotency_expires"
 #: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
 _REPUBLISH = "_idempotency_republish"
 #: ``_message_pickup``'s default expiry: the running call's own.
@@ -443,6 +454,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
             self._wait_for_new_owner(attempt, body_ran=False)
         if claim.outcome is Outcome.ACQUIRED:
+            if _copy_expired(request):
+                self._end_expired_copy(attempt)
             return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
         assert record is not None
@@ -566,6 +579,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
             value = self._eager_replacement_value(attempt.request)
         self._dead_letter_succeeded()
         return value
+
+    def _end_expired_copy(self, attempt: Attempt) -> NoReturn:
+        """A copy of this call's message (it waited, or its store was down) that would run the
+        key itself, past the call's expiry: it ends as Celery ends an expired call, unrun and
+        REVOKED, its key free for the next call."""
+        despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
+        request = self.request
+        logger.warning("%s[%s] expired before it could run: revoked", self.name, request.id)
+        self.backend.mark_as_revoked(
+            request.id, "expired", request=request, store_result=not self.ignore_result
+        )
+        raise Ignore()
 
     def _wait_for_new_owner(self, attempt: Attempt, *, body_ran: bool) -> NoReturn:
         """This call lost its ``attempt``'s claim to another execution (while its body ran,
@@ -1194,17 +1219,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """This very message, to publish again after ``countdown`` s with ``headers`` added;
         ``never_expires``: without the call's expiry.
 
-        A copy that only writes down how the call ended (its dead letter, or its dead letter's
-        success) never expires: the call's ``expires`` bounds when it may start, and expired,
-        the copy would be dropped unread, its failure never dead-lettered.
+        No copy expires at the broker: one that only writes down how the call ended (its dead
+        letter, or its dead letter's success) must run whenever it arrives, and the others
+        carry the call's expiry in a header instead, so that past it they are still answered
+        with the key's value (a duplicate's caller waits for it), and end expired, unrun, only
+        where they would run the key themselves.
         """
-        options: dict[str, Any] = {}
-        if (
+        # Never dropped unread by the worker: a copy may be owed the key's value past the
+        # call's expiry, which it carries instead (see _end_expired_copy).
+        options: dict[str, Any] = {"expires": None}
+        if not (
             never_expires
             or UNWRITTEN_FAILURE_HEADER in headers
             or UNWRITTEN_SUCCESS_HEADER in headers
         ):
-            options["expires"] = None
+            expiry = self.request.expires or request_header(self.request, EXPIRES_HEADER)
+            if expiry is not None:
+                moment = expiry.isoformat() if isinstance(expiry, datetime) else expiry
+                headers = {**headers, EXPIRES_HEADER: moment}
         return self.signature_from_request(
             self.request,
             countdown=countdown,
@@ -1437,6 +1469,13 @@ def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)
     return taken_from if isinstance(taken_from, str) else None
+
+
+def _copy_expired(request: Any) -> bool:
+    """Whether the call a copy of its message stands for has expired (see ``EXPIRES_HEADER``);
+    the message the call was sent as is Celery's to expire."""
+    left = seconds_to_expiry(request_header(request, EXPIRES_HEADER))
+    return left is not None and left <= 0
 
 
 def _expiry_of(signature: Any) -> Any:

@@ -13,7 +13,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError
 from celery.result import AsyncResult
 from rq import SimpleWorker
 
@@ -152,6 +152,45 @@ def test_a_call_taken_over_while_its_body_ran_past_its_expiry_gets_the_keys_valu
         # Then the copy the call waits with, sent past its expiry, was not dropped as expired:
         # its body had run, and its caller gets the key's value (not TaskRevokedError)
         assert result.get(timeout=30) == "charged by the other"
+
+
+@pytest.mark.parametrize("owner_ends", ["completes", "releases"])
+def test_a_duplicate_waiting_past_its_calls_expiry_gets_the_value_or_ends_expired(
+    app: Celery, owner_ends: str
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("expiry.charge"), shared=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order}"
+
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # Given a key another execution holds (claimed here, in the worker's store, as a
+        # worker elsewhere would)
+        store = store_for(app)
+        owner = charge._claim_request(key, ("o-1",), {}, "the-owner", owner="owner")
+        owner = dataclasses.replace(owner, lease_seconds=60.0)  # alive throughout
+        token = store.claim(owner).token
+        # When a duplicate sent with a 0.5 s expiry (published: sent by other means than
+        # apply_async, which would answer with the owner's result) waits for it past that
+        duplicate = app.send_task(
+            charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5
+        )
+        time.sleep(1.5)
+        if owner_ends == "completes":
+            # Then once the owner completes, the duplicate's caller gets its value: the copies
+            # it waited with were not dropped as expired
+            store.complete(owner, token, charge._codec.encode("charged by the owner")[0])
+            assert duplicate.get(timeout=30) == "charged by the owner"
+        else:
+            # Then once the owner releases the key (it failed), the duplicate, which would now
+            # run the key itself, ends expired, unrun
+            assert store.release(owner, token)
+            with pytest.raises(TaskRevokedError):
+                duplicate.get(timeout=30)
+    assert runs == []
 
 
 def test_a_retry_sent_without_its_calls_expiry_keeps_its_key_queued_past_it(app: Celery) -> None:
