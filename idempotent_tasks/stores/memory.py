@@ -44,8 +44,13 @@ class _Pending:
 class MemoryStore:
     """A :class:`~idempotent_tasks.stores.base.Store` in a dict, with an injectable clock."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, sweep_every: float = SWEEP_EVERY
+    ) -> None:
+        """``sweep_every``: seconds of ``clock`` between sweeps of expired keys (``math.inf``:
+        none, as a SQL store whose cleanup does not run)."""
         self._clock = clock
+        self._sweep_every = sweep_every
         self._lock = threading.Lock()
         self._records: dict[str, Record] = {}
         self._fences: dict[str, int] = {}
@@ -297,10 +302,10 @@ class MemoryStore:
     def _sweep(self, now: float) -> None:
         """Drop expired records, and the fencing counters of keys whose last record would
         have expired by now (as Redis expires a counter just after its record, however it
-        ended: released or forgotten ones too), once every :data:`SWEEP_EVERY` seconds."""
+        ended: released or forgotten ones too), every ``sweep_every`` seconds."""
         if now < self._next_sweep:
             return
-        self._next_sweep = now + SWEEP_EVERY
+        self._next_sweep = now + self._sweep_every
         for storage_key in [key for key, found in self._records.items() if found.expires_at <= now]:
             self._drop(storage_key)
         for storage_key in [
