@@ -536,8 +536,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         except Exception as exc:
             despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
-            if (taken_from := _taken_from(self.request)) is not None:
-                self._answer_taken_over_call(taken_from, exc, states.FAILURE)
             self.on_final_failure(exc, attempt.request.key, args, kwargs)
             raise
         except BaseException:
@@ -604,16 +602,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers = {WAITS_HEADER: 0, SUPERSEDED_HEADER: True, **_taken_from_header(attempt)}
         self._republish_self(defaults.WAIT_INITIAL_DELAY, None, headers, never_expires=body_ran)
 
-    def _answer_taken_over_call(
-        self, task_id: str, value: Any, state: str = states.SUCCESS
-    ) -> None:
+    def _answer_taken_over_call(self, task_id: str, value: Any) -> None:
         """Store ``value`` as the result of the call whose claim or queued message this one
         (or the call it retries, or waited for) took over: its owner died, or its message
         counted as lost, and that message may never come back (lost with its worker), while its
         callers wait on its task id. Should it come back, it finds the key completed and
-        answers with this same value (or, ``state`` ``FAILURE``: this call failed for good,
-        its exception ``value``; that message would run the key again). A result it has
-        already (it ended after all) stays."""
+        answers with this same value. A result it has already (it ended after all) stays."""
         backend = self.backend
         if (
             self.request.is_eager
@@ -625,7 +619,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             if backend.get_state(task_id) in states.READY_STATES:
                 return
-            backend.store_result(task_id, value, state)
+            backend.store_result(task_id, value, states.SUCCESS)
         except Exception as exc:
             logger.warning(
                 "could not store the result of %s, whose key this call took over: %s", task_id, exc

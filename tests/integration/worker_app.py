@@ -194,15 +194,6 @@ def slow_first_then_flaky(self: Any, name: str, sleep: float) -> dict[str, Any]:
     return {"name": name, "run": runs}
 
 
-@app.task(base=IdempotentTask, bind=True)
-def slow_first_then_fails(self: Any, name: str, sleep: float) -> dict[str, Any]:
-    """Sleeps in its first run, fails for good from its second."""
-    runs = note("start", name)
-    if runs == 1:
-        time.sleep(sleep)
-    raise RuntimeError(f"run {runs} of {name} failed")
-
-
 @app.task(base=IdempotentTask, idempotency_key_required=True)
 def must_have_key(name: str) -> str:
     note("start", name)
