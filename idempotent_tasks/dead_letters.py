@@ -16,7 +16,7 @@ from celery.utils.log import get_task_logger
 from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .broker_errors import broker_cannot_take
-from .dlq import DeadLetter, Failure, renewal
+from .dlq import DeadLetter, DeadLetterStatus, Failure, renewal
 from .dlq.arguments import (
     as_table_json,
     from_table_json,
@@ -148,7 +148,9 @@ def write_failure(
             failure.traceback,
             sweep_id,
         )
-        if item is not None:
+        # A row that succeeded already (its key forgotten or expired since, this run of it
+        # failed anew): the failure is a new one, with a row of its own.
+        if item is not None and item.status is not DeadLetterStatus.SUCCEEDED:
             _log_item(item)
             return item.id
     item = queue.add(failure)
@@ -203,11 +205,11 @@ def readable_row(app: Any, dead_letter_id: str) -> DeadLetter | None:
         return None
 
 
-def mark_succeeded(app: Any, dead_letter_id: str) -> bool:
-    """A re-published dead letter succeeded: mark its row. Whether it was written; a database
-    error is logged."""
+def mark_succeeded(app: Any, dead_letter_id: str, sweep_id: str | None = None) -> bool:
+    """A re-published dead letter (sent by the sweep ``sweep_id``) succeeded: mark its row.
+    Whether it was written; a database error is logged."""
     try:
-        dlq_for(app).mark_succeeded(dead_letter_id)
+        dlq_for(app).mark_succeeded(dead_letter_id, sweep_id)
     except StoreUnavailable as exc:
         module_logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
         return False

@@ -1103,7 +1103,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _dead_letter_succeeded(self) -> None:
         dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
         if dead_letter_id is None or despite_time_limit(
-            SoftTimeLimitExceeded, lambda: mark_succeeded(self.app, dead_letter_id)
+            SoftTimeLimitExceeded,
+            lambda: mark_succeeded(
+                self.app, dead_letter_id, request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
+            ),
         ):
             return
         if self.request.is_eager:

@@ -89,12 +89,17 @@ def unclaim(item_id: str, now: datetime, due: datetime) -> Update:
     )
 
 
-def mark_succeeded(item_id: str, now: datetime) -> Update:
-    """Mark an item ``succeeded`` (from ``retrying`` or ``pending``)."""
+def mark_succeeded(item_id: str, now: datetime, sweep_id: str | None = None) -> Update:
+    """Mark an item ``succeeded`` (from ``retrying`` or ``pending``), by the run that the sweep
+    ``sweep_id`` sent, when given (kept on the row: a redelivery of that very message is told
+    from another sweep's copy by it)."""
+    values: dict[str, Any] = {"status": SUCCEEDED, "next_retry_at": None, "updated_at": now}
+    if sweep_id is not None:
+        values["sweep_id"] = sweep_id
     return (
         update(dead_letters)
         .where(dead_letters.c.id == item_id, dead_letters.c.status.in_((RETRYING, PENDING)))
-        .values(status=SUCCEEDED, next_retry_at=None, updated_at=now)
+        .values(**values)
     )
 
 

@@ -315,11 +315,12 @@ class DeadLetterQueue:
             result = connection.execute(queries.renew_retrying(item_id, sweep_id, now))
         return bool(result.rowcount)
 
-    def mark_succeeded(self, item_id: str) -> bool:
-        """Mark a re-published item ``succeeded``; whether it was ``retrying`` or ``pending``."""
+    def mark_succeeded(self, item_id: str, sweep_id: str | None = None) -> bool:
+        """Mark a re-published item ``succeeded`` (by the run the sweep ``sweep_id`` sent, when
+        given); whether it was ``retrying`` or ``pending``."""
         now = self._db(self._clock())
         with self._begin() as connection:
-            result = connection.execute(queries.mark_succeeded(item_id, now))
+            result = connection.execute(queries.mark_succeeded(item_id, now, sweep_id))
         return bool(result.rowcount)
 
     def record_retry_failure(

@@ -1127,3 +1127,55 @@ def test_a_dead_letters_retry_without_a_key_that_replaces_itself_succeeds(
     # Then its row succeeded: its work is handed on (left retrying, it would be sent again at
     # its timeout, for ever)
     assert found.status is DeadLetterStatus.SUCCEEDED
+
+
+def test_a_dead_letters_run_that_succeeds_after_its_row_was_sent_again_is_not_run_twice(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    app = _eager_app(dlq_url, "outlived")
+    ran: list[str] = []
+    resent: list[Any] = []
+
+    @app.task(name=f"outlived.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        ran.append(order)
+        if len(ran) == 1:
+            # A run that outlives the retrying timeout (its renewals failing): a sweep finds
+            # the row stuck meanwhile, and sends it again
+            time.sleep(0.01)
+            assert queue.recover_stuck(timedelta(0), framework="celery") == 1
+            resent.extend(queue.take_due())
+        return order
+
+    # Given a row a sweep took and sent, of a call without a key, whose run succeeds after
+    # another sweep sent the row again
+    row = queue.add(dataclasses.replace(_failure(), task_name=charge.name))
+    [first] = queue.take_due()
+    assert charge.apply(("order",), task_id=row.task_id, headers=_sent_by(first, None)).get()
+    found = queue.get(row.id)
+    assert found is not None and found.status is DeadLetterStatus.SUCCEEDED
+    # When the second sweep's message arrives, then it does not run the body again
+    [second] = resent
+    charge.apply(("order",), task_id=row.task_id, headers=_sent_by(second, None))
+    assert ran == ["order"]
+
+
+def test_a_failure_of_a_retry_whose_row_succeeded_already_gets_a_row_of_its_own(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    from idempotent_tasks.dead_letters import write_failure
+
+    app = _eager_app(dlq_url, "failed-anew")
+    # Given a row whose retry succeeded (marked), and a message of it that runs again later
+    # and fails (its key forgotten or expired meanwhile)
+    row = queue.add(_failure())
+    [taken] = queue.take_due()
+    assert queue.mark_succeeded(taken.id, taken.sweep_id)
+    anew = dataclasses.replace(_failure(task_id=row.task_id), error_message="declined anew")
+    # When its failure is written, then it is kept, in a row of its own
+    written = write_failure(app, anew, taken.id, taken.sweep_id)
+    assert written != row.id
+    found = queue.get(written)
+    assert found is not None and found.error_message == "declined anew"
+    kept = queue.get(row.id)
+    assert kept is not None and kept.status is DeadLetterStatus.SUCCEEDED
