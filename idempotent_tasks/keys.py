@@ -48,7 +48,9 @@ def validate_key(key: object) -> str:
             "idempotency_key must be text UTF-8 can hold, not one with a lone surrogate "
             "(an undecodable byte of a file name, say)"
         )
-    return key
+    # A str subclass (a str Enum, say) as the plain text the message carries and the worker
+    # reads back: its own __str__ or __format__ ("K.RED") would make another storage key.
+    return str.__str__(key)
 
 
 def _is_utf8(text: str) -> bool:
@@ -124,7 +126,8 @@ def derive_key(
         return validate_key(source(tuple(args), dict(kwargs)))
     try:
         key = source.format(**bind_arguments(signature, args, kwargs))
-    except (KeyError, IndexError, AttributeError) as exc:
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+        # TypeError, ValueError: a format spec the value does not take ({amount:.2f}, None)
         raise ValueError(
             f"idempotency_key template {source!r} does not fit the call's arguments: {exc}"
         ) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import types
@@ -61,6 +62,22 @@ def test_a_key_of_whitespace_only_is_a_key_like_any_other(blank: str) -> None:
 
 def test_a_str_key_is_kept_as_is() -> None:
     assert validate_key("order-42") == "order-42"
+
+
+def test_a_key_of_a_str_subclass_is_its_plain_text() -> None:
+    # A str Enum formats as "Color.RED", but the message carries, and the worker reads back,
+    # "red": publisher and worker must store it under one name
+    class Color(str, enum.Enum):
+        RED = "red"
+
+    key = validate_key(Color.RED)
+    assert type(key) is str and key == "red"
+    assert storage_key("t", key) == storage_key("t", "red")
+
+
+def test_a_template_whose_format_spec_the_value_does_not_take_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        derive_key("order:{currency:.2f}", SIGNATURE, (42, 990), {})
 
 
 def test_template_binds_positional_arguments_to_parameter_names() -> None:
