@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 #: Serializers that can run code when loading, used only when the app opts in.
 UNSAFE_SERIALIZERS = frozenset({"pickle", "application/x-python-serialize"})
+#: What kombu's "raw" serializer (no serializer) writes: read back as the bytes or text.
+_RAW_CONTENT_TYPES = frozenset({"application/data", "application/text"})
 #: The key of kombu's JSON type markers (datetime, Decimal, UUID, bytes ...).
 _TYPE_MARKER = b'"__type__"'
 
@@ -82,6 +84,15 @@ class ResultCodec:
         accept = {encoded.content_type}
         if encoded.content_type in UNSAFE_SERIALIZERS and not self.allow_unsafe:
             accept = set()
+        elif (
+            encoded.content_type not in _RAW_CONTENT_TYPES
+            and encoded.content_type not in serialization.registry.type_to_name
+        ):
+            # kombu would hand the encoded text back as if it were the value.
+            raise CorruptRecord(
+                f"cached result has content type {encoded.content_type!r}, which no serializer "
+                "registered here reads"
+            )
         try:
             return serialization.loads(  # type: ignore[no-untyped-call]
                 encoded.body, encoded.content_type, encoded.content_encoding, accept=accept
@@ -90,6 +101,11 @@ class ResultCodec:
             raise CorruptRecord(
                 f"cached result has content type {encoded.content_type!r}, which this app "
                 "does not accept"
+            ) from exc
+        except SerializerNotInstalled as exc:
+            raise CorruptRecord(
+                f"cached result has content type {encoded.content_type!r}, whose serializer "
+                f"is not installed here: {exc}"
             ) from exc
         except (DecodeError, ValueError, TypeError) as exc:
             raise CorruptRecord(f"cached result cannot be decoded: {exc}") from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Any
 
 import pytest
 
@@ -81,3 +82,36 @@ def test_a_value_that_would_not_decode_back_is_not_cached() -> None:
     when = datetime(2026, 11, 27, 16, 0, tzinfo=timezone.utc)
     encoded, _ = codec.encode({"when": when})
     assert encoded is not None and codec.decode(encoded) == {"when": when}
+
+
+def test_a_record_no_serializer_here_reads_is_a_corrupt_record() -> None:
+    # A content type a plugin registered on the host that cached it: kombu would hand the
+    # encoded text back as if it were the value
+    codec = ResultCodec(serializer="json", max_bytes=1000)
+    foreign = EncodedResult(
+        content_type="application/x-elsewhere", content_encoding="utf-8", body=b"\x81\xa1a"
+    )
+    with pytest.raises(CorruptRecord, match="no serializer registered here reads"):
+        codec.decode(foreign)
+
+
+def test_a_record_whose_serializer_is_not_installed_here_is_a_corrupt_record() -> None:
+    # Registered, but its library missing here (kombu's yaml without PyYAML, say)
+    from kombu import serialization
+    from kombu.exceptions import SerializerNotInstalled
+
+    def missing(_: Any) -> Any:
+        raise SerializerNotInstalled("No decoder installed for x-missing")
+
+    serialization.register(
+        "x-missing", lambda value: b"", missing, "application/x-missing", "utf-8"
+    )
+    try:
+        codec = ResultCodec(serializer="json", max_bytes=1000)
+        record = EncodedResult(
+            content_type="application/x-missing", content_encoding="utf-8", body=b"a: 1"
+        )
+        with pytest.raises(CorruptRecord, match="not installed here"):
+            codec.decode(record)
+    finally:
+        serialization.registry.unregister("x-missing")
