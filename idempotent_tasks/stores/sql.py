@@ -39,7 +39,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
-from .. import defaults
 from ..dlq.engine import create_dlq_engine
 from ..dlq.schema import (
     CLAIMS_COMPONENT,
@@ -107,9 +106,6 @@ MAX_BACKOFF_EXPONENT = 20
 #: Batches of due pickups one :meth:`SqlStore.take_due` reads at most (rows left behind by
 #: claims are dropped on the way and may fill a batch).
 MAX_TAKE_ROUNDS = 10
-#: Longest prefix in a row id: ids hold 320 characters, a storage key at most 200 (longer
-#: ones are stored by their digest) after the prefix and its ':'.
-MAX_ID_PREFIX_CHARS = 320 - 1 - defaults.KEY_MAX_STORED_CHARS
 #: Seconds an unreadable pickup row is put off by each sweep that meets it: due first for
 #: ever, enough of them would fill every batch and hold every other key back.
 UNREADABLE_PICKUP_DELAY = 3600.0
@@ -123,9 +119,7 @@ class SqlStore:
 
     Args:
         url: SQLAlchemy URL (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///``).
-        prefix: first part of every row id, as for the Redis store (its ``%`` and ``:``
-            escaped there, so no app's ids begin with another's: ``shop`` and
-            ``shop:staging`` stay apart).
+        prefix: first part of every row id, as for the Redis store.
         clock: POSIX seconds; default: this process's clock set to the database server's
             (:class:`~idempotent_tasks.stores.sql_clock.ServerClock`). Tests pass their own.
     """
@@ -133,12 +127,6 @@ class SqlStore:
     def __init__(self, url: str, prefix: str, clock: Callable[[], float] | None = None) -> None:
         self.url = url
         self.prefix = prefix
-        self._id_prefix = prefix.replace("%", "%25").replace(":", "%3A")
-        if len(self._id_prefix) > MAX_ID_PREFIX_CHARS:
-            raise ValueError(
-                f"idempotency_key_prefix {prefix!r} is too long for the SQL store: at most "
-                f"{MAX_ID_PREFIX_CHARS} characters (a '%' or ':' counts three)"
-            )
         self.engine: Engine = create_dlq_engine(url)
         self.dialect = self.engine.dialect.name
         self._clock = ServerClock(self.engine) if clock is None else clock
@@ -148,7 +136,7 @@ class SqlStore:
 
     def claim_id(self, storage_key: str) -> str:
         """The row id of a key."""
-        return f"{self._id_prefix}:{storage_key}"
+        return f"{self.prefix}:{storage_key}"
 
     @run_again_after_deadlock
     def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
@@ -226,7 +214,7 @@ class SqlStore:
                 break
             now = self._clock()
             with self._begin() as connection:
-                rows = connection.execute(select_due(self._id_prefix, now, wanted)).mappings().all()
+                rows = connection.execute(select_due(self.prefix, now, wanted)).mappings().all()
             for row in rows:
                 try:
                     due = self._take(readable_pickup(row), now)
@@ -295,7 +283,7 @@ class SqlStore:
                 connection.rollback()  # another sweep took it (or it was queued anew) first
                 return None
         return DuePickup(
-            storage_key=claim_id[len(self._id_prefix) + 1 :],
+            storage_key=claim_id[len(self.prefix) + 1 :],
             task_name=row["task_name"],
             task_id=task_id,
             envelope=bytes(row["envelope"]),

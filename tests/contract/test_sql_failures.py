@@ -519,29 +519,3 @@ def test_a_pickup_whose_row_id_is_not_utf8_is_still_taken_and_moved_on(
             for table in (claims, pickups):
                 connection.execute(table.delete().where(table.c.id.like(f"{store.prefix}:%")))
         store.close()
-
-
-def test_an_apps_prefix_that_begins_another_apps_keeps_the_apps_apart(
-    request: pytest.FixtureRequest,
-) -> None:
-    # Given two apps on one database, one's prefix the other's and more ("shop", "shop:staging")
-    url = store_url("sqlite", request)
-    shop, staging = SqlStore(url, prefix="shop"), SqlStore(url, prefix="shop:staging")
-    try:
-        # When staging's call counts as lost, then only staging's sweep takes it (shop's would
-        # publish it to its own broker)
-        lost = dataclasses.replace(_request(), storage_key="t:k", key="k")
-        assert staging.reserve(lost, Pickup(envelope=b"{}", due_in=0.0, timeout=60)) is None
-        assert shop.take_due(10) == []
-        assert [due.storage_key for due in staging.take_due(10)] == ["t:k"]
-        # And a key of one is never the other's ("shop" + "staging:t:k" is no staging row)
-        other = dataclasses.replace(_request(), storage_key="staging:t:k", key="staging:t:k")
-        assert shop.claim(other).outcome is Outcome.ACQUIRED
-    finally:
-        shop.close()
-        staging.close()
-
-
-def test_a_prefix_too_long_for_a_row_id_is_refused(request: pytest.FixtureRequest) -> None:
-    with pytest.raises(ValueError, match="too long for the SQL store"):
-        SqlStore(store_url("sqlite", request), prefix="p" * 120)
