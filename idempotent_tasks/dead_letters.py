@@ -148,9 +148,15 @@ def write_failure(
             failure.traceback,
             sweep_id,
         )
-        # A row that succeeded already (its key forgotten or expired since, this run of it
-        # failed anew): the failure is a new one, with a row of its own.
-        if item is not None and item.status is not DeadLetterStatus.SUCCEEDED:
+        # A row that succeeded already, by this very message (its key forgotten or expired
+        # since, this run of it failed anew): the failure is a new one, with a row of its own.
+        # Another sweep's message reporting late (its failure written later) changes nothing.
+        failed_anew = (
+            item is not None
+            and item.status is DeadLetterStatus.SUCCEEDED
+            and (sweep_id is None or sweep_id == item.sweep_id)
+        )
+        if item is not None and not failed_anew:
             _log_item(item)
             return item.id
     item = queue.add(failure)

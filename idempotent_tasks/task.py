@@ -454,7 +454,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
             self._wait_for_new_owner(attempt, body_ran=False)
         if claim.outcome is Outcome.ACQUIRED:
-            if _copy_expired(request):
+            # One that took another call's key over runs: that call's message, kept with the
+            # key for the guard, would go with the release, and it is owed the key's value.
+            if _copy_expired(request) and attempt.taken_from_task_id is None:
                 self._end_expired_copy(attempt)
             return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
@@ -585,9 +587,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
         request = self.request
         logger.warning("%s[%s] expired before it could run: revoked", self.name, request.id)
-        self.backend.mark_as_revoked(
-            request.id, "expired", request=request, store_result=not self.ignore_result
-        )
+        stores = not get_actual_ignore_result(self, request) or self.store_errors_even_if_ignored
+        self.backend.mark_as_revoked(request.id, "expired", request=request, store_result=stores)
         raise Ignore()
 
     def _wait_for_new_owner(self, attempt: Attempt, *, body_ran: bool) -> NoReturn:
@@ -763,6 +764,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             else:
                 attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
+            if "expires" in options:
+                # Its own expiry, the broker's to keep: not the one a copy's message carries.
+                options[_REPUBLISH][EXPIRES_HEADER] = None
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Reject as rejected:
@@ -792,7 +796,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             previous_owner=attempt.request.owner,
             routing=routing,
             attempt=attempt,
-            expires=signature.options.get("expires"),  # retry(expires=...) may change it
+            expires=_retry_expiry(signature, self.request),
         )
         attempt.release_quietly(pickup)
 
@@ -836,7 +840,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "shadow": request.shadow,
             "ignore_result": get_actual_ignore_result(self, request) or None,
             "reply_to": request.reply_to,
-            "expires": request.expires if expires is _THIS_CALLS else expires,
+            "expires": _call_expiry(request) if expires is _THIS_CALLS else expires,
             "time_limit": time_limit,
             "soft_time_limit": soft_time_limit,
         }
@@ -1225,15 +1229,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # Never dropped unread by the worker: a copy may be owed the key's value past the
         # call's expiry, which it carries instead (see _end_expired_copy).
         options: dict[str, Any] = {"expires": None}
-        if not (
+        if (
             never_expires
             or UNWRITTEN_FAILURE_HEADER in headers
             or UNWRITTEN_SUCCESS_HEADER in headers
         ):
-            expiry = self.request.expires or request_header(self.request, EXPIRES_HEADER)
-            if expiry is not None:
-                moment = expiry.isoformat() if isinstance(expiry, datetime) else expiry
-                headers = {**headers, EXPIRES_HEADER: moment}
+            # Over the one this message may carry, which Celery copies along with its headers.
+            headers = {**headers, EXPIRES_HEADER: None}
+        elif (expiry := _call_expiry(self.request)) is not None:
+            headers = {**headers, EXPIRES_HEADER: expiry}
         return self.signature_from_request(
             self.request,
             countdown=countdown,
@@ -1466,6 +1470,24 @@ def _taken_from(request: Any, attempt: Attempt | None = None) -> str | None:
         return attempt.taken_from_task_id
     taken_from = request_header(request, TAKEN_FROM_HEADER)
     return taken_from if isinstance(taken_from, str) else None
+
+
+def _retry_expiry(signature: Any, request: Any) -> Any:
+    """When the retry ``signature`` of the call ``request`` runs for expires: the ``expires``
+    it was given (``retry(expires=...)``, ``None`` included), else the call's, which a copy's
+    message carries in a header rather than in its own ``expires``."""
+    expires = signature.options.get("expires")
+    given = EXPIRES_HEADER in (signature.options.get(_REPUBLISH) or {})
+    if expires is None and not given:
+        return request_header(request, EXPIRES_HEADER)
+    return expires
+
+
+def _call_expiry(request: Any) -> Any:
+    """When the call ``request`` runs for expires: its message's ``expires``, or the expiry a
+    copy of its message carries in a header (ISO 8601); ``None`` for one that does not."""
+    expiry = request.expires or request_header(request, EXPIRES_HEADER)
+    return expiry.isoformat() if isinstance(expiry, datetime) else expiry
 
 
 def _copy_expired(request: Any) -> bool:

@@ -1179,3 +1179,8 @@ def test_a_failure_of_a_retry_whose_row_succeeded_already_gets_a_row_of_its_own(
     assert found is not None and found.error_message == "declined anew"
     kept = queue.get(row.id)
     assert kept is not None and kept.status is DeadLetterStatus.SUCCEEDED
+    # And a failure another sweep's message reports late (written once its database was back)
+    # adds nothing: the row succeeded after it
+    late = dataclasses.replace(anew, error_message="declined before")
+    assert write_failure(app, late, taken.id, "an-earlier-sweep") == row.id
+    assert queue.stats()["total"] == 2

@@ -23,6 +23,7 @@ from idempotent_tasks.core import Attempt, lease_clock
 from idempotent_tasks.dlq import DeadLetterQueue
 from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.keys import storage_key
+from idempotent_tasks.pickups import make_pickup
 from idempotent_tasks.records import ClaimRequest, Outcome, Status
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.stores import MemoryStore
@@ -191,6 +192,38 @@ def test_a_duplicate_waiting_past_its_calls_expiry_gets_the_value_or_ends_expire
             with pytest.raises(TaskRevokedError):
                 duplicate.get(timeout=30)
     assert runs == []
+
+
+def test_a_copy_past_its_calls_expiry_that_takes_a_dead_owners_key_over_runs_it(
+    app: Celery,
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("expiry.takeover"), shared=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order}"
+
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # Given a key another call holds, reserved with its message for the pickup guard, whose
+        # owner dies (a 1 s lease, never renewed)
+        store = store_for(app)
+        owner = charge._claim_request(key, ("o-1",), {}, "the-owner", owner="owner")
+        owner = dataclasses.replace(owner, lease_seconds=1.0)
+        pickup = make_pickup(("o-1",), {}, {}, 60.0, 0.0)
+        assert pickup is not None and store.reserve(owner, pickup) is None
+        assert store.claim(owner).outcome is Outcome.ACQUIRED
+        # When a duplicate sent with a 0.5 s expiry waits, and takes the key over past it
+        duplicate = app.send_task(
+            charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5
+        )
+        # Then it runs the key (ended as expired, its release would drop the other call's
+        # message with the key, and that call would never be answered), and both calls get
+        # its value
+        assert duplicate.get(timeout=30) == "charged o-1"
+        assert AsyncResult("the-owner", app=app).get(timeout=10) == "charged o-1"
+    assert runs == ["o-1"]
 
 
 def test_a_retry_sent_without_its_calls_expiry_keeps_its_key_queued_past_it(app: Celery) -> None:
