@@ -454,9 +454,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
             self._wait_for_new_owner(attempt, body_ran=False)
         if claim.outcome is Outcome.ACQUIRED:
-            # One that took another call's key over runs: that call's message, kept with the
-            # key for the guard, would go with the release, and it is owed the key's value.
-            if _copy_expired(request) and attempt.taken_from_task_id is None:
+            # Only a copy that found the key free or queued for itself ends so. One that took
+            # a claim over (a dead owner's, perhaps its own earlier delivery's), or whose call
+            # took another call's key over, runs: the release would drop a message kept with
+            # the key for the guard, of a call owed the key's value.
+            if (
+                _copy_expired(request)
+                and not claim.takeover
+                and _taken_from(request, attempt) is None
+            ):
                 self._end_expired_copy(attempt)
             return self._run_claimed(attempt, args, kwargs, started)
         record = claim.record
