@@ -155,25 +155,43 @@ def test_a_call_taken_over_while_its_body_ran_past_its_expiry_gets_the_keys_valu
         assert result.get(timeout=30) == "charged by the other"
 
 
-@pytest.mark.parametrize("owner_ends", ["completes", "releases"])
-def test_a_duplicate_waiting_past_its_calls_expiry_gets_the_value_or_ends_expired(
-    app: Celery, owner_ends: str
-) -> None:
-    runs: list[str] = []
+def _counting_charge(app: Celery, runs: list[str]) -> Any:
+    """A keyed task of ``app`` that notes each run of its body in ``runs``."""
 
     @app.task(base=IdempotentTask, name=fresh("expiry.charge"), shared=False)
     def charge(order: str) -> str:
         runs.append(order)
         return f"charged {order}"
 
-    key = fresh("key")
+    return charge
+
+
+def _held_by_the_owner(
+    app: Celery, charge: Any, key: str, lease: float, *, reserved: bool = False
+) -> tuple[ClaimRequest, int]:
+    """Key ``key`` claimed by call "the-owner" (``reserved``: with its message kept for the
+    guard) in the worker's store, as a worker elsewhere would; its request and token."""
+    store = store_for(app)
+    owner = charge._claim_request(key, ("o-1",), {}, "the-owner", owner="owner")
+    owner = dataclasses.replace(owner, lease_seconds=lease)
+    if reserved:
+        pickup = make_pickup(("o-1",), {}, {}, 60.0, 0.0)
+        assert pickup is not None and store.reserve(owner, pickup) is None
+    claim = store.claim(owner)
+    assert claim.outcome is Outcome.ACQUIRED
+    return owner, claim.token
+
+
+@pytest.mark.parametrize("owner_ends", ["completes", "releases"])
+def test_a_duplicate_waiting_past_its_calls_expiry_gets_the_value_or_ends_expired(
+    app: Celery, owner_ends: str
+) -> None:
+    runs: list[str] = []
+    charge, key = _counting_charge(app, runs), fresh("key")
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        # Given a key another execution holds (claimed here, in the worker's store, as a
-        # worker elsewhere would)
+        # Given a key another execution holds, alive throughout
+        owner, token = _held_by_the_owner(app, charge, key, lease=60.0)
         store = store_for(app)
-        owner = charge._claim_request(key, ("o-1",), {}, "the-owner", owner="owner")
-        owner = dataclasses.replace(owner, lease_seconds=60.0)  # alive throughout
-        token = store.claim(owner).token
         # When a duplicate sent with a 0.5 s expiry (published: sent by other means than
         # apply_async, which would answer with the owner's result) waits for it past that
         duplicate = app.send_task(
@@ -198,22 +216,11 @@ def test_a_copy_past_its_calls_expiry_that_takes_a_dead_owners_key_over_runs_it(
     app: Celery,
 ) -> None:
     runs: list[str] = []
-
-    @app.task(base=IdempotentTask, name=fresh("expiry.takeover"), shared=False)
-    def charge(order: str) -> str:
-        runs.append(order)
-        return f"charged {order}"
-
-    key = fresh("key")
+    charge, key = _counting_charge(app, runs), fresh("key")
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
         # Given a key another call holds, reserved with its message for the pickup guard, whose
         # owner dies (a 1 s lease, never renewed)
-        store = store_for(app)
-        owner = charge._claim_request(key, ("o-1",), {}, "the-owner", owner="owner")
-        owner = dataclasses.replace(owner, lease_seconds=1.0)
-        pickup = make_pickup(("o-1",), {}, {}, 60.0, 0.0)
-        assert pickup is not None and store.reserve(owner, pickup) is None
-        assert store.claim(owner).outcome is Outcome.ACQUIRED
+        _held_by_the_owner(app, charge, key, lease=1.0, reserved=True)
         # When a duplicate sent with a 0.5 s expiry waits, and takes the key over past it
         duplicate = app.send_task(
             charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5

@@ -16,7 +16,6 @@ from celery.exceptions import Ignore, Retry
 from idempotent_tasks import IdempotencyConflict, IdempotentTask
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER, dlq_for
-from idempotent_tasks.dlq import Failure
 from idempotent_tasks.replacements import REPLACED, WAIT_SINCE_HEADER
 from idempotent_tasks.task import (
     _REPUBLISH,
@@ -26,6 +25,7 @@ from idempotent_tasks.task import (
     SUPERSEDED_HEADER,
     WAITS_HEADER,
 )
+from tests.dead_letter_rows import taken_row
 
 
 @pytest.fixture()
@@ -37,24 +37,9 @@ def app() -> Celery:
 
 def _sent_by_a_sweep(app: Celery, task_name: str) -> dict[str, Any]:
     """The headers of a dead letter's retry a sweep just sent (its row taken, ``retrying``)."""
-    queue = dlq_for(app)
-    item = queue.add(
-        Failure(
-            failure_id=f"{uuid.uuid4()}:0",
-            task_name=task_name,
-            task_id="task-of-the-slow-call",
-            idempotency_key="key-3",
-            args=["k"],
-            kwargs={},
-            options={},
-            error_type="RuntimeError",
-            error_message="declined",
-            traceback=None,
-            max_retries=3,
-        )
+    taken = taken_row(
+        dlq_for(app), task_name=task_name, task_id="task-of-the-slow-call", key="key-3", args=["k"]
     )
-    assert queue.retry_now(item.id)
-    [taken] = queue.take_due(framework="celery")
     return {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
 
 

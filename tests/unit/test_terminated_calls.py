@@ -15,12 +15,13 @@ from celery.signals import task_revoked
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.app_store import _STORE
-from idempotent_tasks.dlq import DeadLetterQueue, Failure
+from idempotent_tasks.dlq import DeadLetterQueue
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import make_pickup, republish_lost
 from idempotent_tasks.records import Outcome, Status
 from idempotent_tasks.stores import MemoryStore
 from idempotent_tasks.worker_request import ISSUED_BY, ISSUED_OWNER
+from tests.dead_letter_rows import taken_row
 
 
 class Clocked:
@@ -126,22 +127,7 @@ def test_a_dead_letters_retry_terminated_while_it_ran_records_it_on_its_row(
 
     # Given a dead letter a sweep took and re-published, its retry running
     queue = DeadLetterQueue(url)
-    failure = Failure(
-        failure_id="task-5:0",
-        task_name=charge.name,
-        task_id="task-5",
-        idempotency_key="k",
-        args=["o"],
-        kwargs={},
-        options={},
-        error_type="RuntimeError",
-        error_message="first",
-        traceback=None,
-        max_retries=3,
-    )
-    item = queue.add(failure)
-    assert queue.retry_now(item.id)
-    [taken] = queue.take_due()
+    item = taken = taken_row(queue, task_name=charge.name, task_id="task-5", key="k", args=["o"])
     # When that retry is terminated
     request = Context(
         id="task-5",
@@ -172,23 +158,7 @@ def test_a_dead_letters_retry_killed_after_completing_its_key_marks_its_row_succ
     # value stored under the owner id this worker issued) and was then killed at its hard
     # time limit (publishing its callbacks, say)
     queue = DeadLetterQueue(url)
-    item = queue.add(
-        Failure(
-            failure_id="task-6:0",
-            task_name=charge.name,
-            task_id="task-6",
-            idempotency_key="k",
-            args=["o"],
-            kwargs={},
-            options={},
-            error_type="RuntimeError",
-            error_message="first",
-            traceback=None,
-            max_retries=3,
-        )
-    )
-    assert queue.retry_now(item.id)
-    [taken] = queue.take_due()
+    item = taken = taken_row(queue, task_name=charge.name, task_id="task-6", key="k", args=["o"])
     claim = charge._claim_request("k", ("o",), {}, "task-6", owner="issued-owner")
     token = clocked.store.claim(claim).token
     clocked.store.complete(claim, token, None)
