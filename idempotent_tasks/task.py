@@ -116,7 +116,8 @@ SUPERSEDED_HEADER = "idempotency_superseded"
 #: waits for) took over: this call answers that call's callers too.
 TAKEN_FROM_HEADER = "idempotency_taken_from"
 #: When the call a copy of a message stands for expires (ISO 8601): the copy itself does not,
-#: so it is answered with the key's value past it, and ends expired only if it would run it.
+#: so it is answered with the key's value past it, and ends expired only if it would run a key
+#: it found free or queued for itself (see the claim in ``IdempotentTask.__call__``).
 EXPIRES_HEADER = "idempotency_expires"
 #: ``apply_async`` option our own re-publishes carry: headers to add, and no publish-side peek.
 _REPUBLISH = "_idempotency_republish"
@@ -587,9 +588,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return value
 
     def _end_expired_copy(self, attempt: Attempt) -> NoReturn:
-        """A copy of this call's message (it waited, or its store was down) that would run the
-        key itself, past the call's expiry: it ends as Celery ends an expired call, unrun and
-        REVOKED, its key free for the next call."""
+        """A copy of this call's message (it waited, or its store was down) that would run a
+        key it found free or queued for itself, past the call's expiry: it ends as Celery ends
+        an expired call, unrun and REVOKED, its key free for the next call."""
         despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
         request = self.request
         logger.warning("%s[%s] expired before it could run: revoked", self.name, request.id)
@@ -1230,7 +1231,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         letter, or its dead letter's success) must run whenever it arrives, and the others
         carry the call's expiry in a header instead, so that past it they are still answered
         with the key's value (a duplicate's caller waits for it), and end expired, unrun, only
-        where they would run the key themselves.
+        where they would run a key they found free or queued for themselves.
         """
         # Never dropped unread by the worker: a copy may be owed the key's value past the
         # call's expiry, which it carries instead (see _end_expired_copy).
