@@ -30,11 +30,14 @@ from tests.integration.databases import fresh_mariadb_database, version_one_dead
 
 from .conftest import store_url
 
+#: The guard's copy of a message that counts as lost at once.
+DUE_NOW = Pickup(envelope=b"{}", due_in=0.0, timeout=60)
 
-def _request() -> ClaimRequest:
+
+def _request(key: str = "k") -> ClaimRequest:
     return ClaimRequest(
-        storage_key="k",
-        key="k",
+        storage_key=key,
+        key=key,
         task_name="t",
         task_id="x",
         owner=uuid.uuid4().hex,
@@ -42,6 +45,15 @@ def _request() -> ClaimRequest:
         lease_seconds=30,
         ttl_seconds=60,
     )
+
+
+def _garble_pickup(store: SqlStore, storage_key: str, column: str) -> None:
+    """Write text into one column of a key's pickup row, as SQLite lets anyone."""
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.text(f"UPDATE {pickups.name} SET {column} = 'x' WHERE id = :id"),
+            {"id": store.claim_id(storage_key)},
+        )
 
 
 @pytest.mark.parametrize(
@@ -251,7 +263,7 @@ def test_a_sweep_skips_a_key_whose_claim_row_is_unreadable_and_takes_the_others(
     store = SqlStore(store_url(kind, request), prefix=f"sweep-{uuid.uuid4().hex[:8]}")
     try:
         pickup = Pickup(envelope=b"{}", due_in=0.05, timeout=60)
-        broken, fine = _request(), dataclasses.replace(_request(), storage_key="k2", key="k2")
+        broken, fine = _request(), _request("k2")
         assert store.reserve(broken, pickup) is None
         assert store.reserve(fine, pickup) is None
         with store.engine.begin() as connection:
@@ -273,15 +285,10 @@ def test_a_pickup_row_that_cannot_be_read_is_a_corrupt_record_and_the_sweep_take
     store = SqlStore(store_url("sqlite", request), prefix=f"pickup-{uuid.uuid4().hex[:8]}")
     try:
         # Given two keys whose messages count as lost, one with text in a number column
-        pickup = Pickup(envelope=b"{}", due_in=0.0, timeout=60)
-        broken, fine = _request(), dataclasses.replace(_request(), storage_key="k2", key="k2")
-        assert store.reserve(broken, pickup) is None
-        assert store.reserve(fine, pickup) is None
-        with store.engine.begin() as connection:
-            connection.execute(
-                sa.text(f"UPDATE {pickups.name} SET {column} = 'x' WHERE id = :id"),
-                {"id": store.claim_id("k")},
-            )
+        broken, fine = _request(), _request("k2")
+        assert store.reserve(broken, DUE_NOW) is None
+        assert store.reserve(fine, DUE_NOW) is None
+        _garble_pickup(store, "k", column)
         # Then taking that key names its row unreadable, never a raw TypeError or ValueError
         with pytest.raises(CorruptRecord, match=r"pickup row .* is unreadable"):
             store.take("k")
@@ -300,20 +307,11 @@ def test_unreadable_pickups_filling_a_whole_batch_do_not_hold_the_other_keys_bac
     store = SqlStore(store_url("sqlite", request), prefix=f"batch-{uuid.uuid4().hex[:8]}")
     try:
         # Given two due pickups that cannot be read, due before a readable one
-        broken = [
-            dataclasses.replace(_request(), storage_key=f"b{index}", key=f"b{index}")
-            for index in range(2)
-        ]
-        for queued in broken:
-            assert store.reserve(queued, Pickup(envelope=b"{}", due_in=0.0, timeout=60)) is None
-        fine = dataclasses.replace(_request(), storage_key="k2", key="k2")
+        for key in ("b0", "b1"):
+            assert store.reserve(_request(key), DUE_NOW) is None
+            _garble_pickup(store, key, "timeout")
+        fine = _request("k2")
         assert store.reserve(fine, Pickup(envelope=b"{}", due_in=0.01, timeout=60)) is None
-        with store.engine.begin() as connection:
-            for queued in broken:
-                connection.execute(
-                    sa.text(f"UPDATE {pickups.name} SET timeout = 'x' WHERE id = :id"),
-                    {"id": store.claim_id(queued.storage_key)},
-                )
         time.sleep(0.05)
         # When the sweep takes two at a time, then the readable key is taken: the unreadable
         # ones, met first, are put off rather than fill every batch
@@ -502,8 +500,8 @@ def test_a_pickup_whose_row_id_is_not_utf8_is_still_taken_and_moved_on(
     # version's migration of a latin1 table kept them so)
     store = SqlStore(store_url("mariadb", request), prefix=f"bytes-{uuid.uuid4().hex[:8]}")
     try:
-        queued = dataclasses.replace(_request(), storage_key="caf\xe9", key="caf\xe9")
-        assert store.reserve(queued, Pickup(envelope=b"{}", due_in=0.0, timeout=60)) is None
+        queued = _request("caf\xe9")
+        assert store.reserve(queued, DUE_NOW) is None
         written_id = store.claim_id("caf\xe9")
         with store.engine.begin() as connection:
             for table in (claims, pickups):

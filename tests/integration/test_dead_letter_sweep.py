@@ -988,6 +988,17 @@ def _eager_app(dlq_url: str, name: str) -> Celery:
     return app
 
 
+def _counting_charge(app: Celery, ran: list[str]) -> Any:
+    """A keyed-or-not task of ``app`` returning its order, noting each run in ``ran``."""
+
+    @app.task(name=f"{app.main}.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        ran.append(order)
+        return order
+
+    return charge
+
+
 def _sent_by(taken: Any, key: str | None) -> dict[str, Any]:
     """The headers of the message a sweep sends for the row it took."""
     headers = {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
@@ -1000,13 +1011,8 @@ def _sent_by(taken: Any, key: str | None) -> dict[str, Any]:
 def test_a_dead_letters_message_sent_again_since_or_whose_row_ended_does_not_run(
     dlq_url: str, queue: DeadLetterQueue, keyed: bool
 ) -> None:
-    app = _eager_app(dlq_url, "stale")
     ran: list[str] = []
-
-    @app.task(name=f"stale.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
-    def charge(order: str) -> str:
-        ran.append(order)
-        return order
+    charge = _counting_charge(_eager_app(dlq_url, "stale"), ran)
 
     key = f"order-{uuid.uuid4().hex}" if keyed else None
     # Given a row a sweep took and sent, then (its message slower than the retrying timeout)
@@ -1038,13 +1044,8 @@ def test_a_dead_letters_message_sent_again_since_or_whose_row_ended_does_not_run
 def test_a_dead_letters_message_whose_row_gave_up_ends_as_its_last_retry_did(
     dlq_url: str, queue: DeadLetterQueue
 ) -> None:
-    app = _eager_app(dlq_url, "gave-up")
     ran: list[str] = []
-
-    @app.task(name=f"gave-up.charge.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
-    def charge(order: str) -> str:
-        ran.append(order)
-        return order
+    charge = _counting_charge(_eager_app(dlq_url, "gave-up"), ran)
 
     # Given a row whose last retry failed (a Celery retry of it still on its way, say)
     row = queue.add(dataclasses.replace(_failure(), task_name=charge.name, max_retries=1))
