@@ -874,10 +874,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         logger.error("failed for good: %s: %s", type(exc).__name__, message)
         if not self.dlq:
             return
-        # A JSON message carries tuples as lists, as the table keeps them; pickle, say, does not.
-        stored_args, stored_kwargs, faithful = stored_arguments(
-            args, kwargs, exact=self.serializer != "json"
-        )
+        stored_args, stored_kwargs, faithful = self._table_arguments(args, kwargs)
         max_retries = int(
             resolve(
                 self.dlq_max_retries,
@@ -1047,15 +1044,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise Ignore()  # its failure ran its errbacks already: not twice
             raise DeadLettered(failure.error_type, failure.error_message, failure.task_id)
 
+    def _table_arguments(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Any], dict[str, Any], bool]:
+        """A call's arguments as its dead letter keeps them, and whether they are exact."""
+        # A JSON message carries tuples as lists, as the table keeps them; pickle, say, does not.
+        return stored_arguments(args, kwargs, exact=self.serializer != "json")
+
     def _unwritten_failure(
         self, header: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Failure:
         """The failure a message carries to write (see :func:`_failure_header`), its
         arguments read back from the message's own, as ``on_final_failure`` stored them."""
         if "args" not in header:
-            stored_args, stored_kwargs, faithful = stored_arguments(
-                args, kwargs, exact=self.serializer != "json"
-            )
+            stored_args, stored_kwargs, faithful = self._table_arguments(args, kwargs)
             header = {**header, "args": stored_args, "kwargs": stored_kwargs}
             if "options" not in header:  # too large to carry: this copy's own are the call's
                 header["options"] = _failure_options(self.request, faithful)
