@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 UNSAFE_SERIALIZERS = frozenset({"pickle", "application/x-python-serialize"})
 #: What kombu's "raw" serializer (no serializer) writes: read back as the bytes or text.
 _RAW_CONTENT_TYPES = frozenset({"application/data", "application/text"})
+#: What a result the codec's serializer refuses is cached with, when it can be.
+FALLBACK_SERIALIZER = "json"
 #: The key of kombu's JSON type markers (datetime, Decimal, UUID, bytes ...).
 _TYPE_MARKER = b'"__type__"'
 
@@ -56,20 +58,25 @@ class ResultCodec:
 
     def encode(self, value: Any) -> tuple[EncodedResult | None, str | None]:
         """Return the encoded value, or ``None`` and the reason it cannot be cached: it cannot
-        be serialized, is too big, or would not decode back to a value."""
+        be serialized, is too big, or would not decode back to a value.
+
+        A value the codec's serializer refuses (msgpack and a ``datetime``, say) is cached as
+        JSON when JSON takes it: the record names its content type, so duplicates read it
+        back all the same, where they would otherwise get ``None``.
+        """
         try:
-            content_type, encoding, body = serialization.dumps(value, self.serializer)  # type: ignore[no-untyped-call]
-            data = body.encode("utf-8") if isinstance(body, str) else body
-            if not isinstance(data, bytes | bytearray | memoryview):
-                # kombu's "raw" passes anything else through: bytes(5) would be five NULs.
-                raise EncodeError(f"it gave {type(data).__name__}, not bytes")
+            data, content_type, encoding = self._dump(value, self.serializer)
         except Exception as exc:  # any serializer's error, a plugin's or one not installed
-            return None, f"result is not serializable with {self.serializer}: {exc}"
+            reason = f"result is not serializable with {self.serializer}: {exc}"
+            if self.serializer == FALLBACK_SERIALIZER:
+                return None, reason
+            try:
+                data, content_type, encoding = self._dump(value, FALLBACK_SERIALIZER)
+            except Exception:
+                return None, reason
         if len(data) > self.max_bytes:
             return None, f"result is {len(data)} bytes, over the {self.max_bytes}-byte limit"
-        encoded = EncodedResult(
-            content_type=content_type, content_encoding=encoding, body=bytes(data)
-        )
+        encoded = EncodedResult(content_type=content_type, content_encoding=encoding, body=data)
         if _TYPE_MARKER in encoded.body:
             # kombu's JSON reads {"__type__": ..., "__value__": ...} back as the type it names:
             # a value that only looks like one would fail every duplicate.
@@ -78,6 +85,16 @@ class ResultCodec:
             except CorruptRecord as exc:
                 return None, f"result would not decode back: {exc}"
         return encoded, None
+
+    @staticmethod
+    def _dump(value: Any, serializer: str) -> tuple[bytes, str, str]:
+        """``value`` encoded with ``serializer``: its bytes, content type and encoding."""
+        content_type, encoding, body = serialization.dumps(value, serializer)  # type: ignore[no-untyped-call]
+        data = body.encode("utf-8") if isinstance(body, str) else body
+        if not isinstance(data, bytes | bytearray | memoryview):
+            # kombu's "raw" passes anything else through: bytes(5) would be five NULs.
+            raise EncodeError(f"it gave {type(data).__name__}, not bytes")
+        return bytes(data), content_type, encoding
 
     def decode(self, encoded: EncodedResult) -> Any:
         """Decode a cached result, refusing pickle unless the app opted in."""

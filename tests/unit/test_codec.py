@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
+from kombu import serialization
 
 from idempotent_tasks.codec import ResultCodec
 from idempotent_tasks.errors import CorruptRecord
@@ -57,19 +60,56 @@ def test_undecodable_bytes_are_a_corrupt_record() -> None:
         codec.decode(broken)
 
 
-def test_a_serializer_not_installed_here_caches_nothing_and_raises_nothing() -> None:
+def test_a_serializer_not_installed_here_caches_as_json() -> None:
     codec = ResultCodec(serializer="not-installed-here", max_bytes=1000)
     encoded, reason = codec.encode({"a": 1})
-    assert encoded is None
-    assert reason is not None and "not serializable with not-installed-here" in reason
+    assert reason is None and encoded is not None
+    assert encoded.content_type == "application/json" and codec.decode(encoded) == {"a": 1}
 
 
-def test_raw_caches_bytes_only_never_a_value_it_would_turn_into_other_bytes() -> None:
+def test_raw_caches_bytes_as_they_are_and_anything_else_as_json() -> None:
     codec = ResultCodec(serializer="raw", max_bytes=1000)
     encoded, _ = codec.encode(b"\x00\x01")
     assert encoded is not None and codec.decode(encoded) == b"\x00\x01"
     # bytes(5) would be five NULs: a duplicate would get them instead of 5
-    assert codec.encode(5) == (None, "result is not serializable with raw: it gave int, not bytes")
+    encoded, _ = codec.encode(5)
+    assert encoded is not None and encoded.content_type == "application/json"
+    assert codec.decode(encoded) == 5
+
+
+@pytest.fixture
+def strict_serializer() -> Iterator[str]:
+    """A serializer that refuses what plain JSON refuses, as msgpack refuses a datetime."""
+    serialization.register(  # type: ignore[no-untyped-call]
+        "strict",
+        json.dumps,
+        json.loads,
+        content_type="application/x-strict",
+        content_encoding="utf-8",
+    )
+    try:
+        yield "strict"
+    finally:
+        serialization.registry.unregister("strict")  # type: ignore[no-untyped-call]
+
+
+def test_a_value_the_serializer_refuses_is_cached_as_json(strict_serializer: str) -> None:
+    codec = ResultCodec(serializer=strict_serializer, max_bytes=1000)
+    when = datetime(2026, 11, 28, 1, 2, 3, tzinfo=timezone.utc)
+    encoded, reason = codec.encode({"sent_at": when})
+    assert reason is None and encoded is not None
+    assert encoded.content_type == "application/json"
+    assert codec.decode(encoded) == {"sent_at": when}
+    # what it takes stays in its own serializer
+    encoded, _ = codec.encode({"n": 1})
+    assert encoded is not None and encoded.content_type == "application/x-strict"
+    assert codec.decode(encoded) == {"n": 1}
+
+
+def test_a_value_neither_serializer_takes_names_the_task_serializer(strict_serializer: str) -> None:
+    encoded, reason = ResultCodec(serializer=strict_serializer, max_bytes=1000).encode(object())
+    assert encoded is None
+    assert reason is not None and reason.startswith("result is not serializable with strict:")
 
 
 def test_a_value_that_would_not_decode_back_is_not_cached() -> None:
