@@ -771,9 +771,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             else:
                 attempt.release_quietly()
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
-            if "expires" in options:
-                # Its own expiry, the broker's to keep: not the one a copy's message carries.
-                options[_REPUBLISH][EXPIRES_HEADER] = None
+        if "expires" in options:
+            # Its own expiry, the broker's to keep: not the one a copy's message carries (also
+            # for a retry after one that took the attempt along, sent with throw=False).
+            options.setdefault(_REPUBLISH, {})[EXPIRES_HEADER] = None
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Reject as rejected:

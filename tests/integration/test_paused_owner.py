@@ -233,6 +233,36 @@ def test_a_copy_past_its_calls_expiry_that_takes_a_dead_owners_key_over_runs_it(
     assert runs == ["o-1"]
 
 
+@pytest.mark.parametrize("retries", ["once", "again-after-throw-false"])
+def test_a_copy_past_its_calls_expiry_that_retries_without_it_runs_the_retry(
+    app: Celery, retries: str
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, bind=True, name=fresh("expiry.retrying"), shared=False)
+    def charge(self: Any, order: str) -> str:
+        runs.append(order)
+        if len(runs) == 1:
+            if retries == "again-after-throw-false":
+                # a retry published without raising, then one that replaces it: the second
+                # finds this attempt's claim already handed on
+                self.retry(countdown=60, throw=False)
+            raise self.retry(countdown=0.2, expires=None)
+        return f"charged {order}"
+
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # Given a copy of a call sent with a 0.5 s expiry that takes a dead owner's key over past
+        # it (so runs), and retries itself with no expiry of its own
+        _held_by_the_owner(app, charge, key, lease=1.0, reserved=True)
+        duplicate = app.send_task(
+            charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5
+        )
+        # Then the retry runs, though it comes past the call's expiry: it was sent without it
+        assert duplicate.get(timeout=30) == "charged o-1"
+    assert runs == ["o-1", "o-1"]
+
+
 def test_a_retry_sent_without_its_calls_expiry_keeps_its_key_queued_past_it(app: Celery) -> None:
     @app.task(base=IdempotentTask, bind=True, name=fresh("retry.expiry"), shared=False)
     def charge(self: Any, order: str) -> str:
