@@ -104,6 +104,14 @@ _recent = _RecentKeys(RECENT_KEYS)
 TAKE_OVER = object()
 
 
+@dataclass(frozen=True)
+class Published:
+    """What :func:`publish` returns for a call it published: Celery's result of it (told apart
+    from an answer a record gave, which with rpc:// results would be published after all)."""
+
+    result: AsyncResult
+
+
 def publish(
     task: IdempotentTask,
     request: ClaimRequest,
@@ -111,9 +119,10 @@ def publish(
     producer: Any,
     send: Callable[[Any], AsyncResult],
 ) -> Any:
-    """Publish a keyed call reserving its key as its message is pushed, or answer it from the
-    key's record; ``None`` when that cannot be done here (publish it the two-trip way), and
-    :data:`TAKE_OVER` for a record the call takes over (publish it unreserved).
+    """Publish a keyed call reserving its key as its message is pushed (:class:`Published`), or
+    answer it from the key's record; ``None`` when that cannot be done here (publish it the
+    two-trip way), and :data:`TAKE_OVER` for a record the call takes over (publish it
+    unreserved).
 
     ``request`` and ``pickup`` are the call's reservation, as :func:`publishing.prepare` made
     them; ``send`` publishes the message through Celery with the producer it is given.
@@ -165,9 +174,10 @@ def publish(
             _PENDING.reset(token)
     if not pending.reached:
         _reserve_after(store, request, pickup)
-        return result
+        return Published(result)
     if pending.found is None:
-        return result  # reserved and pushed; or pushed without a look, the store unreachable
+        # Reserved and pushed; or pushed without a look, the store unreachable.
+        return Published(result)
     del result  # never published: dropping it ends its result subscription
     answer = publishing.answer_from_record(task, pending.found, request)
     # None: a key this call takes over (a dead owner's, an unreadable value); the two-trip

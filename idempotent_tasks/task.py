@@ -269,6 +269,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         args, kwargs, task_id, ready, link, link_error, shadow, **options
                     ),
                 )
+            if isinstance(answer, reserve_and_push.Published):
+                return answer.result
             if answer is reserve_and_push.TAKE_OVER:
                 reservation, short_circuit = None, None  # its record looked at already
             elif answer is not None:

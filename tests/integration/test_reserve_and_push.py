@@ -103,6 +103,30 @@ def test_a_keyed_call_is_reserved_and_pushed_in_the_same_step(
     assert _queued_record(app, add, key).task_id == result.id
 
 
+def test_with_rpc_results_a_keyed_call_is_pushed_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, every_process_new: None
+) -> None:
+    # rpc:// hands a result to its own caller alone: a call answered from another's record is
+    # published all the same, which must not make a call pushed by its reservation go twice
+    app = Celery("one-trip-rpc", broker=f"{redis_url}/{BROKER_DB}", backend="rpc://")
+    app.conf.idempotency_store_url = f"{redis_url}/{BACKEND_DB}"
+
+    @app.task(base=IdempotentTask, name=fresh("one_trip.rpc_add"))
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    reserves = _Reserves(app, monkeypatch)
+    queue, key = fresh("queue"), fresh("key")
+    try:
+        result = add.apply_async((1, 2), idempotency_key=key, queue=queue)
+        assert reserves.with_push == [True]
+        [message] = _queued(queue)
+        assert message["headers"]["id"] == result.id
+    finally:
+        monkeypatch.undo()
+        store_for(app).close()
+
+
 def test_a_key_found_pushes_nothing_and_answers_with_its_owner(
     one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None
 ) -> None:
