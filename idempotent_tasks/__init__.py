@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from . import metrics  # noqa: F401  (its in-process counters listen from the first call)
+from . import (
+    metrics,  # noqa: F401  (its in-process counters listen from the first call)
+    sent_by_name,  # noqa: F401  (keys of calls sent by name go into the headers)
+)
 from .errors import (
     CorruptRecord,
     DeadLettered,

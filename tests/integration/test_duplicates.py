@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from celery import chain, chord, group
+from celery import Celery, chain, chord, group
 from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
 
@@ -454,6 +454,42 @@ def test_a_key_given_as_a_header_is_the_call_s_key_at_publish_too() -> None:
     assert (again.id, again.get()) == (first.id, first.get())
     assert queue_length(IDLE_QUEUE) == 0
     assert ledger_events(order, "start") == 1
+
+
+def _caller_without_the_task() -> Celery:
+    """An app on the workers' broker and backend that does not register their tasks (a client
+    service that calls them by name, a beat process that does not import them)."""
+    caller = Celery(
+        "by-name", broker=worker_app.app.conf.broker_url, backend=worker_app.app.conf.result_backend
+    )
+    caller.tasks.pop(charge.name)  # a shared task: every app registers it once finalized
+    return caller
+
+
+@pytest.mark.parametrize("how", ["send_task", "signature"])
+def test_a_key_given_to_a_call_sent_by_name_is_carried_to_the_worker(how: str) -> None:
+    caller, order, key = _caller_without_the_task(), fresh("order"), fresh("key")
+
+    def call() -> AsyncResult:
+        if how == "send_task":
+            return caller.send_task(charge.name, (order, 1), idempotency_key=key)
+        return caller.signature(charge.name, (order, 1)).set(idempotency_key=key).delay()
+
+    # Given calls of a keyed task sent by name with idempotency_key= (Celery would put the
+    # option in the message's properties, where no worker looks), one after the other's end
+    first = call().get(timeout=30)
+    again = call().get(timeout=30)
+    # Then the body ran once, and both callers got its value
+    assert again == first
+    assert ledger_events(order, "start") == 1
+
+
+def test_an_invalid_key_given_to_a_call_sent_by_name_fails_running_nothing() -> None:
+    order = fresh("order")
+    sent = _caller_without_the_task().send_task(charge.name, (order, 1), idempotency_key=42)
+    with pytest.raises(ValueError, match="idempotency_key must"):
+        sent.get(timeout=30)
+    assert ledger_events(order, "start") == 0
 
 
 @pytest.mark.parametrize("bad", [42, "", "a\x00b", ["key"]])
