@@ -99,11 +99,14 @@ def claim_ttl(conf: Any, ttl_seconds: float) -> float | None:
 def seconds_until(countdown: Any = None, eta: Any = None) -> float:
     """How long from now a message asks to wait before it runs.
 
-    A naive ``eta`` is UTC, as Celery's worker reads it (not this host's local time).
+    A countdown (other than 0) wins over an ``eta``, as Celery makes the message's eta from
+    it. A naive ``eta`` is UTC, as Celery's worker reads it (not this host's local time).
     """
+    if countdown:
+        return max(float(countdown), 0.0)
     if eta is not None:
         return max(_seconds_to(eta), 0.0)
-    return max(float(countdown or 0), 0.0)
+    return 0.0
 
 
 def _seconds_to(moment: Any) -> float:

@@ -107,7 +107,16 @@ def test_a_message_that_cannot_be_kept_gets_no_pickup() -> None:
 
 @pytest.mark.parametrize(
     ("countdown", "eta_in", "expected"),
-    [(None, None, 0.0), (5, None, 5.0), (-3, None, 0.0), (None, 30, 30.0), (None, -30, 0.0)],
+    [
+        (None, None, 0.0),
+        (5, None, 5.0),
+        (-3, None, 0.0),
+        (None, 30, 30.0),
+        (None, -30, 0.0),
+        # both given: a countdown wins, as Celery's message makes its eta from it; 0 does not
+        (7200, 0, 7200.0),
+        (0, 30, 30.0),
+    ],
 )
 def test_seconds_until_reads_countdowns_and_etas(
     countdown: float | None, eta_in: float | None, expected: float
