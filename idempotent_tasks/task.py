@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Mapping
 from datetime import datetime
 from functools import cached_property
 from traceback import format_exception
@@ -224,6 +225,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ValueError: the key is not a non-empty ``str``, or the task requires one; the
                 ``task_id`` given is not a non-empty ``str`` of at most 255 characters.
             IdempotencyKeyMismatch: the key was used with other arguments.
+            TypeError: ``args`` is not a list or tuple, or ``kwargs`` not a mapping (as Celery).
         """
         republish_headers = options.pop(_REPUBLISH, None)
         call_key = given_key(options)
@@ -233,6 +235,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # one sent by other means is not refused half-way through its life.
             check_task_id(task_id)
             check_following_keys(self.app, options, link, link_error)
+        if args and not isinstance(args, list | tuple):
+            raise TypeError("task args must be a list or tuple")  # as Celery's own message
+        if kwargs and not isinstance(kwargs, Mapping):
+            raise TypeError("task keyword arguments must be a mapping")
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         # A message sent without a key by other means (send_task) is not refused half-way

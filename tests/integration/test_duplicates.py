@@ -502,6 +502,22 @@ def test_a_message_sent_by_other_means_with_a_bad_key_fails_running_nothing(bad:
     assert ledger_events(order, "start") == 0
 
 
+@pytest.mark.parametrize("key", [None, "key"])
+def test_arguments_celery_would_refuse_are_refused_before_anything_is_published(
+    key: str | None,
+) -> None:
+    # Celery refuses them in its message; taken apart (a dict's keys, a str's letters), the call
+    # would run with other arguments than its caller's
+    options = {"idempotency_key": fresh(key)} if key else {}
+    with pytest.raises(TypeError, match="task args must be a list or tuple"):
+        charge.apply_async({"order_id": fresh("order")}, queue=IDLE_QUEUE, **options)
+    with pytest.raises(TypeError, match="task args must be a list or tuple"):
+        charge.apply_async("ab", queue=IDLE_QUEUE, **options)
+    with pytest.raises(TypeError, match="task keyword arguments must be a mapping"):
+        charge.apply_async((), [("order_id", "o"), ("amount", 1)], queue=IDLE_QUEUE, **options)
+    assert queue_length(IDLE_QUEUE) == 0
+
+
 @pytest.mark.parametrize("bad", ["t" * 256, "", 42, b"task-id"])
 def test_task_ids_the_stores_cannot_hold_are_refused_before_anything_is_published(
     bad: object,
