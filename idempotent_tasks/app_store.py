@@ -10,14 +10,13 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from celery.signals import worker_init, worker_process_init
-from sqlalchemy.exc import SQLAlchemyError
 
 from . import defaults
 from .dlq import DeadLetterQueue
 from .dlq.engine import default_sqlite_url
-from .errors import StoreUnavailable
 from .prometheus import enable_if_installed
 from .settings import app_setting
+from .setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
 from .stores import Store, store_from_url
 
 logger = logging.getLogger(__name__)
@@ -26,16 +25,6 @@ _T = TypeVar("_T")
 _lock = threading.Lock()
 _STORE = "_idempotent_tasks_store"
 _DLQ = "_idempotent_tasks_dlq"
-
-
-#: What building a store or a dead-letter queue raises for a set-up no wait mends: a driver
-#: not installed, a URL that does not parse or names no store, a data folder not makeable.
-SETUP_ERRORS: tuple[type[Exception], ...] = (ImportError, OSError, ValueError, SQLAlchemyError)
-
-
-class DeadLetterQueueUnusable(StoreUnavailable):
-    """The app's dead-letter queue cannot even be set up: a matter of configuration, which no
-    wait mends (a worker refuses to start on it)."""
 
 
 def store_url(app: Any) -> str:

@@ -14,13 +14,14 @@ from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_UNAVAILABLE
 
 from . import cli_format, defaults
-from .app_store import SETUP_ERRORS, dlq_for, store_for, store_url
+from .app_store import dlq_for, store_for, store_url
 from .codec import ResultCodec
 from .dead_letters import SWEEP_TASK
 from .dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
 from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from .keys import storage_key
 from .records import Record, Status
+from .setup_errors import SETUP_ERRORS
 from .stores import MemoryStore, Store
 from .urls import shown_url
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from celery.signals import worker_init
 
-from .app_store import SETUP_ERRORS, DeadLetterQueueUnusable, dlq_for, store_for
+from .app_store import dlq_for, store_for
 from .errors import SchemaVersionError, StoreUnavailable
+from .setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
 
 logger = logging.getLogger(__name__)
 

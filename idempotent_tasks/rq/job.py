@@ -43,6 +43,7 @@ from ..errors import (
 )
 from ..keys import derive_key, fingerprint, storage_key
 from ..records import ClaimRequest, Outcome, Record
+from ..setup_errors import SETUP_ERRORS
 from .dead_letters import (
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TRACEBACK_CHARS,
@@ -232,7 +233,10 @@ class IdempotentJob(Job):
             raise
         if key is None:
             return self._run_body(None, None, options, state)
-        attempt = self._attempt(func, key, options, state)
+        try:
+            attempt = self._attempt(func, key, options, state)
+        except StoreUnavailable as exc:
+            return self._wait_for_store(exc)
         return self._claim_and_run(attempt, options, state)
 
     def _job_key(self, func: Any, options: IdempotencyOptions, state: dict[str, Any]) -> str | None:
@@ -265,7 +269,11 @@ class IdempotentJob(Job):
             validate=options.validate,
             previous_owner=state.get("previous_owner"),
         )
-        store = claim_store(self.connection, prefix, state.get("store_url"))
+        try:
+            store = claim_store(self.connection, prefix, state.get("store_url"))
+        except SETUP_ERRORS as exc:
+            # A driver this worker lacks, say: the job waits, as for a store that is down.
+            raise StoreUnavailable(f"claim store unusable: {exc}") from exc
         return Attempt(store=store, request=request, codec=CODEC)
 
     def _claim_and_run(
@@ -279,15 +287,9 @@ class IdempotentJob(Job):
                 claim = attempt.claim()
                 lost = claim.outcome is Outcome.ACQUIRED and not attempt.held_at_start()
             except StoreUnavailable as exc:
-                if self._is_sync:
-                    raise
-                delay = self._time_budget(defaults.STORE_UNAVAILABLE_DELAY)
-                logger.warning(
-                    "job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc
-                )
                 # A claim acquired (or applied, its reply lost) is taken back at once.
                 state["previous_owner"] = request.owner
-                return self._requeue_later(delay, f"store: {exc}")
+                return self._wait_for_store(exc)
             except JobTimeoutException as exc:
                 # Fired before the body began (a slow store): the job fails as it would have a
                 # moment later in its body, its claim (if made) released.
@@ -586,8 +588,18 @@ class IdempotentJob(Job):
         func, options, state = scope
         key = self._job_key(func, options, state)
         if key is not None:
-            self._attempt(func, key, options, state).release_dead_owner()
+            self._release_dead_owner(func, key, options, state)
         return state
+
+    def _release_dead_owner(
+        self, func: Any, key: str, options: IdempotencyOptions, state: dict[str, Any]
+    ) -> None:
+        try:
+            attempt = self._attempt(func, key, options, state)
+        except StoreUnavailable as exc:
+            logger.warning("could not release key %r (%s): its lease frees it", key, exc)
+            return
+        attempt.release_dead_owner()
 
     def _release_stopped_run(self) -> None:
         """A job stopped on purpose (``send_stop_job_command``): not dead-lettered, but its
@@ -630,7 +642,7 @@ class IdempotentJob(Job):
         key = self._job_key(func, options, state)
         if key is not None and not abandoned:
             # The horse was forked from this very job object: it claimed under this owner id.
-            self._attempt(func, key, options, state).release_dead_owner()
+            self._release_dead_owner(func, key, options, state)
         if not options.dlq:
             return
         started = self.started_at.isoformat() if self.started_at else "unknown"
@@ -673,6 +685,15 @@ class IdempotentJob(Job):
         started): it waits for that one's value, whatever ``on_duplicate`` says."""
         state["superseded"] = True
         return self._requeue_later(defaults.WAIT_INITIAL_DELAY, f"key {key!r} was taken over")
+
+    def _wait_for_store(self, exc: StoreUnavailable) -> Requeue:
+        """The claim store cannot be reached: the job goes back to its queue, to try later
+        (a synchronous queue raises ``exc``)."""
+        if self._is_sync:
+            raise exc
+        delay = self._time_budget(defaults.STORE_UNAVAILABLE_DELAY)
+        logger.warning("job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc)
+        return self._requeue_later(delay, f"store: {exc}")
 
     def _renew_dead_letter(self, state: dict[str, Any]) -> None:
         """A dead letter's re-enqueued job begins a run (its body's, or a look at its key that

@@ -19,6 +19,7 @@ import pytest
 from rq import Queue, Retry, SimpleWorker
 from rq.job import JobStatus
 
+from idempotent_tasks import defaults
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.errors import IdempotencyKeyMismatch
 from idempotent_tasks.keys import storage_key
@@ -249,6 +250,50 @@ def test_a_job_ended_by_a_base_exception_with_no_retries_left_is_dead_lettered(
     assert (row.error_type, row.error_message) == ("SystemExit", f"{name} exits")
     # And its key is free for a new call
     assert sync.store.get(storage_key(RQ_EXITS, key)) is None
+
+
+def _run_one_job(queue: IdempotentQueue) -> None:
+    """Run the next job of ``queue`` in this process (one only: a job that goes back to its
+    queue would come round again)."""
+    worker = SimpleWorker([queue], connection=queue.connection, job_class=IdempotentJob)
+    worker.work(burst=True, max_jobs=1)
+
+
+def test_a_failure_whose_dead_letter_database_cannot_be_set_up_stays_on_its_queue(
+    rq_env: RQEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(defaults, "DLQ_WRITE_RETRY_DELAY", 0.05)
+    # Given a failing job whose dead-letter URL names no driver SQLAlchemy has
+    queue = IdempotentQueue(
+        fresh("unusable-dlq"), connection=rq_env.connection, dlq_url="nosuchdb://x/y"
+    )
+    name = fresh("unusable-dlq")
+    try:
+        job = queue.enqueue(rq_jobs.flaky, name, 99, idempotency_key=fresh("key"))
+        _run_one_job(queue)
+        # Then its failure goes back to its queue with the job, to be written once it can be
+        job = IdempotentJob.fetch(job.id, connection=rq_env.connection)
+        assert job.get_status() == JobStatus.QUEUED
+        assert job.meta[META_KEY]["unwritten_failure"]["error_type"] == "TimeoutError"
+        assert rq_jobs.starts(name) == 1
+    finally:
+        queue.delete(delete_jobs=True)
+
+
+def test_a_job_whose_claim_store_cannot_be_set_up_here_waits_on_its_queue_unrun(
+    idle: IdempotentQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(defaults, "STORE_UNAVAILABLE_DELAY", 0.05)
+    # Given a keyed job whose claim store this worker cannot build (a driver it lacks)
+    name = fresh("unusable-store")
+    job = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=fresh("key"))
+    job.meta[META_KEY]["store_url"] = "nosuchdb://x/y"
+    job.save_meta()
+    _run_one_job(idle)
+    # Then it goes back to its queue, its body not run (never run unclaimed)
+    job = IdempotentJob.fetch(job.id, connection=idle.connection)
+    assert job.get_status() == JobStatus.QUEUED
+    assert rq_jobs.starts(name) == 0
 
 
 def test_methods_of_one_name_on_two_classes_never_share_a_key(sync: IdempotentQueue) -> None:

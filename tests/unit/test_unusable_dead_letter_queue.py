@@ -9,7 +9,8 @@ import pytest
 from celery import Celery
 
 from idempotent_tasks import IdempotentTask, StoreUnavailable
-from idempotent_tasks.app_store import DeadLetterQueueUnusable, dlq_for
+from idempotent_tasks.app_store import dlq_for
+from idempotent_tasks.setup_errors import DeadLetterQueueUnusable
 from idempotent_tasks.startup import refuse_newer_schemas
 
 
