@@ -16,7 +16,7 @@ from celery.utils.log import get_task_logger
 from . import defaults, signals
 from .app_store import dlq_for, store_for
 from .broker_errors import broker_cannot_take
-from .dlq import DeadLetter, DeadLetterStatus, Failure, renewal
+from .dlq import DeadLetter, Failure, renewal
 from .dlq.arguments import (
     as_table_json,
     from_table_json,
@@ -148,15 +148,7 @@ def write_failure(
             failure.traceback,
             sweep_id,
         )
-        # A row that succeeded already, by this very message (its key forgotten or expired
-        # since, this run of it failed anew): the failure is a new one, with a row of its own.
-        # Another sweep's message reporting late (its failure written later) changes nothing.
-        failed_anew = (
-            item is not None
-            and item.status is DeadLetterStatus.SUCCEEDED
-            and (sweep_id is None or sweep_id == item.sweep_id)
-        )
-        if item is not None and not failed_anew:
+        if item is not None and not item.succeeded_before(sweep_id):
             _log_item(item)
             return item.id
     item = queue.add(failure)

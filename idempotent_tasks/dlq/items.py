@@ -70,3 +70,12 @@ class DeadLetter:
     created_at: datetime
     updated_at: datetime
     framework: str = "celery"
+
+    def succeeded_before(self, sweep_id: str | None) -> bool:
+        """Whether a failure reported for this row, by the run the sweep ``sweep_id`` sent (any
+        run, for ``None``), is a new failure after the row's success by that very run (its key
+        forgotten or expired since, or a repeating job's next run): it then gets a row of its
+        own. Another sweep's run reporting late adds nothing."""
+        return self.status is DeadLetterStatus.SUCCEEDED and (
+            sweep_id is None or sweep_id == self.sweep_id
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from redis import Redis
@@ -70,7 +71,7 @@ def write_failure(
             failure.traceback,
             sweep_id,
         )
-        if item is not None:
+        if item is not None and not item.succeeded_before(sweep_id):
             _log_item(failure.task_id, item)
             return item.id
     item = queue.add(failure)
@@ -78,15 +79,21 @@ def write_failure(
     return item.id
 
 
-def mark_succeeded(queue: DeadLetterQueue, dead_letter_id: str, connection: Redis) -> None:
-    """A re-enqueued dead letter succeeded: mark its row.
+def mark_succeeded(
+    queue_of: Callable[[], DeadLetterQueue],
+    dead_letter_id: str,
+    sweep_id: str | None,
+    connection: Redis,
+) -> None:
+    """A re-enqueued dead letter succeeded, by the job the sweep ``sweep_id`` enqueued: mark its
+    row (the queue ``queue_of`` gives).
 
     With the database down, the success is noted in RQ's Redis instead (see
     :func:`succeeded_unmarked`), for the sweep to mark the row rather than enqueue it again
     once it is due again (a job without a key would run again).
     """
     try:
-        queue.mark_succeeded(dead_letter_id)
+        queue_of().mark_succeeded(dead_letter_id, sweep_id)
     except StoreUnavailable as exc:
         logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
         try:

@@ -728,13 +728,21 @@ class IdempotentJob(Job):
             yield
 
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
-        dead_letter_id = state.get("dead_letter_id")
+        """A dead letter's job succeeded: its row is marked, and the job is a dead letter's no
+        more (a repeating job's next run that fails is a new failure, with a row of its own)."""
+        dead_letter_id = state.pop("dead_letter_id", None)
+        sweep_id = state.pop("dead_letter_sweep", None)
         if dead_letter_id:
-            queue = dead_letter_queue(state.get("dlq_url"))
             despite_time_limit(
                 JobTimeoutException,
-                lambda: mark_succeeded(queue, str(dead_letter_id), self.connection),
+                lambda: mark_succeeded(
+                    functools.partial(dead_letter_queue, state.get("dlq_url")),
+                    str(dead_letter_id),
+                    sweep_id,
+                    self.connection,
+                ),
             )
+            self.save_meta()  # type: ignore[no-untyped-call]  # RQ saves a finished job without it
 
     # -- small things -------------------------------------------------------------------------
 

@@ -112,6 +112,14 @@ def flaky(name: str, failures: int) -> dict[str, Any]:
     return {"name": name, "run": run}
 
 
+def fails_odd_runs(name: str) -> dict[str, Any]:
+    """Fail the first, third, ... starts with ValueError; succeed on the others."""
+    run = _start(name)
+    if run % 2:
+        raise ValueError(f"run {run} of {name} failed")
+    return {"name": name, "run": run}
+
+
 def fails_after(name: str, seconds: float) -> None:
     """Take ``seconds``, then fail with ValueError."""
     run = _start(name)

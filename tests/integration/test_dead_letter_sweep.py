@@ -24,6 +24,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
+from rq import Repeat
 from rq.job import JobStatus
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry
@@ -36,7 +37,7 @@ from idempotent_tasks.dead_letters import (
     DEAD_LETTER_SWEEP_HEADER,
     SWEEP_TASK,
 )
-from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.errors import DeadLettered
 from idempotent_tasks.keys import fingerprint, storage_key
 from idempotent_tasks.records import ClaimRequest, Outcome
@@ -785,6 +786,42 @@ def test_rq_rows_a_down_redis_refuses_are_due_again_later_and_the_sweep_ends(
     assert len(queue.take_due(framework=RQ_FRAMEWORK)) == 1
 
 
+def test_an_rq_repeating_jobs_failure_after_its_dead_letter_succeeded_gets_a_row_of_its_own(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(
+        f"repeats-{uuid.uuid4().hex[:8]}", connection=connection, dlq_url=dlq_url
+    )
+    name = f"repeats-{uuid.uuid4().hex[:8]}"
+
+    def rows() -> list[DeadLetter]:
+        return [item for item in queue.items(limit=1000) if item.task_id == job.id]
+
+    try:
+        # Given a repeating job whose first run failed for good, dead-lettered
+        job = rq_queue.enqueue(rq_jobs.fails_odd_runs, name, repeat=Repeat(times=1))
+        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
+            burst=True, max_jobs=1
+        )
+        [first] = rows()
+        # When its dead letter's retry succeeds, and the repeat after it fails for good
+        assert queue.retry_now(first.id)
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
+            burst=True, max_jobs=2
+        )
+        assert rq_jobs.starts(name) == 3
+        # Then the row stays succeeded, and the new failure has a row of its own
+        by_status = {item.status: item for item in rows()}
+        assert set(by_status) == {DeadLetterStatus.SUCCEEDED, DeadLetterStatus.PENDING}
+        assert by_status[DeadLetterStatus.SUCCEEDED].id == first.id
+        assert by_status[DeadLetterStatus.PENDING].error_message == f"run 3 of {name} failed"
+    finally:
+        rq_queue.delete(delete_jobs=True)
+        connection.close()
+
+
 def test_an_rq_row_whose_retry_succeeded_while_the_database_was_down_is_marked_not_resent(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue, tmp_path: Path
 ) -> None:
@@ -795,7 +832,7 @@ def test_an_rq_row_whose_retry_succeeded_while_the_database_was_down_is_marked_n
     item = queue.add(_failure(RQ_FRAMEWORK, row_options(queue_name)))
     [taken] = queue.take_due(framework=RQ_FRAMEWORK)
     down = DeadLetterQueue(f"sqlite:///{tmp_path}")  # a directory: the database cannot open
-    mark_succeeded(down, taken.id, connection)
+    mark_succeeded(lambda: down, taken.id, taken.sweep_id, connection)
     down.dispose()
     # When the row comes back as stuck in retrying, and the sweep runs
     assert queue.recover_stuck(timedelta(0)) == 1
@@ -866,7 +903,7 @@ def test_an_rq_success_that_can_be_neither_marked_nor_noted_still_ends_quietly(
     unreachable = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
     row_id = str(uuid.uuid4())
     try:
-        mark_succeeded(down, row_id, unreachable)  # raises nothing
+        mark_succeeded(lambda: down, row_id, None, unreachable)  # raises nothing
     finally:
         down.dispose()
     assert f"could not note dead letter {row_id} succeeded" in caplog.text
