@@ -400,8 +400,9 @@ class IdempotentJob(Job):
             value = despite_time_limit(
                 JobTimeoutException, lambda: attempt.finish(value, finish_by - time.monotonic())
             )
-            if attempt.superseded:
-                # Taken over mid-run and the new owner is still running.
+            if attempt.superseded and not self._is_sync:
+                # Taken over mid-run and the new owner is still running. (A synchronous queue
+                # has no queue to wait in: its caller gets the value its body returned.)
                 return self._wait_for_new_owner(state, attempt.request.key)
         self._dead_letter_succeeded(state)
         return value

@@ -10,8 +10,10 @@ import importlib
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -328,6 +330,42 @@ def test_a_method_job_that_came_without_its_scoped_name_is_claimed_under_it(
     SimpleWorker([idle], connection=rq_env.connection, job_class=IdempotentJob).work(burst=True)
     assert IdempotentJob.fetch(job.id, connection=rq_env.connection).return_value() == "refunded"
     assert rq_jobs.starts(order) == 1
+
+
+def test_a_synchronous_job_taken_over_mid_run_returns_its_bodys_value(
+    sync: IdempotentQueue,
+) -> None:
+    name, key = fresh("sync-taken"), fresh("key")
+    stored = storage_key(RECORD, key)
+
+    def take_over() -> None:
+        # While the body runs, another call takes its key over (as after a lease lost to a
+        # stalled store), and has not finished when the body ends
+        deadline = time.monotonic() + 10
+        while rq_jobs.starts(name) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held = sync.store.get(stored)
+        assert held is not None
+        taker = ClaimRequest(
+            storage_key=stored,
+            key=key,
+            task_name=held.task_name,
+            task_id=fresh("taker"),
+            owner=fresh("taker-owner"),
+            fingerprint=held.fingerprint,
+            lease_seconds=60,
+            ttl_seconds=600,
+            previous_owner=held.owner,
+        )
+        assert sync.store.claim(taker).outcome is Outcome.ACQUIRED
+
+    with ThreadPoolExecutor(1) as pool:
+        taken = pool.submit(take_over)
+        job = sync.enqueue(rq_jobs.record, name, 1, 1.0, idempotency_key=key)
+        taken.result()
+    # Then the caller gets what its body returned (nothing to wait in), not a requeue
+    assert job.get_status() == JobStatus.FINISHED
+    assert job.return_value() == {"name": name, "value": 1, "run": 1}
 
 
 def test_a_completed_key_with_other_arguments_raises_a_mismatch(sync: IdempotentQueue) -> None:
