@@ -164,6 +164,9 @@ def _send_again(
         state = _fresh_state(original.meta.get(META_KEY))
         state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
         original.meta[META_KEY] = state
+        # RQ's ttl= bounds how long the call's first enqueue may wait to start: kept, the dead
+        # letter's job could expire waiting in a busy queue, its row left retrying.
+        original.ttl = None
         try:
             original.failed_job_registry.requeue(original)
         except InvalidJobOperation:

@@ -822,6 +822,31 @@ def test_an_rq_repeating_jobs_failure_after_its_dead_letter_succeeded_gets_a_row
         connection.close()
 
 
+def test_an_rq_dead_letters_job_sent_again_does_not_keep_the_calls_queue_ttl(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(
+        f"ttl-{uuid.uuid4().hex[:8]}", connection=connection, dlq_url=dlq_url
+    )
+    name = f"ttl-{uuid.uuid4().hex[:8]}"
+    try:
+        # Given a job enqueued with ttl=60 (it may wait a minute to start), which failed for good
+        job = rq_queue.enqueue(rq_jobs.flaky, name, 99, ttl=60)
+        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
+            burst=True, max_jobs=1
+        )
+        [row] = [item for item in queue.items(limit=1000) if item.task_id == job.id]
+        # When the sweep sends its dead letter again
+        assert queue.retry_now(row.id)
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        # Then the job waits in its queue without that minute's expiry (RQ's failed-job one)
+        assert connection.ttl(job.key) > 3600
+    finally:
+        rq_queue.delete(delete_jobs=True)
+        connection.close()
+
+
 def test_an_rq_row_whose_retry_succeeded_while_the_database_was_down_is_marked_not_resent(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue, tmp_path: Path
 ) -> None:
