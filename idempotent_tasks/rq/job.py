@@ -56,6 +56,7 @@ from .options import (
     DEFAULT_OPTIONS,
     FRAMEWORK,
     META_KEY,
+    OWN_STORE,
     IdempotencyOptions,
     options_of,
     scoped_name,
@@ -544,6 +545,8 @@ class IdempotentJob(Job):
         for name in ("prefix", "task_name"):
             if state.get(name):
                 kept_options[name] = state[name]
+        if state.get("store_url"):
+            kept_options[OWN_STORE] = True
         if self.timeout:
             kept_options["timeout"] = self.timeout
         serializer = serializer_name(self.serializer)

@@ -29,6 +29,9 @@ META_KEY: Final = "idempotency"
 DLQ_URL_ENV: Final = "IDEMPOTENT_TASKS_DLQ_URL"
 #: ``DeadLetter.options["framework"]`` of rows written by the RQ adapter.
 FRAMEWORK: Final = "rq"
+#: The mark of a dead-letter row whose job claims in a store of its own
+#: (``IdempotentQueue(store_url=...)``), which only a sweep given that store can send again.
+OWN_STORE: Final = "own_store"
 #: Longest a duplicate waits inside the worker for the key's owner before it goes back to the
 #: end of its queue (seconds; never more than half the job's timeout).
 WAIT_SLICE: Final = 10.0

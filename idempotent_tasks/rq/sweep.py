@@ -40,7 +40,7 @@ from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
 from ..redis_unavailable import is_refusal, is_unavailable
 from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob
-from .options import FRAMEWORK, META_KEY
+from .options import FRAMEWORK, META_KEY, OWN_STORE
 from .resources import dlq_url_for
 
 logger = logging.getLogger(__name__)
@@ -90,13 +90,15 @@ def retry_dead_letters(
         queue.dispose()
 
 
-def retry_dead_letters_job(dlq_url: str | None = None, batch: int = SWEEP_BATCH) -> int:
+def retry_dead_letters_job(
+    dlq_url: str | None = None, batch: int = SWEEP_BATCH, store_url: str | None = None
+) -> int:
     """:func:`retry_dead_letters` as an RQ job function (for ``rq cron``), on the worker's
     own Redis connection."""
     job = get_current_job()
     if job is None:
         raise RuntimeError("retry_dead_letters_job runs inside an RQ worker only")
-    return retry_dead_letters(job.connection, dlq_url, batch)
+    return retry_dead_letters(job.connection, dlq_url, batch, store_url=store_url)
 
 
 def _sweep(
@@ -192,6 +194,12 @@ def _send_again(
             return
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and RQ no longer has the original job")
+    if item.idempotency_key is not None and item.options.get(OWN_STORE) and not store_url:
+        # Claimed in RQ's Redis instead, its key would be found free: run again, if completed.
+        raise CannotResend(
+            "its job claims in a store of its own (IdempotentQueue(store_url=...)), and this "
+            "sweep was given none (store_url=, --store-url): RQ no longer has the original job"
+        )
     state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
     state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
     if item.idempotency_key is not None:

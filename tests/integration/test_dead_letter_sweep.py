@@ -45,7 +45,7 @@ from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
 from idempotent_tasks.rq.dead_letters import mark_succeeded, row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
-from idempotent_tasks.rq.options import META_KEY, signature_of
+from idempotent_tasks.rq.options import META_KEY, OWN_STORE, signature_of
 from tests.integration import rq_jobs
 from tests.integration.conftest import BROKER_DB
 from tests.integration.helpers import fresh, wait_until
@@ -842,6 +842,39 @@ def test_an_rq_dead_letters_job_sent_again_does_not_keep_the_calls_queue_ttl(
         assert rq_retry_dead_letters(connection, dlq_url) == 1
         # Then the job waits in its queue without that minute's expiry (RQ's failed-job one)
         assert connection.ttl(job.key) > 3600
+    finally:
+        rq_queue.delete(delete_jobs=True)
+        connection.close()
+
+
+def test_an_rq_row_of_a_job_claiming_in_a_store_of_its_own_is_sent_again_only_with_it(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = Queue(f"own-store-{uuid.uuid4().hex[:8]}", connection=connection)
+    # Given a keyed RQ row of a queue built with store_url=, whose job RQ no longer has
+    row = queue.add(
+        dataclasses.replace(
+            _failure(RQ_FRAMEWORK, {**row_options(rq_queue.name), OWN_STORE: True}),
+            idempotency_key=f"key-{uuid.uuid4().hex[:8]}",
+        )
+    )
+    try:
+        # When a sweep given no store runs, then it sends nothing (claimed in RQ's Redis, the
+        # key would be found free), and the row uses a retry, saying why
+        assert rq_retry_dead_letters(connection, dlq_url) == 0
+        assert rq_queue.count == 0
+        found = queue.get(row.id)
+        assert found is not None and (found.status, found.retry_count) == (
+            DeadLetterStatus.PENDING,
+            1,
+        )
+        assert "store_url" in found.error_message
+        # And a sweep given the store sends its job, claiming there
+        assert queue.retry_now(row.id)
+        assert rq_retry_dead_letters(connection, dlq_url, store_url="memory://") == 1
+        [job] = rq_queue.jobs
+        assert job.meta[META_KEY]["store_url"] == "memory://"
     finally:
         rq_queue.delete(delete_jobs=True)
         connection.close()
