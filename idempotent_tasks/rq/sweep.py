@@ -134,8 +134,14 @@ def _enqueue(
     if current == JobStatus.FINISHED:
         raise AlreadySucceeded(item.id)  # run again since (requeued by hand), and succeeded
     if current in _LIVE:
-        # Requeued by hand and not run yet (or running): sending it again would put its id in
-        # a queue twice. The row is due again a poll interval later.
+        # Requeued by hand, or sent by a sweep whose row was taken for stuck (a queue over an
+        # hour behind), and not run yet: sending it again would put its id in a queue twice.
+        # The row waits for that very job instead, under this sweep: its outcome counts.
+        if current != JobStatus.STARTED and held is not None:
+            _wait_for_queued(held, item, dlq_url)
+            return
+        # Running: it reports under what it read when it began. The row is due again a poll
+        # interval later.
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
     if current == JobStatus.CANCELED:
         # Cancelled once sent again (job.cancel(), rq cancel): an operator's no, which a
@@ -151,6 +157,19 @@ def _enqueue(
             # in no queue, it would pass for live at every later sweep, its row never giving up.
             _leave_failed(connection, item.task_id, serializer)
         raise
+
+
+def _wait_for_queued(job: IdempotentJob, item: DeadLetter, dlq_url: str | None) -> None:
+    """Make the queued ``job`` the run of ``item``, the row a sweep just took: its success or
+    failure is recorded on the row (in ``dlq_url``, unless it names its own database), under
+    this sweep (the row stays ``retrying``)."""
+    state = job.meta.get(META_KEY)
+    state = dict(state) if isinstance(state, dict) else {}
+    state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
+    if dlq_url:
+        state.setdefault("dlq_url", dlq_url)
+    job.meta[META_KEY] = state
+    job.save_meta()  # type: ignore[no-untyped-call]
 
 
 def _send_again(

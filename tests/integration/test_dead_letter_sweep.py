@@ -911,19 +911,53 @@ def test_an_rq_row_whose_job_was_requeued_by_hand_is_not_sent_twice(
     job = rq_queue.enqueue(rq_jobs.record, name, 1)
     item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
     assert queue.retry_now(item.id)
-    # When the sweep runs while the job is queued, then it does not push its id again
-    assert rq_retry_dead_letters(connection, dlq_url) == 0
+    # When the sweep runs while the job is queued, then it does not push its id again: the
+    # row waits for that job, under this sweep
+    assert rq_retry_dead_letters(connection, dlq_url) == 1
     assert rq_queue.count == 1
     row = queue.get(item.id)
-    assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
-    # And once that run has succeeded, the row is marked succeeded, not run again
+    assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.RETRYING, 0)
+    # And once that run has succeeded, the row is marked succeeded, and not run again by a
+    # later sweep
     SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(burst=True)
     assert rq_jobs.starts(name) == 1
+    row = queue.get(item.id)
+    assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
     assert queue.retry_now(item.id)
     assert rq_retry_dead_letters(connection, dlq_url) == 0
     row = queue.get(item.id)
     assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
     assert rq_queue.count == 0
+
+
+def test_an_rq_row_taken_for_stuck_while_its_job_waits_in_a_long_queue_counts_its_failure(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(f"backlog-{uuid.uuid4().hex[:8]}", connection=connection)
+    name = f"backlog-{uuid.uuid4().hex[:8]}"
+    try:
+        # Given an RQ row a sweep sent again, whose job still waits in its queue when the row is
+        # taken for stuck (over an hour in retrying) and made due
+        job = rq_queue.enqueue(rq_jobs.flaky, name, 99)
+        item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+        [taken] = queue.take_due(framework=RQ_FRAMEWORK)
+        job.meta[META_KEY].update(
+            dead_letter_id=item.id, dead_letter_sweep=taken.sweep_id, dlq_url=dlq_url
+        )
+        job.save_meta()
+        assert queue.recover_stuck(timedelta(0), framework=RQ_FRAMEWORK) == 1
+        # When a sweep takes the row while the job is still queued, then the job's failure,
+        # once it runs, is counted on the row (the backoff goes on, towards giving up)
+        rq_retry_dead_letters(connection, dlq_url)
+        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(burst=True)
+        assert rq_jobs.starts(name) == 1
+        row = queue.get(item.id)
+        assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
+        assert rq_queue.count == 0
+    finally:
+        rq_queue.delete(delete_jobs=True)
+        connection.close()
 
 
 def test_an_rq_row_of_a_job_with_its_own_serializer_is_requeued_readable(
