@@ -11,6 +11,11 @@ from .errors import StoreUnavailable
 SETUP_ERRORS: tuple[type[Exception], ...] = (ImportError, OSError, ValueError, SQLAlchemyError)
 
 
+class StoreUnusable(StoreUnavailable):
+    """A claim store that cannot even be set up here: a matter of configuration, which no wait
+    mends (a Celery worker refuses to start on it; an RQ job waits in its queue, unrun)."""
+
+
 class DeadLetterQueueUnusable(StoreUnavailable):
     """The dead-letter queue cannot even be set up: a matter of configuration, which no wait
     mends (a Celery worker refuses to start on it)."""

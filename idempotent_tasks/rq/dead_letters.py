@@ -13,7 +13,7 @@ from rq.serializers import PickleSerializer
 from .. import signals
 from ..dlq import DeadLetter, DeadLetterQueue, Failure
 from ..dlq.items import ARGS_LOSSY
-from ..errors import StoreUnavailable
+from ..errors import SchemaVersionError, StoreUnavailable
 from .options import FRAMEWORK
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def mark_succeeded(
     """
     try:
         queue_of().mark_succeeded(dead_letter_id, sweep_id)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, SchemaVersionError) as exc:
         logger.warning("could not mark dead letter %s succeeded: %s", dead_letter_id, exc)
         try:
             connection.set(_unmarked_name(dead_letter_id), 1, ex=UNMARKED_SUCCESS_SECONDS)

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from traceback import format_exception
 from typing import Any
 
+from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
@@ -43,7 +44,7 @@ from ..errors import (
 )
 from ..keys import derive_key, fingerprint, storage_key
 from ..records import ClaimRequest, Outcome, Record
-from ..setup_errors import SETUP_ERRORS
+from ..setup_errors import SETUP_ERRORS, StoreUnusable
 from .dead_letters import (
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TRACEBACK_CHARS,
@@ -83,6 +84,13 @@ class Requeue(Retry):
     def __init__(self, reason: str) -> None:
         super().__init__(max=2**31 - 1)
         self.reason = reason
+
+
+def forget_ttl(job: Job, redis: Redis | Pipeline) -> None:
+    """Drop RQ's ``ttl=`` (how long a job may wait to start) of a job sent back to a queue
+    after it started: in memory, and stored (RQ's save leaves a field it no longer has)."""
+    job.ttl = None
+    redis.hdel(job.key, "ttl")
 
 
 class IdempotentJob(Job):
@@ -169,7 +177,7 @@ class IdempotentJob(Job):
         logger.info("job %s goes back to queue %s: %s", self.id, queue.name, retry.reason)
         # RQ's ttl= bounds how long a job may wait to start, and this one started: re-armed,
         # it could expire in a busy queue, and with it a dead letter still to write.
-        self.ttl = None
+        forget_ttl(self, pipeline)
         queue._enqueue_job(self, pipeline=pipeline)
 
     def retry(self, queue: Queue, pipeline: Pipeline) -> None:
@@ -274,7 +282,7 @@ class IdempotentJob(Job):
             store = claim_store(self.connection, prefix, state.get("store_url"))
         except SETUP_ERRORS as exc:
             # A driver this worker lacks, say: the job waits, as for a store that is down.
-            raise StoreUnavailable(f"claim store unusable: {exc}") from exc
+            raise StoreUnusable(f"claim store unusable here: {exc}") from exc
         return Attempt(store=store, request=request, codec=CODEC)
 
     def _claim_and_run(
@@ -545,8 +553,7 @@ class IdempotentJob(Job):
         for name in ("prefix", "task_name"):
             if state.get(name):
                 kept_options[name] = state[name]
-        if state.get("store_url"):
-            kept_options[OWN_STORE] = True
+        kept_options[OWN_STORE] = bool(state.get("store_url"))
         if self.timeout:
             kept_options["timeout"] = self.timeout
         serializer = serializer_name(self.serializer)
@@ -681,7 +688,7 @@ class IdempotentJob(Job):
                 job_class=type(self),
                 serializer=self.serializer,
             )
-            self.ttl = None  # see _handle_retry_result
+            forget_ttl(self, pipeline)  # see _handle_retry_result
             queue._enqueue_job(self, pipeline=pipeline)
 
     def _wait_for_new_owner(self, state: dict[str, Any], key: str) -> Requeue:
@@ -696,7 +703,13 @@ class IdempotentJob(Job):
         if self._is_sync:
             raise exc
         delay = self._time_budget(defaults.STORE_UNAVAILABLE_DELAY)
-        logger.warning("job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc)
+        if isinstance(exc, StoreUnusable):
+            # Configuration (a driver this worker lacks, a URL it cannot read): said loudly.
+            logger.error("job %s: %s; it goes back to its queue, unrun", self.id, exc)
+        else:
+            logger.warning(
+                "job %s: store unreachable, will try again in %ss: %s", self.id, delay, exc
+            )
         return self._requeue_later(delay, f"store: {exc}")
 
     def _renew_dead_letter(self, state: dict[str, Any]) -> None:
@@ -734,8 +747,8 @@ class IdempotentJob(Job):
     def _dead_letter_succeeded(self, state: dict[str, Any]) -> None:
         """A dead letter's job succeeded: its row is marked, and the job is a dead letter's no
         more (a repeating job's next run that fails is a new failure, with a row of its own)."""
-        dead_letter_id = state.pop("dead_letter_id", None)
-        sweep_id = state.pop("dead_letter_sweep", None)
+        dead_letter_id = state.get("dead_letter_id")
+        sweep_id = state.get("dead_letter_sweep")
         if dead_letter_id:
             despite_time_limit(
                 JobTimeoutException,
@@ -746,7 +759,9 @@ class IdempotentJob(Job):
                     self.connection,
                 ),
             )
-            self.save_meta()  # type: ignore[no-untyped-call]  # RQ saves a finished job without it
+            # Saved with the job when RQ schedules its next repeat.
+            state.pop("dead_letter_id", None)
+            state.pop("dead_letter_sweep", None)
 
     # -- small things -------------------------------------------------------------------------
 

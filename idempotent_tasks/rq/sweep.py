@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from redis import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError, WatchError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus, get_current_job
 from rq.queue import Queue
@@ -39,7 +39,7 @@ from ..dlq.queue import SWEEP_BATCH
 from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
 from ..redis_unavailable import is_refusal, is_unavailable
 from .dead_letters import succeeded_unmarked
-from .job import IdempotentJob
+from .job import IdempotentJob, forget_ttl
 from .options import FRAMEWORK, META_KEY, OWN_STORE
 from .resources import dlq_url_for
 
@@ -137,11 +137,11 @@ def _enqueue(
         # Requeued by hand, or sent by a sweep whose row was taken for stuck (a queue over an
         # hour behind), and not run yet: sending it again would put its id in a queue twice.
         # The row waits for that very job instead, under this sweep: its outcome counts.
-        if current != JobStatus.STARTED and held is not None:
-            _wait_for_queued(held, item, dlq_url)
-            return
-        # Running: it reports under what it read when it began. The row is due again a poll
-        # interval later.
+        if current == JobStatus.QUEUED and held is not None:
+            if _wait_for_queued(connection, held, item, dlq_url):
+                return
+        # Running (or just taken from its queue), scheduled or deferred: it reports under what
+        # it read when it began. The row is due again a poll interval later.
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
     if current == JobStatus.CANCELED:
         # Cancelled once sent again (job.cancel(), rq cancel): an operator's no, which a
@@ -159,17 +159,34 @@ def _enqueue(
         raise
 
 
-def _wait_for_queued(job: IdempotentJob, item: DeadLetter, dlq_url: str | None) -> None:
-    """Make the queued ``job`` the run of ``item``, the row a sweep just took: its success or
-    failure is recorded on the row (in ``dlq_url``, unless it names its own database), under
-    this sweep (the row stays ``retrying``)."""
-    state = job.meta.get(META_KEY)
-    state = dict(state) if isinstance(state, dict) else {}
-    state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
-    if dlq_url:
-        state.setdefault("dlq_url", dlq_url)
-    job.meta[META_KEY] = state
-    job.save_meta()  # type: ignore[no-untyped-call]
+def _wait_for_queued(
+    connection: Redis, job: IdempotentJob, item: DeadLetter, dlq_url: str | None
+) -> bool:
+    """Make ``job``, waiting in its queue, the run of ``item``, the row a sweep just took: its
+    success or failure is recorded on the row (in ``dlq_url``, unless it names its own
+    database), under this sweep (the row stays ``retrying``). ``False`` when the job is no
+    longer waiting in its queue (a worker took it: it runs with the meta it read)."""
+    queue_key = Queue(job.origin, connection=connection).key
+    with connection.pipeline() as pipe:
+        try:
+            # A worker's dequeue, or another write of the job, aborts the transaction.
+            pipe.watch(queue_key, job.key)  # type: ignore[no-untyped-call]
+            if pipe.lpos(queue_key, job.id) is None:
+                return False
+            raw = cast(bytes | None, pipe.hget(job.key, "meta"))
+            meta = job.serializer.loads(raw) if raw else {}
+            state = meta.get(META_KEY)
+            state = dict(state) if isinstance(state, dict) else {}
+            state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
+            if dlq_url:
+                state.setdefault("dlq_url", dlq_url)
+            meta[META_KEY] = state
+            pipe.multi()
+            pipe.hset(job.key, "meta", job.serializer.dumps(meta))
+            pipe.execute()
+        except WatchError:
+            return False
+    return True
 
 
 def _send_again(
@@ -187,7 +204,7 @@ def _send_again(
         original.meta[META_KEY] = state
         # RQ's ttl= bounds how long the call's first enqueue may wait to start: kept, the dead
         # letter's job could expire waiting in a busy queue, its row left retrying.
-        original.ttl = None
+        forget_ttl(original, connection)
         try:
             original.failed_job_registry.requeue(original)
         except InvalidJobOperation:
@@ -213,11 +230,13 @@ def _send_again(
             return
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and RQ no longer has the original job")
-    if item.idempotency_key is not None and item.options.get(OWN_STORE) and not store_url:
+    # True or False on rows of this version; None on an earlier one's, which did not say.
+    own_store = item.options.get(OWN_STORE)
+    if item.idempotency_key is not None and own_store and not store_url:
         # Claimed in RQ's Redis instead, its key would be found free: run again, if completed.
-        raise CannotResend(
-            "its job claims in a store of its own (IdempotentQueue(store_url=...)), and this "
-            "sweep was given none (store_url=, --store-url): RQ no longer has the original job"
+        raise StoreNotGiven(
+            "its job claims in a store of its own (IdempotentQueue(store_url=...)), this sweep "
+            "was given none (store_url=, --store-url), and RQ no longer has the original job"
         )
     state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
     state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
@@ -229,7 +248,7 @@ def _send_again(
     state.setdefault("prefix", defaults.KEY_PREFIX)
     if dlq_url:
         state.setdefault("dlq_url", dlq_url)
-    if store_url:
+    if store_url and own_store is not False:
         state.setdefault("store_url", store_url)
     rq_queue = Queue(
         str(item.options.get("queue") or "default"),
@@ -263,6 +282,11 @@ def _leave_failed(connection: Redis, job_id: str, serializer: str | None) -> Non
 
 class JobStillLive(ResendLater):
     """The dead letter's job is queued or running again already: the row waits for it."""
+
+
+class StoreNotGiven(ResendLater):
+    """The dead letter's job claims in a store of its own, which this sweep was not given: the
+    row waits (no retry used) for a sweep that is."""
 
 
 #: Statuses of a job that will run (or runs) by itself.

@@ -840,8 +840,10 @@ def test_an_rq_dead_letters_job_sent_again_does_not_keep_the_calls_queue_ttl(
         # When the sweep sends its dead letter again
         assert queue.retry_now(row.id)
         assert rq_retry_dead_letters(connection, dlq_url) == 1
-        # Then the job waits in its queue without that minute's expiry (RQ's failed-job one)
+        # Then the job waits in its queue without that minute's expiry (RQ's failed-job one),
+        # and keeps none for a later enqueue either
         assert connection.ttl(job.key) > 3600
+        assert IdempotentJob.fetch(job.id, connection=connection).ttl is None
     finally:
         rq_queue.delete(delete_jobs=True)
         connection.close()
@@ -861,20 +863,29 @@ def test_an_rq_row_of_a_job_claiming_in_a_store_of_its_own_is_sent_again_only_wi
     )
     try:
         # When a sweep given no store runs, then it sends nothing (claimed in RQ's Redis, the
-        # key would be found free), and the row uses a retry, saying why
+        # key would be found free): the row waits for a sweep that is, no retry used
         assert rq_retry_dead_letters(connection, dlq_url) == 0
         assert rq_queue.count == 0
         found = queue.get(row.id)
         assert found is not None and (found.status, found.retry_count) == (
             DeadLetterStatus.PENDING,
-            1,
+            0,
         )
-        assert "store_url" in found.error_message
         # And a sweep given the store sends its job, claiming there
         assert queue.retry_now(row.id)
         assert rq_retry_dead_letters(connection, dlq_url, store_url="memory://") == 1
         [job] = rq_queue.jobs
         assert job.meta[META_KEY]["store_url"] == "memory://"
+        # While a row of a queue that claims in RQ's Redis never gets a sweep's store
+        other = queue.add(
+            dataclasses.replace(
+                _failure(RQ_FRAMEWORK, {**row_options(rq_queue.name), OWN_STORE: False}),
+                idempotency_key=f"key-{uuid.uuid4().hex[:8]}",
+            )
+        )
+        assert rq_retry_dead_letters(connection, dlq_url, store_url="memory://") == 1
+        [sent] = [job for job in rq_queue.jobs if job.id == other.task_id]
+        assert "store_url" not in sent.meta[META_KEY]
     finally:
         rq_queue.delete(delete_jobs=True)
         connection.close()

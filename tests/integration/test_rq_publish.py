@@ -283,7 +283,7 @@ def test_a_failure_whose_dead_letter_database_cannot_be_set_up_stays_on_its_queu
 
 
 def test_a_job_whose_claim_store_cannot_be_set_up_here_waits_on_its_queue_unrun(
-    idle: IdempotentQueue, monkeypatch: pytest.MonkeyPatch
+    idle: IdempotentQueue, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(defaults, "STORE_UNAVAILABLE_DELAY", 0.05)
     # Given a keyed job whose claim store this worker cannot build (a driver it lacks)
@@ -292,10 +292,13 @@ def test_a_job_whose_claim_store_cannot_be_set_up_here_waits_on_its_queue_unrun(
     job.meta[META_KEY]["store_url"] = "nosuchdb://x/y"
     job.save_meta()
     _run_one_job(idle)
-    # Then it goes back to its queue, its body not run (never run unclaimed)
+    # Then it goes back to its queue, its body not run (never run unclaimed), saying why as an
+    # error (no wait mends it)
     job = IdempotentJob.fetch(job.id, connection=idle.connection)
     assert job.get_status() == JobStatus.QUEUED
     assert rq_jobs.starts(name) == 0
+    [error] = [r for r in caplog.records if "claim store unusable here" in r.getMessage()]
+    assert error.levelname == "ERROR"
 
 
 def test_methods_of_one_name_on_two_classes_never_share_a_key(sync: IdempotentQueue) -> None:

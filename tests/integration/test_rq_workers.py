@@ -249,6 +249,7 @@ def test_an_exhausted_job_is_dead_lettered_and_swept_once(
         "prefix": "idempotent_tasks",
         "task_name": "tests.integration.rq_jobs.flaky",
         "timeout": 180,
+        "own_store": False,
     }
     assert row.idempotency_key == key and row.error_type == "TimeoutError"
     assert queue.store.get(storage_key(FLAKY, key)) is None
