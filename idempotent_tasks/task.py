@@ -169,6 +169,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
+    #: A call whose pool process died under it (the OOM killer, a crash in C code) is retried
+    #: as Celery 5.7 retries it, within ``max_retries``, then dead-lettered: handed back to the
+    #: broker instead, a call that kills its process every time would run for ever.
+    retry_on_worker_lost = True
     #: Ends a call killed at its hard time limit as a failure (see ``end_killed_call``).
     Request = "idempotent_tasks.worker_request:IdempotentRequest"
 
@@ -923,6 +927,43 @@ class IdempotentTask(Task):  # type: ignore[misc]
         back to the broker instead (``acks_on_timeout`` off), the call has not failed for good:
         it is not dead-lettered, and its key is released for the requeued message.
         """
+        self._end_dead_call(request_dict, exc, _timeout_requeues(self), "its time limit")
+
+    def end_lost_call(self, request_dict: dict[str, Any], exc: Exception) -> None:
+        """End a call whose pool process died under it (``WorkerLostError``) as Celery ends it.
+
+        Retried (``retry_on_worker_lost``, Celery 5.7, within ``max_retries``): its key is
+        released, queued for the retry, which then runs at once rather than wait out the dead
+        owner's lease. Failed for good (its retries used up, or neither retried nor handed
+        back): dead-lettered and its key released, as :meth:`end_killed_call`. Handed back to
+        the broker (``reject_on_worker_lost`` alone): left as it was, the redelivery taking the
+        key over once the lease ends. Runs in the worker's main process, before Celery's own
+        handling of the loss.
+        """
+        retries = int(request_dict.get("retries") or 0)
+        retrying = bool(getattr(self, "retry_on_worker_lost", False)) and celery.VERSION >= (5, 7)
+        if retrying and (self.max_retries is None or retries < self.max_retries):
+            self.push_request(request_dict, called_directly=False)
+            try:
+                request = self.request
+                args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+                key = self._delivered_key(request, args, kwargs)
+                if key is not None and issued_owner(request) is not None:
+                    wait = float(self.default_retry_delay or 0)
+                    pickup = self._message_pickup(key, args, kwargs, wait, retries=retries + 1)
+                    self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
+            finally:
+                self.pop_request()
+            return
+        if self.acks_late and self.reject_on_worker_lost and not retrying:
+            return
+        self._end_dead_call(request_dict, exc, False, "the death of its pool process")
+
+    def _end_dead_call(
+        self, request_dict: dict[str, Any], exc: Exception, requeued: bool, cause: str
+    ) -> None:
+        """End a call whose pool process is gone (killed by ``cause``): dead-lettered unless
+        ``requeued``, then its key released (queued for the message, when ``requeued``)."""
         self.push_request(request_dict, called_directly=False)
         try:
             request = self.request
@@ -933,14 +974,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             setattr(request, FAILURE_REPORTED_HEADER, True)
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
             key = self._delivered_key(request, args, kwargs)
-            requeued = _timeout_requeues(self)
             if key is not None and self._completed_by_delivery(key, request):
                 # Killed after its body succeeded and its value was stored (publishing its
                 # callbacks, say): a dead letter's retry would send those again.
                 logger.warning(
-                    "key %r was completed before the time limit killed its process: "
-                    "not dead-lettered",
+                    "key %r was completed before %s ended its process: not dead-lettered",
                     key,
+                    cause,
                 )
                 # A dead letter's retry that did succeed: its row says so (left retrying, it
                 # would be sent again at its timeout).
@@ -952,7 +992,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 except (Retry, Ignore):
                     pass  # the dead letter could not be written: the re-published message will
                 except Exception:
-                    logger.exception("could not dead-letter the call killed at its time limit")
+                    logger.exception("could not dead-letter the call ended by %s", cause)
                     return
             if key is not None and issued_owner(request) is not None:
                 # The killed process took its token with it: release under the owner id this

@@ -19,7 +19,7 @@ import os
 import signal
 from typing import Any
 
-from billiard.exceptions import Terminated
+from billiard.exceptions import Terminated, WorkerLostError
 from billiard.process import active_children
 from celery.exceptions import TimeLimitExceeded
 from celery.worker import state as worker_state
@@ -76,6 +76,18 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                     release(self.request_dict, requeued=bool(self._already_cancelled))
                 except Exception:
                     logger.exception("could not release the key of terminated %s", self.id)
+        elif isinstance(exc, WorkerLostError) and not worker_state.should_terminate:
+            # Its pool process died under it (the OOM killer, a crash in C code): ended here
+            # as Celery is about to end it, retried or failed (see end_lost_call).
+            end_lost_call: Any = getattr(self.task, "end_lost_call", None)
+            if end_lost_call is not None:
+                try:
+                    _ = self._context  # its callbacks and chain, for a dead letter's options
+                    end_lost_call(self.request_dict, exc)
+                except Exception:
+                    logger.exception(
+                        "could not end %s[%s] after its process died", self.name, self.id
+                    )
         super().on_failure(exc_info, send_failed_event, return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+from billiard.exceptions import WorkerLostError
 
 from idempotent_tasks import CorruptRecord
 from idempotent_tasks.app_store import dlq_for, store_for
@@ -115,7 +116,7 @@ def test_a_waiting_duplicate_takes_the_key_over_once_its_dead_owners_lease_ends(
     assert (record.status, record.token, record.task_id) == (Status.COMPLETED, 2, duplicate.id)
 
 
-def test_pool_process_killed_mid_task_is_requeued_and_completed_once(start_worker: Any) -> None:
+def test_pool_process_killed_mid_task_is_retried_and_completed_once(start_worker: Any) -> None:
     worker = start_worker(IT_LEASE="2")
     name, key = fresh("child-killed"), fresh("key")
     result = slow_first.apply_async((name, 30.0), idempotency_key=key)
@@ -125,6 +126,29 @@ def test_pool_process_killed_mid_task_is_requeued_and_completed_once(start_worke
     value = result.get(timeout=60)
     assert value["run"] == 2
     assert ledger_events(name, "finish") == 1
+
+
+def test_a_call_whose_pool_process_dies_every_run_is_dead_lettered_after_its_retries(
+    start_worker: Any,
+) -> None:
+    # Given a worker (a 300 s lease) and a keyed call that kills its pool process every run
+    start_worker()
+    name, key = fresh("dies"), fresh("key")
+    result = worker_app.dies.apply_async((name,), idempotency_key=key)
+    # Then it is retried once (max_retries=1), at once rather than after the dead owner's
+    # lease, then fails for good: dead-lettered, its key free
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=60)
+    assert ledger_events(name, "start") == 2
+    wait_until(lambda: _rows_of(result.id), 20, "its dead letter")
+    [row] = _rows_of(result.id)
+    assert (row.idempotency_key, row.error_type) == (key, "WorkerLostError")
+    record = _record(key, worker_app.dies.name)
+    assert record is None or record.status is not Status.PROCESSING
+
+
+def _rows_of(task_id: str) -> list[Any]:
+    return [row for row in dlq_for(worker_app.app).items(limit=1000) if row.task_id == task_id]
 
 
 def test_visibility_timeout_redelivery_while_alive_does_not_run_again(start_worker: Any) -> None:

@@ -9,6 +9,7 @@ how often a body really ran.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from datetime import datetime
 from decimal import Decimal
@@ -166,7 +167,7 @@ def no_retries(name: str, sleep: float) -> str:
     return f"{name} done"
 
 
-@app.task(base=IdempotentTask, bind=True)
+@app.task(base=IdempotentTask, bind=True, default_retry_delay=0.2)
 def slow_first(self: Any, name: str, sleep: float) -> dict[str, Any]:
     """Sleeps only in its first run (the one a test crashes, pauses or outlives)."""
     runs = note("start", name)
@@ -174,6 +175,13 @@ def slow_first(self: Any, name: str, sleep: float) -> dict[str, Any]:
         time.sleep(sleep)
     note("finish", name)
     return {"name": name, "run": runs, "pid": os.getpid()}
+
+
+@app.task(base=IdempotentTask, max_retries=1, default_retry_delay=0.2)
+def dies(name: str) -> None:
+    """Kills its own pool process, every run (as the OOM killer would)."""
+    note("start", name)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @app.task(
