@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +31,42 @@ def note_worker_time_limit(sender: Any = None, **_: Any) -> None:
     app, limit = getattr(sender, "app", None), getattr(sender, "time_limit", None)
     if app is not None and limit:
         setattr(app, WORKER_TIME_LIMIT, float(limit))
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def warn_of_green_leases(sender: Any = None, **_: Any) -> None:
+    """Say, as a gevent or eventlet worker starts, what keeps its claims: the lease keeper is
+    a green thread there, renewed only when the running task yields to the event loop."""
+    from .task import IdempotentTask
+
+    app = getattr(sender, "app", None)
+    if app is None or not green_threads():
+        return
+    leases = []
+    for task in app.tasks.values():
+        if isinstance(task, IdempotentTask):
+            with contextlib.suppress(ValueError):  # a setting it refuses, said when it runs
+                leases.append(task._lease_and_ttl[0])
+    if not leases:
+        return
+    lease = min(leases)
+    logger.warning(
+        "idempotent_tasks: under a gevent/eventlet pool the leases of running tasks are renewed "
+        "by a green thread; a task that holds the event loop (a call the pool does not patch, "
+        "CPU-bound work) for longer than its lease (%ss here at the shortest) can have its key "
+        "taken over and run by a duplicate while it still runs: give such tasks an "
+        "idempotency_lease longer than that",
+        lease,
+    )
+
+
+def green_threads() -> bool:
+    """Whether this process's threads are gevent's or eventlet's (monkey-patched)."""
+    gevent_monkey = sys.modules.get("gevent.monkey")
+    if gevent_monkey is not None and gevent_monkey.is_module_patched("threading"):
+        return True
+    eventlet_patcher = sys.modules.get("eventlet.patcher")
+    return bool(eventlet_patcher is not None and eventlet_patcher.is_monkey_patched("thread"))
 
 
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
