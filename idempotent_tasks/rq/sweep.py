@@ -159,6 +159,10 @@ def _enqueue(
         raise
 
 
+#: Transactions tried when adopting a queued job (see :func:`_wait_for_queued`).
+_ADOPTION_TRIES = 3
+
+
 def _wait_for_queued(
     connection: Redis, job: IdempotentJob, item: DeadLetter, dlq_url: str | None
 ) -> bool:
@@ -167,26 +171,35 @@ def _wait_for_queued(
     database), under this sweep (the row stays ``retrying``). ``False`` when the job is no
     longer waiting in its queue (a worker took it: it runs with the meta it read)."""
     queue_key = Queue(job.origin, connection=connection).key
-    with connection.pipeline() as pipe:
-        try:
-            # A worker's dequeue, or another write of the job, aborts the transaction.
-            pipe.watch(queue_key, job.key)  # type: ignore[no-untyped-call]
-            if pipe.lpos(queue_key, job.id) is None:
+    for _ in range(_ADOPTION_TRIES):  # a busy queue's pushes and pops abort a try
+        with connection.pipeline() as pipe:
+            try:
+                # A worker's dequeue, or another write of the job, aborts the transaction.
+                pipe.watch(queue_key, job.key)  # type: ignore[no-untyped-call]
+                if pipe.lpos(queue_key, job.id) is None:
+                    return False
+                raw = cast(bytes | None, pipe.hget(job.key, "meta"))
+                meta = job.serializer.loads(raw) if raw else {}
+                state = meta.get(META_KEY)
+                state = dict(state) if isinstance(state, dict) else {}
+                state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
+                if dlq_url:
+                    state.setdefault("dlq_url", dlq_url)
+                meta[META_KEY] = state
+                pipe.multi()
+                pipe.hset(job.key, "meta", job.serializer.dumps(meta))
+                pipe.execute()
+                return True
+            except WatchError:
+                continue
+            except ResponseError as exc:
+                if is_unavailable(exc):
+                    raise
+                return False  # LPOS unknown (Redis before 6.0.6): waited for as before
+            except Exception as exc:  # meta this process cannot read (a class it lacks)
+                logger.warning("could not make queued job %s its row's run: %r", job.id, exc)
                 return False
-            raw = cast(bytes | None, pipe.hget(job.key, "meta"))
-            meta = job.serializer.loads(raw) if raw else {}
-            state = meta.get(META_KEY)
-            state = dict(state) if isinstance(state, dict) else {}
-            state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
-            if dlq_url:
-                state.setdefault("dlq_url", dlq_url)
-            meta[META_KEY] = state
-            pipe.multi()
-            pipe.hset(job.key, "meta", job.serializer.dumps(meta))
-            pipe.execute()
-        except WatchError:
-            return False
-    return True
+    return False
 
 
 def _send_again(
@@ -230,15 +243,15 @@ def _send_again(
             return
     if item.options.get(ARGS_LOSSY):
         raise CannotResend("its arguments were not JSON and RQ no longer has the original job")
+    state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
     # True or False on rows of this version; None on an earlier one's, which did not say.
     own_store = item.options.get(OWN_STORE)
-    if item.idempotency_key is not None and own_store and not store_url:
+    if item.idempotency_key is not None and own_store and not (store_url or state.get("store_url")):
         # Claimed in RQ's Redis instead, its key would be found free: run again, if completed.
         raise StoreNotGiven(
             "its job claims in a store of its own (IdempotentQueue(store_url=...)), this sweep "
             "was given none (store_url=, --store-url), and RQ no longer has the original job"
         )
-    state = _fresh_state(original.meta.get(META_KEY) if original is not None else None)
     state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
     if item.idempotency_key is not None:
         state["key"] = item.idempotency_key
