@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -396,6 +397,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         carried = extra_options.setdefault(_REPUBLISH, {})
         for name, value in _carried_headers(request).items():
             carried.setdefault(name, value)
+        if request is not self.request and getattr(request, ISSUED_BY, None) == os.getpid():
+            # The worker's main process retrying a delivery whose pool process died (Celery
+            # 5.7's retry_on_worker_lost): the retry may take the dead owner's claim over.
+            dead_owner = issued_owner(request)
+            if dead_owner is not None:
+                carried.setdefault(PREVIOUS_OWNER_HEADER, dead_owner)
         signature = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         # The owner this delivery was issued is its own: the next one is issued another.
         headers = signature.options.get("headers") or {}
@@ -929,35 +936,40 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         self._end_dead_call(request_dict, exc, _timeout_requeues(self), "its time limit")
 
-    def end_lost_call(self, request_dict: dict[str, Any], exc: Exception) -> None:
-        """End a call whose pool process died under it (``WorkerLostError``) as Celery ends it.
-
-        Retried (``retry_on_worker_lost``, Celery 5.7, within ``max_retries``): its key is
-        released, queued for the retry, which then runs at once rather than wait out the dead
-        owner's lease. Failed for good (its retries used up, or neither retried nor handed
-        back): dead-lettered and its key released, as :meth:`end_killed_call`. Handed back to
-        the broker (``reject_on_worker_lost`` alone): left as it was, the redelivery taking the
-        key over once the lease ends. Runs in the worker's main process, before Celery's own
-        handling of the loss.
-        """
+    def lost_call_fails(self, request_dict: dict[str, Any]) -> bool:
+        """Whether Celery fails for good a call whose pool process died under it
+        (``WorkerLostError``), rather than retry it (``retry_on_worker_lost``, Celery 5.7,
+        within ``max_retries``) or hand it back to the broker (``reject_on_worker_lost``)."""
         retries = int(request_dict.get("retries") or 0)
         retrying = bool(getattr(self, "retry_on_worker_lost", False)) and celery.VERSION >= (5, 7)
-        if retrying and (self.max_retries is None or retries < self.max_retries):
-            self.push_request(request_dict, called_directly=False)
-            try:
-                request = self.request
-                args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-                key = self._delivered_key(request, args, kwargs)
-                if key is not None and issued_owner(request) is not None:
-                    wait = float(self.default_retry_delay or 0)
-                    pickup = self._message_pickup(key, args, kwargs, wait, retries=retries + 1)
-                    self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
-            finally:
-                self.pop_request()
-            return
-        if self.acks_late and self.reject_on_worker_lost and not retrying:
-            return
+        exhausted = retrying and self.max_retries is not None and retries >= self.max_retries
+        if retrying and not exhausted:
+            return False
+        return not (self.acks_late and self.reject_on_worker_lost and not exhausted)
+
+    def end_lost_call(self, request_dict: dict[str, Any], exc: Exception) -> None:
+        """End a call whose pool process died under it, failed for good (see
+        :meth:`lost_call_fails`): dead-lettered and its key released, as
+        :meth:`end_killed_call`. Runs in the worker's main process."""
         self._end_dead_call(request_dict, exc, False, "the death of its pool process")
+
+    def release_lost_call(self, request_dict: dict[str, Any]) -> None:
+        """Release the key of a call whose pool process died under it, which Celery is about
+        to retry (``retry_on_worker_lost``): queued for the retry (or for the message itself,
+        should Celery hand it back after all), which then runs at once rather than wait out the
+        dead owner's lease. Runs in the worker's main process."""
+        self.push_request(request_dict, called_directly=False)
+        try:
+            request = self.request
+            args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+            key = self._delivered_key(request, args, kwargs)
+            if key is not None and issued_owner(request) is not None:
+                wait = float(self.default_retry_delay or 0)
+                retries = int(request.retries or 0) + 1
+                pickup = self._message_pickup(key, args, kwargs, wait, retries=retries)
+                self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
+        finally:
+            self.pop_request()
 
     def _end_dead_call(
         self, request_dict: dict[str, Any], exc: Exception, requeued: bool, cause: str

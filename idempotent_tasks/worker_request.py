@@ -76,19 +76,56 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                     release(self.request_dict, requeued=bool(self._already_cancelled))
                 except Exception:
                     logger.exception("could not release the key of terminated %s", self.id)
-        elif isinstance(exc, WorkerLostError) and not worker_state.should_terminate:
-            # Its pool process died under it (the OOM killer, a crash in C code): ended here
-            # as Celery is about to end it, retried or failed (see end_lost_call).
-            end_lost_call: Any = getattr(self.task, "end_lost_call", None)
-            if end_lost_call is not None:
-                try:
+        elif self._process_lost(exc) and getattr(self.task, "end_lost_call", None) is not None:
+            # Its pool process died under it (the OOM killer, a crash in C code, the body's own
+            # SystemExit): Celery retries it (see _retry_worker_lost), hands it back, or fails it
+            # for good, which ends it here first: dead-lettered, its key released.
+            try:
+                if self.task.lost_call_fails(self.request_dict) and not self._succeeded():
                     _ = self._context  # its callbacks and chain, for a dead letter's options
-                    end_lost_call(self.request_dict, exc)
-                except Exception:
-                    logger.exception(
-                        "could not end %s[%s] after its process died", self.name, self.id
-                    )
+                    self.task.end_lost_call(self.request_dict, exc)
+            except Exception:
+                logger.exception("could not end %s[%s] after its process died", self.name, self.id)
         super().on_failure(exc_info, send_failed_event, return_ok)
+        unretried = self._idempotency_unretried
+        if unretried is not None and not (self.task.acks_late and self.task.reject_on_worker_lost):
+            # Its retry could not be sent, and Celery failed it instead of handing it back.
+            try:
+                self.task.end_lost_call(self.request_dict, unretried)
+            except Exception:
+                logger.exception("could not end %s[%s] after its process died", self.name, self.id)
+
+    _idempotency_unretried: BaseException | None = None
+
+    def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
+        """Celery 5.7's retry of a call whose process died: its key is released first, for
+        the retry to take at once."""
+        release: Any = getattr(self.task, "release_lost_call", None)
+        if release is not None:
+            try:
+                release(self.request_dict)
+            except Exception:
+                logger.exception("could not release the key of %s[%s]", self.name, self.id)
+        retried = bool(super()._retry_worker_lost(exc, exc_info))
+        if not retried:
+            self._idempotency_unretried = exc
+        return retried
+
+    def _process_lost(self, exc: BaseException) -> bool:
+        """Whether Celery takes ``exc`` for the loss of the call's pool process: billiard's
+        ``WorkerLostError``, or the body's own ``SystemExit``/``KeyboardInterrupt`` that it
+        did not cause itself (a revoke, a cancel)."""
+        if isinstance(exc, WorkerLostError):
+            return True
+        return isinstance(exc, SystemExit | KeyboardInterrupt) and not (
+            self._already_cancelled or self._already_revoked
+        )
+
+    def _succeeded(self) -> bool:
+        """Whether the call stored its success before its process died: Celery then only
+        acknowledges it (Celery 5.7; earlier ones never look)."""
+        succeeded: Any = getattr(self, "_success_was_stored", None)
+        return bool(succeeded()) if succeeded is not None else False
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # A cold shutdown kills running tasks through this path too: their messages are

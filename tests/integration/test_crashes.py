@@ -128,13 +128,16 @@ def test_pool_process_killed_mid_task_is_retried_and_completed_once(start_worker
     assert ledger_events(name, "finish") == 1
 
 
+@pytest.mark.parametrize("ends", ["killed", "exits"])
 def test_a_call_whose_pool_process_dies_every_run_is_dead_lettered_after_its_retries(
-    start_worker: Any,
+    start_worker: Any, ends: str
 ) -> None:
     # Given a worker (a 300 s lease) and a keyed call that kills its pool process every run
+    # (SIGKILL, or its body's own SystemExit)
     start_worker()
-    name, key = fresh("dies"), fresh("key")
-    result = worker_app.dies.apply_async((name,), idempotency_key=key)
+    task = worker_app.dies if ends == "killed" else worker_app.exits
+    name, key = fresh(ends), fresh("key")
+    result = task.apply_async((name,), idempotency_key=key)
     # Then it is retried once (max_retries=1), at once rather than after the dead owner's
     # lease, then fails for good: dead-lettered, its key free
     with pytest.raises(WorkerLostError):
@@ -142,8 +145,9 @@ def test_a_call_whose_pool_process_dies_every_run_is_dead_lettered_after_its_ret
     assert ledger_events(name, "start") == 2
     wait_until(lambda: _rows_of(result.id), 20, "its dead letter")
     [row] = _rows_of(result.id)
-    assert (row.idempotency_key, row.error_type) == (key, "WorkerLostError")
-    record = _record(key, worker_app.dies.name)
+    said = "WorkerLostError" if ends == "killed" else "SystemExit"
+    assert (row.idempotency_key, row.error_type) == (key, said)
+    record = _record(key, task.name)
     assert record is None or record.status is not Status.PROCESSING
 
 

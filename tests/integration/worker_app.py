@@ -184,6 +184,13 @@ def dies(name: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@app.task(base=IdempotentTask, max_retries=1, default_retry_delay=0.2)
+def exits(name: str) -> None:
+    """Ends its pool process with SystemExit, every run (a library calling sys.exit)."""
+    note("start", name)
+    raise SystemExit(f"{name} exits")
+
+
 @app.task(
     base=IdempotentTask,
     bind=True,
