@@ -953,24 +953,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         :meth:`end_killed_call`. Runs in the worker's main process."""
         self._end_dead_call(request_dict, exc, False, "the death of its pool process")
 
-    def release_lost_call(self, request_dict: dict[str, Any]) -> None:
-        """Release the key of a call whose pool process died under it, which Celery is about
-        to retry (``retry_on_worker_lost``): queued for the retry (or for the message itself,
-        should Celery hand it back after all), which then runs at once rather than wait out the
-        dead owner's lease. Runs in the worker's main process."""
-        self.push_request(request_dict, called_directly=False)
-        try:
-            request = self.request
-            args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
-            key = self._delivered_key(request, args, kwargs)
-            if key is not None and issued_owner(request) is not None:
-                wait = float(self.default_retry_delay or 0)
-                retries = int(request.retries or 0) + 1
-                pickup = self._message_pickup(key, args, kwargs, wait, retries=retries)
-                self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
-        finally:
-            self.pop_request()
-
     def _end_dead_call(
         self, request_dict: dict[str, Any], exc: Exception, requeued: bool, cause: str
     ) -> None:

@@ -19,6 +19,7 @@ import os
 import signal
 from typing import Any
 
+import celery
 from billiard.exceptions import Terminated, WorkerLostError
 from billiard.process import active_children
 from celery.exceptions import TimeLimitExceeded
@@ -86,30 +87,41 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                     self.task.end_lost_call(self.request_dict, exc)
             except Exception:
                 logger.exception("could not end %s[%s] after its process died", self.name, self.id)
-        super().on_failure(exc_info, send_failed_event, return_ok)
-        unretried = self._idempotency_unretried
-        if unretried is not None and not (self.task.acks_late and self.task.reject_on_worker_lost):
-            # Its retry could not be sent, and Celery failed it instead of handing it back.
-            try:
-                self.task.end_lost_call(self.request_dict, unretried)
-            except Exception:
-                logger.exception("could not end %s[%s] after its process died", self.name, self.id)
+        try:
+            super().on_failure(exc_info, send_failed_event, return_ok)
+        finally:
+            unretried = self._idempotency_unretried
+            if unretried is not None and not (
+                self.task.acks_late and self.task.reject_on_worker_lost
+            ):
+                # Its retry could not be sent, and Celery failed it instead of handing it back.
+                try:
+                    self.task.end_lost_call(self.request_dict, unretried)
+                except Exception:
+                    logger.exception(
+                        "could not end %s[%s] after its process died", self.name, self.id
+                    )
 
     _idempotency_unretried: BaseException | None = None
+    _idempotency_success: Any = None
 
     def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
-        """Celery 5.7's retry of a call whose process died: its key is released first, for
-        the retry to take at once."""
-        release: Any = getattr(self.task, "release_lost_call", None)
-        if release is not None:
-            try:
-                release(self.request_dict)
-            except Exception:
-                logger.exception("could not release the key of %s[%s]", self.name, self.id)
+        """Celery 5.7's retry of a call whose process died. The key stays the dead owner's: the
+        retry names it as previous owner (see ``IdempotentTask.signature_from_request``) and
+        takes it over at once, and should the retry not be sent the call ends as Celery ends
+        it, its message handed back or its key released with its dead letter."""
         retried = bool(super()._retry_worker_lost(exc, exc_info))
         if not retried:
             self._idempotency_unretried = exc
         return retried
+
+    def _success_was_stored(self) -> Any:
+        """Celery 5.7's look for a success the call stored before its process died, asked once
+        (``on_failure`` asks too): two looks could disagree, and each may wait on the backend."""
+        if self._idempotency_success is None:
+            asked: Any = getattr(super(), "_success_was_stored", None)
+            self._idempotency_success = (asked() if asked is not None else False,)
+        return self._idempotency_success[0]
 
     def _process_lost(self, exc: BaseException) -> bool:
         """Whether Celery takes ``exc`` for the loss of the call's pool process: billiard's
@@ -124,8 +136,7 @@ class IdempotentRequest(Request):  # type: ignore[misc]
     def _succeeded(self) -> bool:
         """Whether the call stored its success before its process died: Celery then only
         acknowledges it (Celery 5.7; earlier ones never look)."""
-        succeeded: Any = getattr(self, "_success_was_stored", None)
-        return bool(succeeded()) if succeeded is not None else False
+        return celery.VERSION >= (5, 7) and bool(self._success_was_stored())
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # A cold shutdown kills running tasks through this path too: their messages are

@@ -197,6 +197,8 @@ def _wait_for_queued(
                     raise
                 return False  # LPOS unknown (Redis before 6.0.6): waited for as before
             except Exception as exc:  # meta this process cannot read (a class it lacks)
+                if is_unavailable(exc):
+                    raise
                 logger.warning("could not make queued job %s its row's run: %r", job.id, exc)
                 return False
     return False
