@@ -23,6 +23,7 @@ import redis
 from rq.job import Job, JobStatus
 
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, Failure
+from idempotent_tasks.records import ClaimRequest, Record
 from idempotent_tasks.rq import resources
 from idempotent_tasks.rq.dead_letters import row_options
 from tests.integration import rq_jobs
@@ -229,3 +230,19 @@ def wait_value(job: Job, timeout: float = 20.0) -> Any:
 
 def wait_failed(job: Job, timeout: float = 20.0) -> None:
     wait_until(lambda: status(job) is JobStatus.FAILED, timeout, f"job {job.id} to fail")
+
+
+def taker_of(held: Record, storage_key: str, key: str) -> ClaimRequest:
+    """A claim of another call taking ``held``'s key over at once (as after a lease lost to a
+    stalled store), with its own owner and task id."""
+    return ClaimRequest(
+        storage_key=storage_key,
+        key=key,
+        task_name=held.task_name,
+        task_id=f"taker-{uuid.uuid4().hex[:10]}",
+        owner=f"taker-owner-{uuid.uuid4().hex[:10]}",
+        fingerprint=held.fingerprint,
+        lease_seconds=60,
+        ttl_seconds=600,
+        previous_owner=held.owner,
+    )

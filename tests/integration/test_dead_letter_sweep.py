@@ -786,67 +786,61 @@ def test_rq_rows_a_down_redis_refuses_are_due_again_later_and_the_sweep_ends(
     assert len(queue.take_due(framework=RQ_FRAMEWORK)) == 1
 
 
-def test_an_rq_repeating_jobs_failure_after_its_dead_letter_succeeded_gets_a_row_of_its_own(
-    redis_url: str, dlq_url: str, queue: DeadLetterQueue
-) -> None:
+@pytest.fixture()
+def rq_queue(redis_url: str, dlq_url: str) -> Iterator[IdempotentQueue]:
+    """A queue of its own on RQ's Redis, dead-lettering into ``dlq_url``; no worker runs it."""
     connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
-    rq_queue = IdempotentQueue(
-        f"repeats-{uuid.uuid4().hex[:8]}", connection=connection, dlq_url=dlq_url
-    )
-    name = f"repeats-{uuid.uuid4().hex[:8]}"
+    made = IdempotentQueue(fresh("rq-sweep"), connection=connection, dlq_url=dlq_url)
+    yield made
+    made.delete(delete_jobs=True)
+    connection.close()
+
+
+def _work(rq_queue: IdempotentQueue, max_jobs: int | None = None) -> None:
+    """Run ``rq_queue``'s jobs here (at most ``max_jobs``), as a worker would."""
+    worker = SimpleWorker([rq_queue], connection=rq_queue.connection, job_class=IdempotentJob)
+    worker.work(burst=True, max_jobs=max_jobs)
+
+
+def test_an_rq_repeating_jobs_failure_after_its_dead_letter_succeeded_gets_a_row_of_its_own(
+    rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    name = fresh("repeats")
 
     def rows() -> list[DeadLetter]:
         return [item for item in queue.items(limit=1000) if item.task_id == job.id]
 
-    try:
-        # Given a repeating job whose first run failed for good, dead-lettered
-        job = rq_queue.enqueue(rq_jobs.fails_odd_runs, name, repeat=Repeat(times=1))
-        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
-            burst=True, max_jobs=1
-        )
-        [first] = rows()
-        # When its dead letter's retry succeeds, and the repeat after it fails for good
-        assert queue.retry_now(first.id)
-        assert rq_retry_dead_letters(connection, dlq_url) == 1
-        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
-            burst=True, max_jobs=2
-        )
-        assert rq_jobs.starts(name) == 3
-        # Then the row stays succeeded, and the new failure has a row of its own
-        by_status = {item.status: item for item in rows()}
-        assert set(by_status) == {DeadLetterStatus.SUCCEEDED, DeadLetterStatus.PENDING}
-        assert by_status[DeadLetterStatus.SUCCEEDED].id == first.id
-        assert by_status[DeadLetterStatus.PENDING].error_message == f"run 3 of {name} failed"
-    finally:
-        rq_queue.delete(delete_jobs=True)
-        connection.close()
+    # Given a repeating job whose first run failed for good, dead-lettered
+    job = rq_queue.enqueue(rq_jobs.fails_odd_runs, name, repeat=Repeat(times=1))
+    _work(rq_queue, max_jobs=1)
+    [first] = rows()
+    # When its dead letter's retry succeeds, and the repeat after it fails for good
+    assert queue.retry_now(first.id)
+    assert rq_retry_dead_letters(rq_queue.connection, dlq_url) == 1
+    _work(rq_queue, max_jobs=2)
+    assert rq_jobs.starts(name) == 3
+    # Then the row stays succeeded, and the new failure has a row of its own
+    by_status = {item.status: item for item in rows()}
+    assert set(by_status) == {DeadLetterStatus.SUCCEEDED, DeadLetterStatus.PENDING}
+    assert by_status[DeadLetterStatus.SUCCEEDED].id == first.id
+    assert by_status[DeadLetterStatus.PENDING].error_message == f"run 3 of {name} failed"
 
 
 def test_an_rq_dead_letters_job_sent_again_does_not_keep_the_calls_queue_ttl(
-    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+    rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
-    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
-    rq_queue = IdempotentQueue(
-        f"ttl-{uuid.uuid4().hex[:8]}", connection=connection, dlq_url=dlq_url
-    )
-    name = f"ttl-{uuid.uuid4().hex[:8]}"
-    try:
-        # Given a job enqueued with ttl=60 (it may wait a minute to start), which failed for good
-        job = rq_queue.enqueue(rq_jobs.flaky, name, 99, ttl=60)
-        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(
-            burst=True, max_jobs=1
-        )
-        [row] = [item for item in queue.items(limit=1000) if item.task_id == job.id]
-        # When the sweep sends its dead letter again
-        assert queue.retry_now(row.id)
-        assert rq_retry_dead_letters(connection, dlq_url) == 1
-        # Then the job waits in its queue without that minute's expiry (RQ's failed-job one),
-        # and keeps none for a later enqueue either
-        assert connection.ttl(job.key) > 3600
-        assert IdempotentJob.fetch(job.id, connection=connection).ttl is None
-    finally:
-        rq_queue.delete(delete_jobs=True)
-        connection.close()
+    connection = rq_queue.connection
+    # Given a job enqueued with ttl=60 (it may wait a minute to start), which failed for good
+    job = rq_queue.enqueue(rq_jobs.flaky, fresh("ttl"), 99, ttl=60)
+    _work(rq_queue, max_jobs=1)
+    [row] = [item for item in queue.items(limit=1000) if item.task_id == job.id]
+    # When the sweep sends its dead letter again
+    assert queue.retry_now(row.id)
+    assert rq_retry_dead_letters(connection, dlq_url) == 1
+    # Then the job waits in its queue without that minute's expiry (RQ's failed-job one), and
+    # keeps none for a later enqueue either
+    assert connection.ttl(job.key) > 3600
+    assert IdempotentJob.fetch(job.id, connection=connection).ttl is None
 
 
 def test_an_rq_row_of_a_job_claiming_in_a_store_of_its_own_is_sent_again_only_with_it(
@@ -942,33 +936,25 @@ def test_an_rq_row_whose_job_was_requeued_by_hand_is_not_sent_twice(
 
 
 def test_an_rq_row_taken_for_stuck_while_its_job_waits_in_a_long_queue_counts_its_failure(
-    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+    rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
-    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
-    rq_queue = IdempotentQueue(f"backlog-{uuid.uuid4().hex[:8]}", connection=connection)
-    name = f"backlog-{uuid.uuid4().hex[:8]}"
-    try:
-        # Given an RQ row a sweep sent again, whose job still waits in its queue when the row is
-        # taken for stuck (over an hour in retrying) and made due
-        job = rq_queue.enqueue(rq_jobs.flaky, name, 99)
-        item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
-        [taken] = queue.take_due(framework=RQ_FRAMEWORK)
-        job.meta[META_KEY].update(
-            dead_letter_id=item.id, dead_letter_sweep=taken.sweep_id, dlq_url=dlq_url
-        )
-        job.save_meta()
-        assert queue.recover_stuck(timedelta(0), framework=RQ_FRAMEWORK) == 1
-        # When a sweep takes the row while the job is still queued, then the job's failure,
-        # once it runs, is counted on the row (the backoff goes on, towards giving up)
-        rq_retry_dead_letters(connection, dlq_url)
-        SimpleWorker([rq_queue], connection=connection, job_class=IdempotentJob).work(burst=True)
-        assert rq_jobs.starts(name) == 1
-        row = queue.get(item.id)
-        assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
-        assert rq_queue.count == 0
-    finally:
-        rq_queue.delete(delete_jobs=True)
-        connection.close()
+    name = fresh("backlog")
+    # Given an RQ row a sweep sent again, whose job still waits in its queue when the row is
+    # taken for stuck (over an hour in retrying) and made due
+    job = rq_queue.enqueue(rq_jobs.flaky, name, 99)
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    [taken] = queue.take_due(framework=RQ_FRAMEWORK)
+    job.meta[META_KEY].update(dead_letter_id=item.id, dead_letter_sweep=taken.sweep_id)
+    job.save_meta()
+    assert queue.recover_stuck(timedelta(0), framework=RQ_FRAMEWORK) == 1
+    # When a sweep takes the row while the job is still queued, then the job's failure, once
+    # it runs, is counted on the row (the backoff goes on, towards giving up)
+    rq_retry_dead_letters(rq_queue.connection, dlq_url)
+    _work(rq_queue)
+    assert rq_jobs.starts(name) == 1
+    row = queue.get(item.id)
+    assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
+    assert rq_queue.count == 0
 
 
 def test_an_rq_row_of_a_job_with_its_own_serializer_is_requeued_readable(

@@ -31,7 +31,7 @@ from idempotent_tasks.rq.options import META_KEY
 from idempotent_tasks.rq.sweep import retry_dead_letters_job
 from idempotent_tasks.stores.redis import RedisStore
 from tests.integration import rq_jobs
-from tests.integration.rq_support import RQEnv, rq_env_fixture
+from tests.integration.rq_support import RQEnv, rq_env_fixture, taker_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = "tests.integration.rq_jobs.record"
@@ -349,18 +349,7 @@ def test_a_synchronous_job_taken_over_mid_run_returns_its_bodys_value(
             time.sleep(0.02)
         held = sync.store.get(stored)
         assert held is not None
-        taker = ClaimRequest(
-            storage_key=stored,
-            key=key,
-            task_name=held.task_name,
-            task_id=fresh("taker"),
-            owner=fresh("taker-owner"),
-            fingerprint=held.fingerprint,
-            lease_seconds=60,
-            ttl_seconds=600,
-            previous_owner=held.owner,
-        )
-        assert sync.store.claim(taker).outcome is Outcome.ACQUIRED
+        assert sync.store.claim(taker_of(held, stored, key)).outcome is Outcome.ACQUIRED
 
     with ThreadPoolExecutor(1) as pool:
         taken = pool.submit(take_over)

@@ -24,7 +24,7 @@ from rq.results import Result
 
 from idempotent_tasks.dlq import DeadLetterStatus
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import ClaimRequest, CompleteOutcome, Outcome, Status
+from idempotent_tasks.records import CompleteOutcome, Outcome, Status
 from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue, retry_dead_letters
 from idempotent_tasks.rq.job import CODEC
 from idempotent_tasks.rq.options import META_KEY
@@ -36,6 +36,7 @@ from tests.integration.rq_support import (
     rq_env_fixture,
     start_workers,
     status,
+    taker_of,
     wait_failed,
     wait_until,
     wait_value,
@@ -155,17 +156,7 @@ def test_a_skipping_owner_taken_over_mid_run_waits_for_the_new_owners_value(
     assert held is not None and held.task_id == owner.id
     # When another call takes its key over meanwhile (as after a lease lost to a stalled
     # store), and has not finished when the owner's body ends
-    taker = ClaimRequest(
-        storage_key=stored,
-        key=f"skip:{name}",
-        task_name=held.task_name,
-        task_id=fresh("taker"),
-        owner=fresh("taker-owner"),
-        fingerprint=held.fingerprint,
-        lease_seconds=60,
-        ttl_seconds=600,
-        previous_owner=held.owner,
-    )
+    taker = taker_of(held, stored, f"skip:{name}")
     claimed = queue.store.claim(taker)
     assert claimed.outcome is Outcome.ACQUIRED and claimed.token is not None
     wait_until(
