@@ -4,7 +4,9 @@ A call killed at its hard time limit never returns to the task's own code: Celer
 its pool process, then, in the worker's main process, marks it failed and acknowledges its
 message. The claim that process held would stay until its lease ended, and the pickup guard
 would then run the call again, to its limit, again and again. This request ends the call
-there instead, as a failure in its body would end: dead-lettered, and its key released.
+there instead, as a failure in its body would end: dead-lettered, and its key released. So it
+ends a call whose pool process died under it (``WorkerLostError``) once Celery fails it for
+good, its retries used up; a terminated one (``revoke(terminate=True)``) has its key released.
 
 Only this process can tell which claim to release: the owner id of each delivery is issued
 here, in the request, and the pool process claims under that id (see :func:`issued_owner`).
@@ -54,7 +56,8 @@ os.register_at_fork(after_in_child=_owner_ids.reset)
 
 
 class IdempotentRequest(Request):  # type: ignore[misc]
-    """Celery's request, ending an ``IdempotentTask`` call killed at its hard time limit."""
+    """Celery's request, ending an ``IdempotentTask`` call whose pool process is gone: killed
+    at its hard time limit, terminated, or dead under it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
