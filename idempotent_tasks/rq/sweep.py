@@ -227,6 +227,8 @@ def _send_again(
             # another row of the same job id), or a requeue cut short half-way.
             now = _held_job(connection, item.task_id, serializer)
             current = now.get_status(refresh=False) if now is not None else None
+            if current == JobStatus.FINISHED:
+                raise AlreadySucceeded(item.id) from None  # requeued by hand, and run to its end
             if current in _LIVE:
                 # Enqueued anew here, it would run twice, and its data, meta included, be
                 # overwritten: the row is due again a poll interval later.

@@ -1087,6 +1087,37 @@ def test_an_rq_row_whose_failed_job_someone_requeues_meanwhile_is_not_sent_twice
         rq_queue.delete(delete_jobs=True)
 
 
+def test_an_rq_row_whose_failed_job_someone_requeues_and_runs_meanwhile_is_marked_succeeded(
+    rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = fresh("requeued-run")
+    # Given an RQ row whose keyless job RQ keeps as failed
+    job = rq_queue.enqueue(rq_jobs.record, name, 1)
+    rq_queue.remove(job)
+    job.set_status(JobStatus.FAILED)
+    FailedJobRegistry(queue=rq_queue).add(job, ttl=600)
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    # and an operator requeuing that job just before the sweep does, and a worker running it
+    # to its end
+    requeue = FailedJobRegistry.requeue
+
+    def requeued_and_run_first(
+        registry: FailedJobRegistry, job_or_id: Any, at_front: bool = False
+    ) -> Any:
+        requeue(registry, job_or_id.id, at_front)
+        _work(rq_queue)
+        return requeue(registry, job_or_id, at_front)  # the sweep's: no longer failed
+
+    monkeypatch.setattr(FailedJobRegistry, "requeue", requeued_and_run_first)
+    # When the sweep runs, then it sends nothing again (a keyless body would run twice), and
+    # the row is marked succeeded
+    assert rq_retry_dead_letters(rq_queue.connection, dlq_url) == 0
+    assert rq_jobs.starts(name) == 1
+    assert rq_queue.count == 0
+    row = queue.get(item.id)
+    assert row is not None and row.status is DeadLetterStatus.SUCCEEDED
+
+
 def _holder(
     function: Any, key: str, args: tuple[Any, ...], *, lease_seconds: float
 ) -> ClaimRequest:
