@@ -16,7 +16,7 @@ from .dlq import DeadLetterQueue
 from .dlq.engine import default_sqlite_url
 from .prometheus import enable_if_installed
 from .settings import app_setting
-from .setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
+from .setup_errors import open_dead_letter_queue
 from .stores import Store, store_from_url
 
 logger = logging.getLogger(__name__)
@@ -112,16 +112,11 @@ def dlq_for(app: Any) -> DeadLetterQueue:
     """This process's dead-letter queue for ``app`` (``idempotency_dlq_url``, else SQLite)."""
 
     def build() -> DeadLetterQueue:
-        try:
-            return DeadLetterQueue(
-                app_setting(app.conf, "idempotency_dlq_url"),
-                base_delay=float(app_setting(app.conf, "idempotency_dlq_base_delay")),
-            )
-        except SETUP_ERRORS as exc:
-            # Its driver missing, its URL malformed, the default SQLite folder not writable: a
-            # failure is then kept as for a database that is down (the task goes back to its
-            # queue), never lost. A worker refuses to start on it (see startup).
-            raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc
+        # Unusable, a worker refuses to start on it (see startup).
+        return open_dead_letter_queue(
+            app_setting(app.conf, "idempotency_dlq_url"),
+            base_delay=app_setting(app.conf, "idempotency_dlq_base_delay"),
+        )
 
     return _per_process(app, _DLQ, build)
 

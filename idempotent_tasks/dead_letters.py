@@ -139,19 +139,7 @@ def write_failure(
 
     Returns the row's id. Raises StoreUnavailable when the database cannot be written.
     """
-    queue = dlq_for(app)
-    if dead_letter_id is not None:
-        item = queue.record_retry_failure(
-            dead_letter_id,
-            failure.error_type,
-            failure.error_message,
-            failure.traceback,
-            sweep_id,
-        )
-        if item is not None and not item.succeeded_before(sweep_id):
-            _log_item(item)
-            return item.id
-    item = queue.add(failure)
+    item = dlq_for(app).record_failure(failure, dead_letter_id, sweep_id)
     _log_item(item)
     return item.id
 

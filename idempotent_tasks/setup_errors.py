@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.exc import SQLAlchemyError
 
+from .dlq import DeadLetterQueue
 from .errors import StoreUnavailable
 
 #: What building a store or a dead-letter queue raises for a set-up no wait mends: a driver
@@ -19,3 +22,16 @@ class StoreUnusable(StoreUnavailable):
 class DeadLetterQueueUnusable(StoreUnavailable):
     """The dead-letter queue cannot even be set up: a matter of configuration, which no wait
     mends (a Celery worker refuses to start on it)."""
+
+
+def open_dead_letter_queue(url: str | None, base_delay: Any = None) -> DeadLetterQueue:
+    """A :class:`DeadLetterQueue` for ``url`` (and the setting ``base_delay``, when given);
+    :class:`DeadLetterQueueUnusable` when its set-up is wrong (a driver missing, a URL or
+    setting malformed, the default folder not writable): a failure is then kept as for a
+    database that is down (its task goes back to its queue), never lost."""
+    try:
+        if base_delay is None:
+            return DeadLetterQueue(url)
+        return DeadLetterQueue(url, base_delay=float(base_delay))
+    except SETUP_ERRORS as exc:
+        raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc

@@ -63,18 +63,7 @@ def write_failure(
     Returns the row's id. Raises StoreUnavailable (or SchemaVersionError) when the database
     cannot be written.
     """
-    if dead_letter_id is not None:
-        item = queue.record_retry_failure(
-            dead_letter_id,
-            failure.error_type,
-            failure.error_message,
-            failure.traceback,
-            sweep_id,
-        )
-        if item is not None and not item.succeeded_before(sweep_id):
-            _log_item(failure.task_id, item)
-            return item.id
-    item = queue.add(failure)
+    item = queue.record_failure(failure, dead_letter_id, sweep_id)
     _log_item(failure.task_id, item)
     return item.id
 

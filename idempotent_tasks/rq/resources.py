@@ -15,7 +15,7 @@ import redis
 
 from ..dlq import DeadLetterQueue
 from ..prometheus import enable_if_installed
-from ..setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
+from ..setup_errors import open_dead_letter_queue
 from ..stores import Store, store_from_url
 from ..stores.redis import RedisStore
 from .options import DLQ_URL_ENV
@@ -34,17 +34,7 @@ def dlq_url_for(dlq_url: str | None) -> str | None:
 def dead_letter_queue(dlq_url: str | None) -> DeadLetterQueue:
     """This process's :class:`DeadLetterQueue` for ``dlq_url`` (resolved by :func:`dlq_url_for`)."""
     url = dlq_url_for(dlq_url)
-
-    def build() -> DeadLetterQueue:
-        try:
-            return DeadLetterQueue(url)
-        except SETUP_ERRORS as exc:
-            # Its driver missing, its URL malformed, the default folder not writable: a
-            # failure is then kept as for a database that is down (the job goes back to its
-            # queue to write it), never lost.
-            raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc
-
-    return _per_process(("dlq", url or ""), build)
+    return _per_process(("dlq", url or ""), lambda: open_dead_letter_queue(url))
 
 
 def claim_store(connection: redis.Redis, prefix: str, store_url: str | None) -> Store:

@@ -192,13 +192,11 @@ def _wait_for_queued(
                 return True
             except WatchError:
                 continue
-            except ResponseError as exc:
+            except Exception as exc:
                 if is_unavailable(exc):
                     raise
-                return False  # LPOS unknown (Redis before 6.0.6): waited for as before
-            except Exception as exc:  # meta this process cannot read (a class it lacks)
-                if is_unavailable(exc):
-                    raise
+                # LPOS unknown (Redis before 6.0.6), meta this process cannot read (a class it
+                # lacks): the row waits for the job as before.
                 logger.warning("could not make queued job %s its row's run: %r", job.id, exc)
                 return False
     return False
