@@ -15,7 +15,6 @@ from functools import cached_property
 from traceback import format_exception
 from typing import Any, ClassVar, NoReturn, cast
 
-import celery
 from celery import Task, states
 from celery.app.task import get_actual_ignore_result
 from celery.backends.base import DisabledBackend
@@ -938,10 +937,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def lost_call_fails(self, request_dict: dict[str, Any]) -> bool:
         """Whether Celery fails for good a call whose pool process died under it
-        (``WorkerLostError``), rather than retry it (``retry_on_worker_lost``, Celery 5.7,
-        within ``max_retries``) or hand it back to the broker (``reject_on_worker_lost``)."""
+        (``WorkerLostError``), rather than retry it (``retry_on_worker_lost``, within
+        ``max_retries``) or hand it back to the broker (``reject_on_worker_lost``)."""
         retries = int(request_dict.get("retries") or 0)
-        retrying = bool(getattr(self, "retry_on_worker_lost", False)) and celery.VERSION >= (5, 7)
+        retrying = bool(self.retry_on_worker_lost)
         exhausted = retrying and self.max_retries is not None and retries >= self.max_retries
         if retrying and not exhausted:
             return False
@@ -1477,12 +1476,11 @@ def _ends_killed_calls(request_class: Any) -> bool:
 
 def _timeout_requeues(task: Task) -> bool:
     """Whether Celery hands a message killed at its hard time limit back to the broker: an
-    ``acks_late`` task with ``acks_on_timeout`` off (Celery 5.7 on), or
-    ``acks_on_failure_or_timeout`` off (Celery 5.5 and 5.6). Earlier Celery rejects such a
-    message without requeueing it: the call has failed for good there."""
-    if not task.acks_late or celery.VERSION < (5, 5):
+    ``acks_late`` task with ``acks_on_timeout`` off (its default is the deprecated
+    ``acks_on_failure_or_timeout``)."""
+    if not task.acks_late:
         return False
-    acks = getattr(task, "acks_on_timeout", None) if celery.VERSION >= (5, 7) else None
+    acks = task.acks_on_timeout
     if acks is None:
         acks = task.acks_on_failure_or_timeout
     return acks is not None and not acks

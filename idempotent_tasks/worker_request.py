@@ -21,7 +21,6 @@ import os
 import signal
 from typing import Any
 
-import celery
 from billiard.exceptions import Terminated, WorkerLostError
 from billiard.process import active_children
 from celery.exceptions import TimeLimitExceeded
@@ -109,7 +108,7 @@ class IdempotentRequest(Request):  # type: ignore[misc]
     _idempotency_success: Any = None
 
     def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
-        """Celery 5.7's retry of a call whose process died. The key stays the dead owner's: the
+        """Celery's retry of a call whose process died. The key stays the dead owner's: the
         retry names it as previous owner (see ``IdempotentTask.signature_from_request``) and
         takes it over at once, and should the retry not be sent the call ends as Celery ends
         it, its message handed back or its key released with its dead letter."""
@@ -119,11 +118,10 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         return retried
 
     def _success_was_stored(self) -> Any:
-        """Celery 5.7's look for a success the call stored before its process died, asked once
+        """Celery's look for a success the call stored before its process died, asked once
         (``on_failure`` asks too): two looks could disagree, and each may wait on the backend."""
         if self._idempotency_success is None:
-            asked: Any = getattr(super(), "_success_was_stored", None)
-            self._idempotency_success = (asked() if asked is not None else False,)
+            self._idempotency_success = (super()._success_was_stored(),)
         return self._idempotency_success[0]
 
     def _process_lost(self, exc: BaseException) -> bool:
@@ -138,8 +136,8 @@ class IdempotentRequest(Request):  # type: ignore[misc]
 
     def _succeeded(self) -> bool:
         """Whether the call stored its success before its process died: Celery then only
-        acknowledges it (Celery 5.7; earlier ones never look)."""
-        return celery.VERSION >= (5, 7) and bool(self._success_was_stored())
+        acknowledges it."""
+        return bool(self._success_was_stored())
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # A cold shutdown kills running tasks through this path too: their messages are

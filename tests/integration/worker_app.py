@@ -426,8 +426,7 @@ def noted_callback(value: Any, name: str) -> None:
 @app.task(
     base=IdempotentTask,
     time_limit=1,
-    acks_on_timeout=False,  # Celery 5.7
-    acks_on_failure_or_timeout=False,  # before 5.7
+    acks_on_timeout=False,
 )
 def overruns_once(name: str) -> str:
     """Its first run is killed at its hard time limit; Celery hands the message back to the

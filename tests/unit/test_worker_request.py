@@ -72,26 +72,22 @@ def test_a_republished_message_carries_no_issued_owner() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "acks_on_timeout", "acks_on_failure_or_timeout", "requeues"),
+    ("acks_on_timeout", "acks_on_failure_or_timeout", "requeues"),
     [
-        # Celery 5.7: acks_on_timeout decides
-        ((5, 7, 0), False, True, True),
-        ((5, 7, 0), True, False, False),
-        # 5.5 and 5.6 know only acks_on_failure_or_timeout
-        ((5, 6, 0), False, True, False),
-        ((5, 5, 0), None, False, True),
-        # before 5.5 a killed message is rejected without requeueing
-        ((5, 4, 0), None, False, False),
+        # acks_on_timeout decides
+        (False, True, True),
+        (True, False, False),
+        # unset, the deprecated acks_on_failure_or_timeout stands in for it
+        (None, False, True),
+        (None, True, False),
+        (None, None, False),
     ],
 )
-def test_whether_celery_requeues_a_killed_call_follows_its_version(
-    monkeypatch: pytest.MonkeyPatch,
-    version: tuple[int, int, int],
+def test_whether_celery_requeues_a_killed_call_follows_acks_on_timeout(
     acks_on_timeout: bool | None,
-    acks_on_failure_or_timeout: bool,
+    acks_on_failure_or_timeout: bool | None,
     requeues: bool,
 ) -> None:
-    monkeypatch.setattr(task_module.celery, "VERSION", version)
     task = SimpleNamespace(
         acks_late=True,
         acks_on_timeout=acks_on_timeout,
@@ -113,8 +109,7 @@ def test_a_killed_call_celery_requeues_keeps_its_callbacks_and_chain_in_its_pick
     @app.task(
         base=IdempotentTask,
         acks_late=True,
-        acks_on_timeout=False,  # Celery 5.7
-        acks_on_failure_or_timeout=False,  # before 5.7
+        acks_on_timeout=False,
     )
     def overruns(name: str) -> str:
         return name
