@@ -122,6 +122,9 @@ class Attempt:
     given_up: bool = False
     #: The task id of another call whose claim or queued message this claim replaced.
     taken_from_task_id: str | None = None
+    #: The envelope of that call's queued message, when the claim replaced one (see
+    #: :class:`~idempotent_tasks.records.ClaimResult`).
+    taken_over_envelope: bytes | None = None
     #: When this attempt last asked for its claim (:func:`lease_clock`): its lease runs from no
     #: earlier.
     asked_at: float = 0.0
@@ -133,6 +136,7 @@ class Attempt:
         if result.outcome is Outcome.ACQUIRED:
             self.token = result.token
             self.taken_from_task_id = result.taken_from_task_id
+            self.taken_over_envelope = result.taken_over_envelope
             if result.takeover:
                 self.log.warning(
                     "took over key %r of %s from an earlier owner, whose lease ended or whose "

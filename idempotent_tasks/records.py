@@ -125,7 +125,10 @@ class ClaimResult:
     record found otherwise; ``takeover`` says the claim replaced an expired or retried owner.
     ``taken_from_task_id`` is the task id of another call whose live claim or queued message
     this claim replaced (its lease ended, or its message counts as lost): its callers wait on
-    that id, which may never run again.
+    that id, which may never run again. ``taken_over_envelope`` is the pickup envelope of that
+    call's ``queued`` message, when the claim replaced one (the message counts as lost): once
+    this call completes, that message is published again, so that call answers with the key's
+    value and its callbacks, chord part or reply follow.
     """
 
     outcome: Outcome
@@ -133,6 +136,7 @@ class ClaimResult:
     record: Record | None = None
     takeover: bool = False
     taken_from_task_id: str | None = None
+    taken_over_envelope: bytes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,11 +85,12 @@ from .pickups import (
     hand_to_guard,
     make_pickup,
     pickup_timeout,
+    republish_taken,
     seconds_to_expiry,
     seconds_until,
 )
 from .publishing import RESERVED_HEADER
-from .records import ClaimRequest, Outcome, Record, SideWrite, Status
+from .records import ClaimRequest, DuePickup, Outcome, Record, SideWrite, Status
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
 from .settings import app_setting, byte_count, positive_seconds, resolve
 from .startup import WORKER_TIME_LIMIT
@@ -594,6 +595,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         taken_from = _taken_from(self.request)
         if taken_from is not None and not (attempt.superseded or is_replaced(value)):
             self._answer_taken_over_call(taken_from, value)
+            self._republish_taken_over_message(attempt)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.
             self._wait_for_new_owner(attempt, body_ran=True)
@@ -650,6 +652,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.warning(
                 "could not store the result of %s, whose key this call took over: %s", task_id, exc
             )
+
+    def _republish_taken_over_message(self, attempt: Attempt) -> None:
+        """Publish again the queued message of the call whose key this one took over (it
+        counted as lost), now that the key is completed: that call then answers with the key's
+        value, as a slow copy of it would, and its callbacks, chord part and ``rpc://`` reply
+        follow, which no stored result alone brings."""
+        envelope = attempt.taken_over_envelope
+        task_id = attempt.taken_from_task_id
+        if envelope is None or task_id is None or self.request.is_eager:
+            return
+        lost = DuePickup(
+            storage_key=attempt.request.storage_key,
+            task_name=self.name,
+            task_id=task_id,
+            envelope=envelope,
+            republished=1,
+        )
+        republish_taken(self.app, attempt.store, lost)
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,

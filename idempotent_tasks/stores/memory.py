@@ -177,7 +177,7 @@ class MemoryStore:
                     return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
                 # The pickup stays (its count too): should this owner die with its message, it
                 # is sent again.
-                return self._acquire(
+                acquired = self._acquire(
                     request,
                     now,
                     created_at=found.created_at,
@@ -185,6 +185,11 @@ class MemoryStore:
                     fingerprint=kept,
                     taken_from=taken_from,
                 )
+                pending = self._pending.get(request.storage_key)
+                if taken_from is None or pending is None:
+                    return acquired
+                # Another call's lost message: published again once this call completes.
+                return dataclasses.replace(acquired, taken_over_envelope=pending.pickup.envelope)
             if found.status is Status.PROCESSING and found.owner == request.owner:
                 return ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
             if mismatch:

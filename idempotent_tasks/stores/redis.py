@@ -264,6 +264,7 @@ class RedisStore:
                 token=int(reply[1]),
                 takeover=bool(reply[2]),
                 taken_from_task_id=_text(reply[3]) or None,
+                taken_over_envelope=_bytes(reply[4]) if len(reply) > 4 and reply[4] else None,
             )
         record = _record(request.storage_key, _pairs(reply[3:]), read_at=int(reply[1]) / 1000)
         return ClaimResult(outcome=outcome, record=record)

@@ -316,13 +316,25 @@ class SqlStore:
             swap = replace_if_unchanged(claim_id, found, values)
             if self._replaced(swap, claim_id, ended=not is_live(found, now)):
                 replaced_other = is_live(found, now) and found["task_id"] != request.task_id
+                lost_message = replaced_other and found["status"] == QUEUED
                 return ClaimResult(
                     outcome=Outcome.ACQUIRED,
                     token=token,
                     takeover=takeover,
                     taken_from_task_id=found["task_id"] if replaced_other else None,
+                    taken_over_envelope=self._envelope_of(claim_id) if lost_message else None,
                 )
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
+
+    def _envelope_of(self, claim_id: str) -> bytes | None:
+        """The envelope of the pickup row of a key just claimed from another call's queued
+        message, if it can be read (the claim is made either way: ``None`` otherwise)."""
+        try:
+            row = readable_pickup(self._one(select_pickup(claim_id)))
+        except (StoreUnavailable, CorruptRecord) as exc:
+            logger.warning("could not read the lost message of %r: %s", claim_id, exc)
+            return None
+        return None if row is None else bytes(row["envelope"])
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:
         """The outcome for an existing row, or ``None`` when this claim may replace it."""

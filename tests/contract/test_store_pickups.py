@@ -172,10 +172,12 @@ def test_a_queued_key_waits_for_its_own_message_until_that_counts_as_lost(
     assert early.outcome is Outcome.IN_PROGRESS
     assert early.record is not None and early.record.task_id == "t-own"
     # And once the key's message counts as lost, the other one runs it, told whose message
-    # it took over (that call's callers wait on its task id)
+    # it took over (that call's callers wait on its task id) and given that message, to be
+    # published again once the key is completed
     time.sleep(PAST_DUE)
     late = store.claim(other)
     assert (late.outcome, late.taken_from_task_id) == (Outcome.ACQUIRED, "t-own")
+    assert late.taken_over_envelope == ENVELOPE
 
 
 def test_a_queued_keys_own_message_takes_nothing_from_another_call(
@@ -185,6 +187,7 @@ def test_a_queued_keys_own_message_takes_nothing_from_another_call(
     assert store.reserve(own, make_pickup()) is None
     claim = store.claim(own)
     assert (claim.outcome, claim.taken_from_task_id) == (Outcome.ACQUIRED, None)
+    assert claim.taken_over_envelope is None
 
 
 def test_claim_of_a_queued_key_with_another_fingerprint_is_a_mismatch(
@@ -467,7 +470,8 @@ def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
     assert store.reserve(reserved, make_pickup(due_in=0.0)) is None
     time.sleep(0.01)  # its message counts as lost at once (Redis: 1 ms on)
     owner = make_request(task_id="t-owner", lease_seconds=0.2)
-    assert store.claim(owner).outcome is Outcome.ACQUIRED
+    first = store.claim(owner)
+    assert (first.outcome, first.taken_over_envelope) == (Outcome.ACQUIRED, ENVELOPE)
     # While its lease lives, and for one re-publication timeout after, it is not lost
     time.sleep(0.1)
     assert store.take_due(10) == []
@@ -485,6 +489,27 @@ def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
     again = make_request(task_id="t-owner")
     claim = store.claim(again)
     assert claim.outcome is Outcome.ACQUIRED and claim.takeover
+
+
+def test_a_dead_owners_claim_taken_over_hands_out_no_envelope(
+    store: Store, make_request: Make
+) -> None:
+    # Given a reserved key claimed by its own message, whose owner then died
+    own = make_request(task_id="t-own", lease_seconds=0.2)
+    assert store.reserve(own, make_pickup()) is None
+    first = store.claim(own)
+    assert (first.outcome, first.taken_over_envelope) == (Outcome.ACQUIRED, None)
+    time.sleep(0.3)
+    # When another call's message takes the key over
+    heir = store.claim(make_request(storage_key=own.storage_key, task_id="t-heir"))
+    # Then it is told whose call it took, but given no message to publish again: the dead
+    # owner's message comes back by itself (the broker's redelivery, or the guard's)
+    assert (heir.outcome, heir.takeover, heir.taken_from_task_id) == (
+        Outcome.ACQUIRED,
+        True,
+        "t-own",
+    )
+    assert heir.taken_over_envelope is None
 
 
 def test_a_claim_does_not_reset_the_count_of_re_publications(

@@ -218,6 +218,32 @@ def test_a_lost_message_is_published_again_by_the_next_publish_of_its_key(
 
 
 @pytest.mark.usefixtures("short_pickup")
+def test_a_lost_message_whose_key_another_message_ran_still_runs_its_link(
+    worker_and_beat: Any,
+) -> None:
+    # Given a keyed call with a link whose message the broker lost, and no beat to sweep for it
+    name, key = fresh("lost-link"), fresh("key")
+    lost = worker_app.ledgered.apply_async(
+        (name,), idempotency_key=key, link=worker_app.noted_callback.s(name)
+    )
+    _lose_message("celery", lost.id)
+    time.sleep(PICKUP_TIMEOUT + 0.2)  # the message now counts as lost
+
+    # When another message of the key, sent with no look at the key (by name), runs it
+    worker_and_beat(beat=False)
+    other = app.send_task(worker_app.ledgered.name, (name,), idempotency_key=key)
+    assert other.get(timeout=30) == name
+
+    # Then the body ran once, the lost call's caller gets the value, and the lost message,
+    # published again once the key completed, answers with it and runs its link
+    assert lost.get(timeout=30) == name
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the lost call's link")
+    assert ledger_events(name, "start") == 1
+    time.sleep(1)
+    assert ledger_events(name, "callback") == 1
+
+
+@pytest.mark.usefixtures("short_pickup")
 def test_a_dead_owners_lost_message_is_published_again_by_the_next_publish(
     worker_and_beat: Any,
 ) -> None:

@@ -12,7 +12,7 @@
 -- ARGV[9]  task name
 -- Returns  {outcome, token, takeover, field, value, ...}, or when acquired
 --          {"acquired", token, takeover, the task id of the other call whose record this one
---          replaced, or ""}
+--          replaced, or "", and when that record was queued, its envelope (if it has one)}
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired; else the time of the read, ms
 --          takeover: 1 or 0; field/value pairs: the record found when not acquired
@@ -26,7 +26,8 @@ local ttl = tonumber(ARGV[5])
 -- corrupt one that lost it: the names are written, with now as that time.
 -- fingerprint: the arguments the key stands for from now on.
 -- taken_from: the task id of the other call whose live record this claim replaces, or ''.
-local function acquire(takeover, created_at, fingerprint, taken_from)
+-- envelope: the pickup envelope of the other call's queued message this claim replaces, or nil.
+local function acquire(takeover, created_at, fingerprint, taken_from, envelope)
   local token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
     'task_id', ARGV[3], 'fingerprint', fingerprint, 'lease_expires_at', int(now + lease),
@@ -36,7 +37,7 @@ local function acquire(takeover, created_at, fingerprint, taken_from)
   end
   redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
-  return {'acquired', token, takeover, taken_from}
+  return {'acquired', token, takeover, taken_from, envelope}
 end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
@@ -72,7 +73,12 @@ if found[1] == 'queued' then
   if not same_call and (tonumber(found[4]) or 0) > now then
     return answer('in_progress')
   end
-  return acquire(0, found[5], fingerprint, other_call)
+  if other_call == '' then
+    return acquire(0, found[5], fingerprint, '')
+  end
+  -- Another call's message that counts as lost: its envelope goes back with the claim, to be
+  -- published again once this call completes (its callers, callbacks and chord wait on it).
+  return acquire(0, found[5], fingerprint, other_call, redis.call('HGET', KEYS[1], 'envelope'))
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   local token = tonumber(found[6])
