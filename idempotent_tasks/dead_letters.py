@@ -106,9 +106,10 @@ CANVAS_OPTIONS = ("link", "chain")
 def continuation_options(request: Any) -> dict[str, Any]:
     """The options of the call ``request`` runs that its dead letter keeps, so that a retry
     that succeeds goes on as the call would have: its callbacks (``link``), the rest of its
-    chain, its time limits, its shadow name and stamps. Its errbacks ran when it failed, and
-    its expiry will have passed: those are not kept; nor are callbacks or a chain JSON cannot
-    hold (a pickle-serialized canvas), which a warning says, nor a stamp JSON cannot hold."""
+    chain, its time limits, its shadow name, its root and parent ids, and stamps. Its errbacks
+    ran when it failed, and its expiry will have passed: those are not kept; nor are callbacks
+    or a chain JSON cannot hold (a pickle-serialized canvas), which a warning says, nor a stamp
+    JSON cannot hold."""
     time_limit, soft_time_limit = getattr(request, "timelimit", None) or (None, None)
     wanted = {
         "link": getattr(request, "callbacks", None),
@@ -116,6 +117,8 @@ def continuation_options(request: Any) -> dict[str, Any]:
         "time_limit": time_limit,
         "soft_time_limit": soft_time_limit,
         "shadow": getattr(request, "shadow", None),
+        "root_id": getattr(request, "root_id", None),
+        "parent_id": getattr(request, "parent_id", None),
     }
     # First: a stamp takes no option of the dead letter's own over.
     stamps = _json_stamp_options(request)
@@ -126,7 +129,7 @@ def continuation_options(request: Any) -> dict[str, Any]:
         module_logger.warning(
             "its callbacks or chain are not JSON: a retry of its dead letter will not run them"
         )
-        plain = ("time_limit", "soft_time_limit", "shadow")
+        plain = ("time_limit", "soft_time_limit", "shadow", "root_id", "parent_id")
         return {**stamps, **{name: kept[name] for name in plain if name in kept}}
     return {**stamps, **stored}
 
@@ -156,12 +159,15 @@ def _log_item(item: DeadLetter) -> None:
     )
 
 
-def renew_retrying(app: Any, dead_letter_id: str, sweep_id: str | None) -> bool:
+def renew_retrying(
+    app: Any, dead_letter_id: str, sweep_id: str | None, waits_for: float = 0.0
+) -> bool:
     """A re-published dead letter's run begins, or goes on: its row is not stuck (so a sweep
-    does not send it again while it runs, or while its own retries wait). Whether the row may
-    still be this sweep's ``retrying`` one: a database error is logged, and counts as yes."""
+    does not send it again while it runs, or while its own retry waits ``waits_for`` seconds
+    for its countdown). Whether the row may still be this sweep's ``retrying`` one: a database
+    error is logged, and counts as yes."""
     return renewal.renew_retrying(
-        lambda: dlq_for(app), dead_letter_id, sweep_id, SoftTimeLimitExceeded
+        lambda: dlq_for(app), dead_letter_id, sweep_id, SoftTimeLimitExceeded, waits_for
     )
 
 
@@ -242,12 +248,16 @@ def republish(app: Any, item: DeadLetter) -> None:
     for name in CANVAS_OPTIONS:
         if options.get(name):
             options[name] = from_table_json(options[name])
+    # Its own place in a workflow, not the sweep's: no child of the sweep task, and the root
+    # (else itself) and parent the call had.
+    options.setdefault("root_id", item.task_id)
     app.send_task(
         item.task_name,
         args=args,
         kwargs=kwargs,
         task_id=item.task_id,
         headers=headers,
+        add_to_parent=False,
         **options,
     )
 

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 RENEWALS_PER_LEASE = 3
 #: Never renew more often than this (seconds), however short the lease.
 MIN_INTERVAL = 0.05
+#: A renewal that failed (the store or database down) is tried again this soon (seconds), or
+#: at its usual interval when that is sooner.
+RETRY_AFTER_ERROR = 5.0
 
 
 @dataclass(eq=False)
@@ -111,8 +114,13 @@ class LeaseKeeper:
     def _renew(self, lease: Lease) -> None:
         try:
             held = lease.renew()
-        except Exception:
-            logger.warning("could not renew a lease; will try again", exc_info=True)
+        except Exception as exc:
+            logger.warning("could not renew a lease; will try again: %s", exc)
+            retry_at = self._clock() + min(lease.interval, RETRY_AFTER_ERROR)
+            with self._lock:
+                if retry_at < lease.next_due:
+                    lease.next_due = retry_at
+                    self._wakes_at = min(self._wakes_at, retry_at)
             return
         if not held:
             finished = lease.finished

@@ -433,7 +433,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             sweep_id = request_header(request, DEAD_LETTER_SWEEP_HEADER)
             if not renew_retrying(self.app, dead_letter_id, sweep_id):
                 self._end_stale_retry(dead_letter_id, sweep_id, args, kwargs)
-        key = self._call_key(request, args, kwargs)
+        try:
+            key = self._call_key(request, args, kwargs)
+        except ValueError as exc:
+            if dead_letter_id is not None:
+                # Its row records it (a key template that no longer fits the stored
+                # arguments): unrecorded, the row would be sent again for ever.
+                self.on_final_failure(exc, None, args, kwargs)
+            raise
         if key is None:
             return self._run_unclaimed(args, kwargs)
         if len(request.id) > MAX_TASK_ID_CHARS:
@@ -792,19 +799,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
         over at once even if the release did not reach the store.
         """
         attempt: Attempt | None = getattr(self.request, "idempotency_attempt", None)
+        limit = self.max_retries if max_retries is None else max_retries
+        will_publish = not self.request.is_eager and (limit is None or self.request.retries < limit)
+        wait = seconds_until(
+            self.default_retry_delay if countdown is None and eta is None else countdown, eta
+        )
+        dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
+        if will_publish and dead_letter_id is not None:
+            # A dead letter's run retrying: its row must not look stuck while the retry waits
+            # out a countdown longer than its retrying timeout (a sweep would send it again).
+            sweep_id = request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
+            renew_retrying(self.app, dead_letter_id, sweep_id, waits_for=wait)
         if attempt is not None:
             self.request.idempotency_attempt = None
-            limit = self.max_retries if max_retries is None else max_retries
-            will_publish = not self.request.is_eager and (
-                limit is None or self.request.retries < limit
-            )
             if will_publish:
                 # Released with the guard's copy of the retry as Celery makes it (its merged
                 # arguments, its queue): see signature_from_request.
-                wait = seconds_until(
-                    self.default_retry_delay if countdown is None and eta is None else countdown,
-                    eta,
-                )
                 self.request.idempotency_retrying = (attempt, wait)
             else:
                 attempt.release_quietly()
@@ -911,7 +921,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         message = error_text(exc)
         logger.error("failed for good: %s: %s", type(exc).__name__, message)
-        if not self.dlq:
+        if not self.dlq and request_header(request, DEAD_LETTER_HEADER) is None:
+            # (A dead letter's retry records its failure on its row all the same, the task's
+            # dead-letter queue turned off since: unrecorded, the row would be sent for ever.)
             return
         stored_args, stored_kwargs, faithful = self._table_arguments(args, kwargs)
         max_retries = int(
@@ -924,7 +936,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.error(
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"
             )
-        task_id = publishing.fitted_task_id(request.id)
+        # A keyed call's id longer than a store keeps could never claim its key: its retry
+        # runs under a shorter one naming it. A keyless call's retry keeps its id (its callers
+        # wait on it): the table keeps it whole in the row's options.
+        task_id = request.id if key is None else publishing.fitted_task_id(request.id)
         failure = Failure(
             failure_id=f"{task_id}:{request.retries}",
             task_name=self.name,

@@ -126,7 +126,8 @@ def record_retry_failure(
 
 
 def renew_retrying(item_id: str, sweep_id: str | None, now: datetime) -> Update:
-    """Mark a ``retrying`` item (of ``sweep_id``, when given) as alive now: its run began."""
+    """Mark a ``retrying`` item (of ``sweep_id``, when given) as alive at ``now``: its run
+    began (or a retry of it waits until then)."""
     held = (dead_letters.c.id == item_id) & (dead_letters.c.status == RETRYING)
     if sweep_id is not None:
         held = held & (dead_letters.c.sweep_id == sweep_id)

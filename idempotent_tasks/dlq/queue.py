@@ -325,13 +325,16 @@ class DeadLetterQueue:
             result = connection.execute(queries.unclaim(item_id, self._db(now), self._db(due)))
         return bool(result.rowcount)
 
-    def renew_retrying(self, item_id: str, sweep_id: str | None = None) -> bool:
+    def renew_retrying(
+        self, item_id: str, sweep_id: str | None = None, waits_for: float = 0.0
+    ) -> bool:
         """A re-published item's run began (or retries): it is not stuck, so its
-        ``retrying`` timeout counts from now. Whether the item (of ``sweep_id``) was
-        ``retrying``."""
-        now = self._db(self._clock())
+        ``retrying`` timeout counts from now, or from ``waits_for`` seconds from now (a retry
+        of its run waiting out a countdown: its ``updated_at`` then lies ahead). Whether the
+        item (of ``sweep_id``) was ``retrying``."""
+        alive_until = self._db(self._clock() + timedelta(seconds=max(waits_for, 0.0)))
         with self._begin() as connection:
-            result = connection.execute(queries.renew_retrying(item_id, sweep_id, now))
+            result = connection.execute(queries.renew_retrying(item_id, sweep_id, alive_until))
         return bool(result.rowcount)
 
     def mark_succeeded(self, item_id: str, sweep_id: str | None = None) -> bool:

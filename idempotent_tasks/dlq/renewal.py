@@ -27,17 +27,18 @@ def renew_retrying(
     dead_letter_id: str,
     sweep_id: str | None,
     time_limit: type[BaseException] | None = None,
+    waits_for: float = 0.0,
 ) -> bool:
-    """A re-sent dead letter's run begins, or goes on: renew its row. Whether the row may still
-    be ``sweep_id``'s ``retrying`` one: an error (the database down) is logged, and counts as
-    yes, never as the run's failure.
+    """A re-sent dead letter's run begins, or goes on (``waits_for``: its retry waits that many
+    seconds first): renew its row. Whether the row may still be ``sweep_id``'s ``retrying``
+    one: an error (the database down) is logged, and counts as yes, never as the run's failure.
 
     ``time_limit``, the framework's one-shot time limit when the run's own thread renews (see
     :func:`~idempotent_tasks.core.despite_time_limit`), is never taken for such an error: the
     run would go on without its limit.
     """
     try:
-        return queue_of().renew_retrying(dead_letter_id, sweep_id)
+        return queue_of().renew_retrying(dead_letter_id, sweep_id, waits_for)
     except Exception as exc:  # the database down, or its URL unusable: the run goes on
         if time_limit is not None and isinstance(exc, time_limit):
             raise
@@ -53,9 +54,10 @@ def kept_retrying(
     timeout: float,
 ) -> Iterator[None]:
     """Renew the row of ``dead_letter_id`` every third of ``timeout`` seconds while the block
-    runs."""
+    runs; a renewal that fails (the database down) is tried again within seconds, not a third
+    of the timeout later: by then a sweep may take the row for stuck."""
     lease = _row_keeper.add(
-        lambda: renew_retrying(queue_of, dead_letter_id, sweep_id), lambda: None, timeout
+        lambda: queue_of().renew_retrying(dead_letter_id, sweep_id), lambda: None, timeout
     )
     try:
         yield

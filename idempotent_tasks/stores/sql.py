@@ -212,9 +212,15 @@ class SqlStore:
             wanted = limit - len(taken)
             if wanted <= 0:
                 break
-            now = self._clock()
-            with self._begin() as connection:
-                rows = connection.execute(select_due(self.prefix, now, wanted)).mappings().all()
+            try:
+                now = self._clock()
+                with self._begin() as connection:
+                    due_rows = select_due(self.prefix, now, wanted)
+                    rows = connection.execute(due_rows).mappings().all()
+            except StoreUnavailable:
+                if not taken:
+                    raise
+                return taken  # those taken already are moved on: they must go out
             for row in rows:
                 try:
                     due = self._take(readable_pickup(row), now)
@@ -314,27 +320,20 @@ class SqlStore:
                 if found["task_id"] == request.task_id:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
             swap = replace_if_unchanged(claim_id, found, values)
-            if self._replaced(swap, claim_id, ended=not is_live(found, now)):
-                replaced_other = is_live(found, now) and found["task_id"] != request.task_id
-                lost_message = replaced_other and found["status"] == QUEUED
+            replaced_other = is_live(found, now) and found["task_id"] != request.task_id
+            lost_message = replaced_other and found["status"] == QUEUED
+            replaced = self._replaced(
+                swap, claim_id, ended=not is_live(found, now), read_envelope=lost_message
+            )
+            if replaced is not None:
                 return ClaimResult(
                     outcome=Outcome.ACQUIRED,
                     token=token,
                     takeover=takeover,
                     taken_from_task_id=found["task_id"] if replaced_other else None,
-                    taken_over_envelope=self._envelope_of(claim_id) if lost_message else None,
+                    taken_over_envelope=replaced or None,
                 )
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
-
-    def _envelope_of(self, claim_id: str) -> bytes | None:
-        """The envelope of the pickup row of a key just claimed from another call's queued
-        message, if it can be read (the claim is made either way: ``None`` otherwise)."""
-        try:
-            row = readable_pickup(self._one(select_pickup(claim_id)))
-        except (StoreUnavailable, CorruptRecord) as exc:
-            logger.warning("could not read the lost message of %r: %s", claim_id, exc)
-            return None
-        return None if row is None else bytes(row["envelope"])
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:
         """The outcome for an existing row, or ``None`` when this claim may replace it."""
@@ -506,16 +505,27 @@ class SqlStore:
             connection.execute(delete_pickup(claim_id))
             return True
 
-    def _replaced(self, swap: Update, claim_id: str, *, ended: bool) -> bool:
-        """Run a claim's compare-and-set; whether it wrote. A row it replaced that had ended
-        (expired, released) takes its pickup along: that is another call's message, whose
-        arguments the guard must never publish under this claim's task id."""
+    def _replaced(
+        self, swap: Update, claim_id: str, *, ended: bool, read_envelope: bool
+    ) -> bytes | None:
+        """Run a claim's compare-and-set; ``None`` when it did not write. A row it replaced that
+        had ended (expired, released) takes its pickup along: that is another call's message,
+        whose arguments the guard must never publish under this claim's task id. With
+        ``read_envelope`` (another call's queued message taken over), the pickup's envelope is
+        read in the same transaction and returned (``b""`` when there is none, or it cannot be
+        read), else ``b""``."""
         with self._begin() as connection:
             if _count(connection, swap) != 1:
-                return False
+                return None
             if ended:
                 connection.execute(delete_pickup(claim_id))
-            return True
+            if not read_envelope:
+                return b""
+            row = connection.execute(select_pickup(claim_id)).mappings().one_or_none()
+            envelope = None if row is None else row["envelope"]
+            if not isinstance(envelope, bytes | bytearray | memoryview):
+                return b""  # an unreadable one: the guard's sweep reports it
+            return bytes(envelope)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -7,12 +7,16 @@ compiles them for each dialect.
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 from sqlalchemy import Delete, Insert, Select, Update, delete, func, insert, literal_column, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from ..dlq.schema import claims, pickups
+
+#: Whether the SQLite library this Python uses knows ``RETURNING`` (3.35 on).
+SQLITE_RETURNING = sqlite3.sqlite_version_info >= (3, 35)
 
 #: Row statuses (a released row is kept so fencing tokens keep growing).
 QUEUED, PROCESSING, COMPLETED, RELEASED = "queued", "processing", "completed", "released"
@@ -22,14 +26,16 @@ def insert_if_absent(dialect: str, row: dict[str, Any]) -> Insert:
     """Insert a claim row unless one exists (no error, no change on conflict).
 
     PostgreSQL and SQLite return the id when a row was inserted (their drivers' row counts are
-    not reliable for INSERT); MySQL's affected-rows count says it.
+    not reliable for INSERT); MySQL's affected-rows count says it, and so does SQLite's before
+    3.35, which has no ``RETURNING`` (Debian 11 and RHEL 9 ship 3.34): its count of changes is 0
+    for an ignored conflict.
     """
     if dialect == "postgresql":
         on_pg = postgresql.insert(claims).values(**row).on_conflict_do_nothing()
         return on_pg.returning(claims.c.id)
     if dialect == "sqlite":
         on_sqlite = sqlite.insert(claims).values(**row).on_conflict_do_nothing()
-        return on_sqlite.returning(claims.c.id)
+        return on_sqlite.returning(claims.c.id) if SQLITE_RETURNING else on_sqlite
     if dialect in ("mysql", "mariadb"):
         return mysql.insert(claims).values(**row).prefix_with("IGNORE")
     return insert(claims).values(**row)

@@ -1032,6 +1032,23 @@ def test_a_renewed_retrying_row_is_not_stuck_and_only_its_sweeps_run_renews_it(
     assert found is not None and found.status is Statuses.PENDING
 
 
+def test_a_retrying_row_whose_run_retries_after_a_long_countdown_is_not_stuck_meanwhile(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a row taken by a sweep, whose run retries with a countdown of two hours
+    dlq.add(_failure())
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    assert dlq.renew_retrying(taken.id, sweep_id=taken.sweep_id, waits_for=2 * 3600)
+    # When a sweep looks for rows stuck for an hour while the retry waits, and an hour after
+    # it was due, then it is not one
+    clock.advance(hours=2, minutes=59)
+    assert dlq.recover_stuck(timedelta(hours=1)) == 0
+    # And once the retry is an hour overdue with no run renewing the row, it is
+    clock.advance(minutes=2)
+    assert dlq.recover_stuck(timedelta(hours=1)) == 1
+
+
 def test_a_failure_under_the_id_of_a_row_that_ended_gets_a_row_of_its_own(
     dlq: DeadLetterQueue, clock: Clock
 ) -> None:

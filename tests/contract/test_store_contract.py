@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,8 @@ from idempotent_tasks.records import (
     Pickup,
     Status,
 )
-from idempotent_tasks.stores import Store
+from idempotent_tasks.stores import Store, sql_statements
+from idempotent_tasks.stores.sql import SqlStore
 
 Make = Callable[..., ClaimRequest]
 RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b'{"a": 1}')
@@ -375,3 +377,27 @@ def test_a_key_of_thousands_of_characters_works_like_any_other(
     record = store.get(request.storage_key)
     assert record is not None and record.result == RESULT
     assert long_key.startswith(record.key)  # SQL keeps the first 1024 characters to show
+
+
+def test_sqlite_without_returning_tells_a_fresh_claim_from_a_taken_key(
+    tmp_path: Path, make_request: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the SQLite store of a Python whose SQLite predates RETURNING (before 3.35)
+    monkeypatch.setattr(sql_statements, "SQLITE_RETURNING", False)
+    store = SqlStore(f"sqlite:///{tmp_path / 'old.sqlite3'}", prefix="old")
+    try:
+        # When a key is claimed, then claimed by another owner, then reserved and reserved
+        first = make_request()
+        other = make_request(storage_key=first.storage_key, task_id="task-2")
+        queued = make_request(storage_key="tasks.charge:queued", task_id="task-3")
+        # Then the insert's count of changes tells each outcome, as RETURNING does
+        assert (store.claim(first).outcome, store.claim(first).token) == (Outcome.ACQUIRED, 1)
+        assert store.claim(other).outcome is Outcome.IN_PROGRESS
+        assert store.reserve(queued, Pickup(envelope=b"{}", due_in=30, timeout=30)) is None
+        again = store.reserve(queued, Pickup(envelope=b"{}", due_in=30, timeout=30))
+        assert again is not None and again.status is Status.QUEUED
+        # And a completion whose row vanished writes it anew
+        store.forget(first.storage_key)
+        assert store.complete(first, 1, RESULT) is CompleteOutcome.RECOVERED
+    finally:
+        store.close()

@@ -28,6 +28,7 @@ from idempotent_tasks.records import (
     Status,
 )
 from idempotent_tasks.stores import MemoryStore, Store
+from idempotent_tasks.stores import sql as sql_store_module
 from idempotent_tasks.stores.sql import SqlStore
 from tests.contract.conftest import SERVER_STORES, open_store, store_url
 
@@ -446,6 +447,38 @@ def test_take_due_hands_out_what_it_took_when_the_store_fails_half_way(
         assert len(store.take_due(10)) == 1
         monkeypatch.undo()
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mariadb"])
+def test_sql_take_due_hands_out_what_it_took_when_a_later_batch_cannot_be_read(
+    kind: str, request: pytest.FixtureRequest, make_request: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given three due keys, the first claimed since (its pickup is no longer due: a batch of
+    # two takes one key and looks for more), and a database that goes away after one batch
+    store = open_store(kind, store_url(kind, request))
+    try:
+        requests = [request_for(make_request, f"k{i}") for i in range(3)]
+        for request_ in requests:
+            store.reserve(request_, make_pickup(due_in=0.0))
+            time.sleep(0.01)  # due in this order
+        store.claim(requests[0])
+        time.sleep(0.05)
+        original, batches = sql_store_module.select_due, []
+
+        def then_fail(*args: object) -> object:
+            batches.append(args)
+            if len(batches) > 1:
+                raise StoreUnavailable("gone")
+            return original(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(sql_store_module, "select_due", then_fail)
+        # When the sweep takes two, then the key already taken (moved on to its next due
+        # time) is handed out, to be published, not dropped until that time
+        assert [due.storage_key for due in store.take_due(2)] == [requests[1].storage_key]
+        assert len(batches) == 2
+    finally:
+        monkeypatch.undo()
         store.close()
 
 

@@ -476,6 +476,124 @@ def test_a_dead_letters_retry_keeps_the_calls_shadow_name_and_stamps(
     assert (headers["stamped_headers"], headers["stamps"]) == (["on_behalf"], {"on_behalf": "ops"})
 
 
+def test_a_dead_letters_retry_keeps_the_calls_place_in_its_workflow_not_the_sweeps(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a call of a workflow (its root and parent ids) that failed for good
+    queue_name = f"workflow-{uuid.uuid4().hex[:8]}"
+    app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url)
+
+    @app.task(base=IdempotentTask, name=f"sweep.step.{uuid.uuid4().hex}", shared=False)
+    def step(order: str) -> None:
+        raise RuntimeError("declined")
+
+    task_id = str(uuid.uuid4())
+    step.push_request(
+        id=task_id,
+        retries=0,
+        delivery_info={"routing_key": queue_name},
+        root_id="the-root",
+        parent_id="the-parent",
+    )
+    try:
+        step.on_final_failure(RuntimeError("declined"), None, ("o-8",), {})
+    finally:
+        step.pop_request()
+    (row,) = [item for item in queue.items() if item.task_id == task_id]
+    # When the sweep, running as a task, sends it again
+    assert queue.retry_now(row.id)
+    assert app.tasks[SWEEP_TASK].apply(kwargs={"batch": 5}).get() == 1
+    # Then the message names the call's root and parent, not the sweep
+    broker = redis.Redis.from_url(f"{redis_url}/{BROKER_DB}")
+    try:
+        [raw] = broker.lrange(queue_name, 0, -1)
+        broker.delete(queue_name)
+    finally:
+        broker.close()
+    headers = json.loads(raw)["headers"]
+    assert (headers["root_id"], headers["parent_id"]) == ("the-root", "the-parent")
+
+
+def test_a_keyless_calls_long_task_id_is_kept_whole_for_its_retry(
+    app: Celery, queue: DeadLetterQueue
+) -> None:
+    # Given a keyless call sent with a task id longer than the table's column
+    long_id = "x" * 300
+    charge = app.tasks[app.conf.sweep_test_task]
+    charge.push_request(id=long_id, retries=0, delivery_info={"routing_key": "celery"})
+    try:
+        # When it fails for good
+        charge.on_final_failure(RuntimeError("declined"), None, ("order",), {})
+    finally:
+        charge.pop_request()
+    # Then its row reads back with the whole id, which its retry is sent under (its callers
+    # wait on that id)
+    assert [item.task_id for item in queue.items()] == [long_id]
+
+
+def test_a_dead_letters_retry_waiting_out_a_long_countdown_keeps_its_row(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    app = _sweeping_app("memory://", dlq_url)
+
+    @app.task(name=f"sweep.later.{uuid.uuid4().hex}", base=IdempotentTask, shared=False)
+    def later(order: str) -> None:
+        raise RuntimeError("declined")
+
+    # Given a dead letter a sweep took over a second ago and re-published, whose run retries
+    # with a countdown of two hours
+    row = queue.add(dataclasses.replace(_failure(), task_name=later.name))
+    [taken] = queue.take_due()
+    time.sleep(1.2)
+    later.push_request(
+        id=row.task_id,
+        called_directly=False,  # as a worker runs it: its retry is published
+        args=["order"],
+        kwargs={},
+        retries=0,
+        delivery_info={"routing_key": "celery"},
+        headers={DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id},
+    )
+    try:
+        later.retry(exc=RuntimeError("declined"), countdown=7200, throw=False)
+    finally:
+        later.pop_request()
+    # Then a sweep looking for rows stuck for a second meanwhile does not take it (it would
+    # send it again, uncounted, while the retry waits)
+    assert queue.recover_stuck(timedelta(seconds=1), framework="celery") == 0
+    found = queue.get(row.id)
+    assert found is not None and found.status is DeadLetterStatus.RETRYING
+
+
+@pytest.mark.parametrize("cause", ["dlq-off", "key-template"])
+def test_a_dead_letters_retry_that_fails_is_counted_though_its_task_changed_since(
+    dlq_url: str, queue: DeadLetterQueue, cause: str
+) -> None:
+    app = _sweeping_app("memory://", dlq_url, result_backend="cache+memory://")
+    # Given a task whose dead-letter queue was turned off since its row was written, or that
+    # has a key template since, which the row's arguments do not fit
+    options: dict[str, Any] = (
+        {"dlq": False} if cause == "dlq-off" else {"idempotency_key": "order-{missing}"}
+    )
+
+    @app.task(
+        name=f"sweep.changed.{uuid.uuid4().hex}", base=IdempotentTask, shared=False, **options
+    )
+    def changed(order: str) -> None:
+        raise RuntimeError("declined again")
+
+    row = queue.add(dataclasses.replace(_failure(), task_name=changed.name))
+    [taken] = queue.take_due()
+    headers = {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
+    # When the sweep's run of it fails
+    changed.apply(("order",), task_id=row.task_id, headers=headers)
+    # Then the failure is counted on its row (unrecorded, the row would be sent every
+    # retrying timeout for ever)
+    found = queue.get(row.id)
+    assert found is not None
+    assert (found.status, found.retry_count) == (DeadLetterStatus.PENDING, 1)
+
+
 def test_a_celery_row_whose_key_no_worker_takes_is_never_sent_again(
     app: Celery, queue: DeadLetterQueue
 ) -> None:

@@ -38,6 +38,15 @@ def test_fresh_claim_insert_does_nothing_on_conflict_and_returns_the_id(name: st
     assert re.search(r"ON CONFLICT DO NOTHING RETURNING (idempotent_tasks_claims\.)?id$", sql)
 
 
+def test_fresh_claim_insert_on_a_sqlite_without_returning_returns_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SQLite before 3.35 refuses RETURNING: its count of changes says whether the row went in.
+    monkeypatch.setattr(sql_statements, "SQLITE_RETURNING", False)
+    sql = _sql(sql_statements.insert_if_absent("sqlite", CLAIM_ROW), "sqlite")
+    assert sql.endswith("ON CONFLICT DO NOTHING")
+
+
 @pytest.mark.parametrize("name", ["mysql", "mariadb"])
 def test_fresh_claim_insert_ignores_a_duplicate_on_mysql(name: str) -> None:
     sql = _sql(sql_statements.insert_if_absent(name, CLAIM_ROW), name)

@@ -7,9 +7,12 @@ import signal
 import threading
 import time
 
-from idempotent_tasks import signals
+import pytest
+
+from idempotent_tasks import heartbeat, signals
 from idempotent_tasks.codec import ResultCodec
 from idempotent_tasks.core import Attempt
+from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.heartbeat import LeaseKeeper
 from idempotent_tasks.records import ClaimRequest, Outcome
 from idempotent_tasks.stores import MemoryStore
@@ -168,3 +171,43 @@ def test_an_attempt_that_gave_its_key_up_while_its_body_runs_reports_no_lost_lea
     # Then that is no takeover: nothing is reported lost
     assert lost == []
     assert attempt.lost is False
+
+
+def test_a_renewal_that_fails_is_tried_again_within_seconds_not_a_third_of_the_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a lease of 30 s (renewed every 10 s) whose first renewal meets a store that is down
+    monkeypatch.setattr(heartbeat, "RETRY_AFTER_ERROR", 0.2)
+    clock = _FastClock()
+    keeper = LeaseKeeper(clock=clock)
+    calls: list[float] = []
+
+    def renew() -> bool:
+        calls.append(clock())
+        if len(calls) == 1:
+            raise StoreUnavailable("down")
+        return True
+
+    lease = keeper.add(renew, lambda: None, lease_seconds=30)
+    clock.skip(10)  # the first renewal is due
+    keeper._wake.set()
+    # Then the next try comes RETRY_AFTER_ERROR later, not 10 s later
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    keeper.remove(lease)
+    assert len(calls) >= 2
+    assert calls[1] - calls[0] < 5
+
+
+class _FastClock:
+    """Monotonic time that a test can move on at once."""
+
+    def __init__(self) -> None:
+        self._skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self._skipped
+
+    def skip(self, seconds: float) -> None:
+        self._skipped += seconds
