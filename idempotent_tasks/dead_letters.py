@@ -135,14 +135,23 @@ def continuation_options(request: Any) -> dict[str, Any]:
 
 
 def write_failure(
-    app: Any, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
-) -> str:
+    app: Any,
+    failure: Failure,
+    dead_letter_id: str | None,
+    sweep_id: str | None = None,
+    *,
+    new_row: bool = True,
+) -> str | None:
     """Record a final failure: a new row, or the next failure of a re-published row (of the
-    sweep ``sweep_id``, when given).
+    sweep ``sweep_id``, when given); with ``new_row`` off (a task whose dead-letter queue is
+    off), only the latter.
 
-    Returns the row's id. Raises StoreUnavailable when the database cannot be written.
+    Returns the row's id (``None``: no row). Raises StoreUnavailable when the database cannot
+    be written.
     """
-    item = dlq_for(app).record_failure(failure, dead_letter_id, sweep_id)
+    item = dlq_for(app).record_failure(failure, dead_letter_id, sweep_id, new_row=new_row)
+    if item is None:
+        return None
     _log_item(item)
     return item.id
 
@@ -249,7 +258,7 @@ def republish(app: Any, item: DeadLetter) -> None:
         if options.get(name):
             options[name] = from_table_json(options[name])
     # Its own place in a workflow, not the sweep's: no child of the sweep task, and the root
-    # (else itself) and parent the call had.
+    # (else itself) and parent the call had (one that had none gets the sweep as parent).
     options.setdefault("root_id", item.task_id)
     app.send_task(
         item.task_name,

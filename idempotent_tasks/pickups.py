@@ -112,6 +112,8 @@ def seconds_until(countdown: Any = None, eta: Any = None) -> float:
 def _seconds_to(moment: Any) -> float:
     """Seconds from now to a moment (a ``datetime``, or ISO 8601 text). A naive moment is UTC,
     as Celery's worker reads it (not this host's local time)."""
+    if isinstance(moment, str) and moment.endswith(("Z", "z")):
+        moment = moment[:-1] + "+00:00"  # which Python 3.10's fromisoformat does not read
     when = datetime.fromisoformat(moment) if isinstance(moment, str) else cast(datetime, moment)
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)

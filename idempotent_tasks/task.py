@@ -81,6 +81,7 @@ from .keys import (
     validate_key,
 )
 from .pickups import (
+    call_expired,
     claim_ttl,
     hand_to_guard,
     make_pickup,
@@ -669,6 +670,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         task_id = attempt.taken_from_task_id
         if envelope is None or task_id is None or self.request.is_eager:
             return
+        if not attempt.completed:
+            # Not stored (the store down, a corrupt record): the copy would find the key
+            # unfinished and run it again. The key's pickup guard sends it, if ever.
+            return
         lost = DuePickup(
             storage_key=attempt.request.storage_key,
             task_name=self.name,
@@ -676,6 +681,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             envelope=envelope,
             republished=1,
         )
+        if call_expired(lost):
+            return  # a worker would drop it unrun (REVOKED): its stored result stands
         republish_taken(self.app, attempt.store, lost)
 
     def _requeued(self, ended: Exception) -> bool:
@@ -799,12 +806,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         over at once even if the release did not reach the store.
         """
         attempt: Attempt | None = getattr(self.request, "idempotency_attempt", None)
+        dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
         limit = self.max_retries if max_retries is None else max_retries
         will_publish = not self.request.is_eager and (limit is None or self.request.retries < limit)
-        wait = seconds_until(
-            self.default_retry_delay if countdown is None and eta is None else countdown, eta
-        )
-        dead_letter_id = request_header(self.request, DEAD_LETTER_HEADER)
+        wait = 0.0
+        if will_publish and (attempt is not None or dead_letter_id is not None):
+            wait = seconds_until(
+                self.default_retry_delay if countdown is None and eta is None else countdown, eta
+            )
         if will_publish and dead_letter_id is not None:
             # A dead letter's run retrying: its row must not look stuck while the retry waits
             # out a countdown longer than its retrying timeout (a sweep would send it again).
@@ -1095,7 +1104,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             despite_time_limit(
                 SoftTimeLimitExceeded,
-                lambda: write_failure(self.app, failure, dead_letter_id, sweep_id),
+                lambda: write_failure(
+                    self.app, failure, dead_letter_id, sweep_id, new_row=bool(self.dlq)
+                ),
             )
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self.request.is_eager:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Delete, Select, Update, delete, func, insert, select, update
+from sqlalchemy import Delete, Select, Update, case, delete, func, insert, select, update
 from sqlalchemy.sql.dml import Insert
 
 from .schema import dead_letters, schema_versions
@@ -127,11 +127,13 @@ def record_retry_failure(
 
 def renew_retrying(item_id: str, sweep_id: str | None, now: datetime) -> Update:
     """Mark a ``retrying`` item (of ``sweep_id``, when given) as alive at ``now``: its run
-    began (or a retry of it waits until then)."""
+    began (or a retry of it waits until then). A later time already set stays (a retry's
+    countdown, against a renewal of the run that made it finishing after it)."""
     held = (dead_letters.c.id == item_id) & (dead_letters.c.status == RETRYING)
     if sweep_id is not None:
         held = held & (dead_letters.c.sweep_id == sweep_id)
-    return update(dead_letters).where(held).values(updated_at=now)
+    later = case((dead_letters.c.updated_at > now, dead_letters.c.updated_at), else_=now)
+    return update(dead_letters).where(held).values(updated_at=later)
 
 
 def retry_now(item_id: str, now: datetime) -> Update:

@@ -107,13 +107,34 @@ class DeadLetterQueue:
 
     # -- writing ------------------------------------------------------------------------------
 
+    @overload
     def record_failure(
         self, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
-    ) -> DeadLetter:
+    ) -> DeadLetter: ...
+
+    @overload
+    def record_failure(
+        self,
+        failure: Failure,
+        dead_letter_id: str | None,
+        sweep_id: str | None = None,
+        *,
+        new_row: bool,
+    ) -> DeadLetter | None: ...
+
+    def record_failure(
+        self,
+        failure: Failure,
+        dead_letter_id: str | None,
+        sweep_id: str | None = None,
+        *,
+        new_row: bool = True,
+    ) -> DeadLetter | None:
         """Record a final failure: a new row, or the next failure of the re-published row
         ``dead_letter_id`` (of the sweep ``sweep_id``, when given). A row that succeeded by that
         very run (its key forgotten since, or a repeating job's next run) leaves the failure a
-        row of its own. Returns the row the failure is on now."""
+        row of its own, unless ``new_row`` is off (``None`` is then returned). Returns the row
+        the failure is on now."""
         if dead_letter_id is not None:
             item = self.record_retry_failure(
                 dead_letter_id,
@@ -124,7 +145,7 @@ class DeadLetterQueue:
             )
             if item is not None and not item.succeeded_before(sweep_id):
                 return item
-        return self.add(failure)
+        return self.add(failure) if new_row else None
 
     def add(self, failure: Failure) -> DeadLetter:
         """Record a final failure as a ``pending`` item; the same failure twice gives one row.

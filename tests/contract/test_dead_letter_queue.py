@@ -1040,6 +1040,8 @@ def test_a_retrying_row_whose_run_retries_after_a_long_countdown_is_not_stuck_me
     clock.advance(days=1)
     [taken] = dlq.take_due()
     assert dlq.renew_retrying(taken.id, sweep_id=taken.sweep_id, waits_for=2 * 3600)
+    # (a renewal of the run that made it, finishing after it, takes none of that away)
+    assert dlq.renew_retrying(taken.id, sweep_id=taken.sweep_id)
     # When a sweep looks for rows stuck for an hour while the retry waits, and an hour after
     # it was due, then it is not one
     clock.advance(hours=2, minutes=59)

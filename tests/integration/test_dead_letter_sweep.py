@@ -594,6 +594,26 @@ def test_a_dead_letters_retry_that_fails_is_counted_though_its_task_changed_sinc
     assert (found.status, found.retry_count) == (DeadLetterStatus.PENDING, 1)
 
 
+def test_a_dead_letters_retry_of_a_task_with_its_dlq_off_adds_no_row_once_its_row_is_gone(
+    dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    app = _sweeping_app("memory://", dlq_url, result_backend="cache+memory://")
+
+    @app.task(name=f"sweep.off.{uuid.uuid4().hex}", base=IdempotentTask, shared=False, dlq=False)
+    def switched_off(order: str) -> None:
+        raise RuntimeError("declined again")
+
+    # Given a dead letter re-published by a sweep, purged since by an operator who also turned
+    # the task's dead-letter queue off
+    row = queue.add(dataclasses.replace(_failure(), task_name=switched_off.name))
+    [taken] = queue.take_due()
+    assert queue.purge() == 1
+    headers = {DEAD_LETTER_HEADER: taken.id, DEAD_LETTER_SWEEP_HEADER: taken.sweep_id}
+    # When that retry fails, then no row is written for it: the task's dead letters are off
+    switched_off.apply(("order",), task_id=row.task_id, headers=headers)
+    assert queue.items() == []
+
+
 def test_a_celery_row_whose_key_no_worker_takes_is_never_sent_again(
     app: Celery, queue: DeadLetterQueue
 ) -> None:
