@@ -9,6 +9,8 @@ publish) with nothing counted against the call. An error reply that waiting does
 
 from __future__ import annotations
 
+import re
+
 from redis.exceptions import (
     ClusterDownError,
     ConnectionError,
@@ -54,16 +56,34 @@ def is_unavailable(error: BaseException | None) -> bool:
     return isinstance(error, ResponseError) and _code(error) in _UNAVAILABLE_CODES
 
 
+#: A Redis before 7 wraps the error a script's ``redis.call`` met in an ``ERR`` of its own:
+#: "Error running script (call to f_…): @user_script:4: @user_script: 4: -OOM command not …".
+_SCRIPT_ERROR_CODE = re.compile(r"@user_script: ?\d+: -([A-Z]+)\b")
+
+
 def _code(error: ResponseError) -> str:
-    """The code of an error reply: redis-py's ``status_code`` when it kept one, else the
-    reply's first word, after the prefix a pipeline puts before it ("Command # 2 (…) of
-    pipeline caused error: MISCONF …"; the last such phrase: the command may hold any text)."""
+    """The code of an error reply: redis-py's ``status_code`` when it kept one (that of the
+    error a script met, when a Redis before 7 wrapped it in an ``ERR``), else the reply's first
+    word, after the prefix a pipeline puts before it ("Command # 2 (…) of pipeline caused
+    error: MISCONF …"; the last such phrase: the command may hold any text)."""
     code = getattr(error, "status_code", None)
+    text = str(error)
+    if code in (None, "", "ERR"):
+        in_script = _SCRIPT_ERROR_CODE.search(text)
+        if in_script is not None:
+            return in_script.group(1)
     if code:
         return str(code)
-    text = str(error)
     _, annotated, reply = text.rpartition(" of pipeline caused error: ")
     return (reply if annotated else text).split(" ", 1)[0]
+
+
+def is_read_only(error: BaseException) -> bool:
+    """Whether ``error`` is a replica's refusal (``READONLY``: a master demoted by a failover),
+    also when a Redis before 7 wrapped it in a script's error."""
+    return isinstance(error, ReadOnlyError) or (
+        isinstance(error, ResponseError) and _code(error) == "READONLY"
+    )
 
 
 def is_refusal(error: BaseException | None) -> bool:

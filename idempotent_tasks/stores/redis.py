@@ -30,7 +30,6 @@ from redis.exceptions import (
     ClusterCrossSlotError,
     NoPermissionError,
     NoScriptError,
-    ReadOnlyError,
 )
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
@@ -49,7 +48,7 @@ from ..records import (
     SideWrite,
     Status,
 )
-from ..redis_unavailable import is_refusal, is_unavailable
+from ..redis_unavailable import is_read_only, is_refusal, is_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -445,7 +444,7 @@ class _KeptConnection:
             # An error reply: the connection is in step, nothing is left to read. But a
             # replica's READONLY (a master demoted by a failover) asks for a new connection:
             # made again, it reaches whichever server the name or the Sentinels give now.
-            if isinstance(exc, ReadOnlyError):
+            if is_read_only(exc):
                 self.hand_back(broken=True)
                 self.pool.disconnect(inuse_connections=False)  # the pool's idle ones too
             raise

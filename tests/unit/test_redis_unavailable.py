@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from redis.exceptions import ResponseError
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
-from idempotent_tasks.redis_unavailable import is_refusal, is_unavailable
+from idempotent_tasks.redis_unavailable import is_read_only, is_refusal, is_unavailable
 from idempotent_tasks.stores.redis import _translated_errors
 
 NOT_NOW = [
@@ -25,11 +25,18 @@ NOT_NOW = [
     "TRYAGAIN Multiple keys request during rehashing of slot",
     "CLUSTERDOWN Hash slot not served",
     "LOADING Redis is loading the dataset in memory",
+    # Redis before 7 wraps what a script's redis.call met in an ERR of its own
+    "ERR Error running script (call to f_8426): @user_script:6: @user_script: 6: -OOM command "
+    "not allowed when used memory > 'maxmemory'.",
+    "ERR Error running script (call to f_8426): @user_script:14: @user_script: 14: -READONLY "
+    "You can't write against a read only replica.",
 ]
 REFUSED = [
     "WRONGTYPE Operation against a key holding the wrong kind of value",
     "NOPERM User has no permissions to run the 'evalsha' command",
     "ERR Error running script (call to f_0123): user_script:1: attempt to compare nil",
+    "ERR Error running script (call to f_0123): @user_script:3: @user_script: 3: -WRONGTYPE "
+    "Operation against a key holding the wrong kind of value",
 ]
 
 
@@ -68,3 +75,14 @@ def test_the_store_fails_closed_on_a_server_that_cannot_take_writes_now(reply: s
 def test_the_store_takes_a_key_of_another_type_for_a_corrupt_record() -> None:
     with pytest.raises(CorruptRecord), _translated_errors():
         raise BaseParser.parse_error(REFUSED[0])
+
+
+@pytest.mark.parametrize(
+    ("reply", "read_only"),
+    [(NOT_NOW[0], True), (NOT_NOW[-1], True), (NOT_NOW[-2], False), (REFUSED[0], False)],
+)
+def test_a_replicas_refusal_is_told_also_inside_an_old_redis_script_error(
+    reply: str, read_only: bool
+) -> None:
+    # (the store's kept connection is then made again, to reach the new master)
+    assert is_read_only(BaseParser.parse_error(reply)) is read_only
