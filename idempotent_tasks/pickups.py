@@ -279,6 +279,11 @@ def republish_lost(app: Any, store: Any, batch: int = SWEEP_BATCH) -> int:
         except StoreUnavailable as exc:
             logger.warning("could not look for lost messages: %s", exc)
             return published
+        except CorruptRecord as exc:
+            # (a due index holding something else): the rest of the sweep, its dead letters
+            # above all, goes on; the guard waits for an operator to mend or forget it.
+            logger.error("could not look for lost messages: %s", exc)
+            return published
         for index, due in enumerate(taken):
             if call_expired(due):
                 end_expired_call(store, due)

@@ -16,6 +16,7 @@ from kombu.exceptions import OperationalError
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.app_store import store_for
+from idempotent_tasks.errors import CorruptRecord
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import (
     REPUBLISHED_HEADER,
@@ -481,3 +482,17 @@ def test_a_publish_interrupted_after_its_reservation_hands_the_call_to_the_guard
     record = store_for(app).get(storage_key(charge.name, "k-1"))
     assert record is not None and record.status.value == "queued"
     assert record.lease_expires_at <= record.store_time()
+
+
+def test_a_due_index_that_cannot_be_read_ends_the_guards_look_not_the_sweep(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a store whose due index holds something else than an index (written by hand)
+    class Unreadable(MemoryStore):
+        def take_due(self, limit: int) -> list[Any]:
+            raise CorruptRecord("due index holds a string")
+
+    # When the sweep looks for lost messages, then it logs why and goes on (its dead letters
+    # next), having published nothing
+    assert republish_lost(_app(idempotency_store_url="memory://"), Unreadable()) == 0
+    assert "could not look for lost messages: due index holds a string" in caplog.text
