@@ -80,6 +80,8 @@ def check_task_id(task_id: object) -> None:
         raise ValueError(
             f"task_id is {len(task_id)} characters long; at most {MAX_TASK_ID_CHARS} are kept"
         )
+    if "\x00" in task_id:
+        raise ValueError(f"task_id must hold no NUL character (PostgreSQL refuses it): {task_id!r}")
 
 
 def fitted(value: str, limit: int, max_bytes: int | None = None) -> str:

@@ -16,7 +16,7 @@ from traceback import format_exception
 from typing import Any, ClassVar, NoReturn, cast
 
 from celery import Task, states
-from celery.app.task import get_actual_ignore_result
+from celery.app.task import Context, get_actual_ignore_result
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
@@ -71,7 +71,6 @@ from .errors import (
 )
 from .keys import (
     KEY_HEADER,
-    MAX_TASK_ID_CHARS,
     KeySource,
     check_task_id,
     derive_key,
@@ -444,14 +443,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         if key is None:
             return self._run_unclaimed(args, kwargs)
-        if len(request.id) > MAX_TASK_ID_CHARS:
+        try:
             # Sent by other means than apply_async, which refuses it: no store can claim it.
-            refused = ValueError(
-                f"task id is {len(request.id)} characters long; a keyed call's may have at "
-                f"most {MAX_TASK_ID_CHARS}"
-            )
+            check_task_id(request.id)
+        except ValueError as refused:
             self.on_final_failure(refused, key, args, kwargs)
-            raise refused
+            raise
 
         attempt = self._attempt(key, args, kwargs, request)
         try:
@@ -556,6 +553,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     SoftTimeLimitExceeded,
                     lambda: attempt.finish(REPLACED, attempt.request.lease_seconds),
                 )
+                # A call whose lost message this one took over answers with its replacement.
+                self._republish_taken_over_message(attempt)
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
                 pickup = self._requeued_pickup(attempt.request.key, args, kwargs)
@@ -655,7 +654,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             if backend.get_state(task_id) in states.READY_STATES:
                 return
-            backend.store_result(task_id, value, states.SUCCESS)
+            # That call's own record: not this one's children, nor its place in a workflow.
+            own = Context({"id": task_id, "task": self.name, "children": []})
+            backend.store_result(task_id, value, states.SUCCESS, request=own)
         except Exception as exc:
             logger.warning(
                 "could not store the result of %s, whose key this call took over: %s", task_id, exc

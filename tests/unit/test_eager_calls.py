@@ -230,3 +230,21 @@ def test_an_eager_call_taken_over_by_a_call_that_replaced_itself_gets_no_marker(
     # Then the eager caller is answered as an eager duplicate of the key would be (no backend
     # here to read the replacement's value from: None), not handed the internal marker
     assert charge.apply_async(("o-1",), idempotency_key="k-1").get() is None
+
+
+def test_a_keyed_call_sent_with_a_task_id_no_store_holds_fails_running_nothing() -> None:
+    # Given a keyed message whose task id holds a NUL (sent by other means than apply_async,
+    # which refuses it)
+    app = Celery("eager-nul", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, shared=False, dlq=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return order
+
+    # When it runs, then it fails for good with a clear error, its body never run
+    result = charge.apply(("o-1",), task_id="t-\x00-1", headers={KEY_HEADER: "order-1"})
+    assert isinstance(result.result, ValueError) and "NUL" in str(result.result)
+    assert runs == []

@@ -49,6 +49,12 @@ def test_keys_and_task_ids_with_a_lone_surrogate_are_refused() -> None:
     assert validate_key("order-\u00e9-\U0001f600") == "order-\u00e9-\U0001f600"
 
 
+def test_a_task_id_holding_a_nul_is_refused() -> None:
+    # PostgreSQL's text refuses NUL: such a call could be neither claimed nor dead-lettered
+    with pytest.raises(ValueError, match="NUL"):
+        check_task_id("task-\x00-1")
+
+
 def test_an_empty_key_is_refused() -> None:
     with pytest.raises(ValueError, match="empty"):
         validate_key("")
