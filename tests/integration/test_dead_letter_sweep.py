@@ -435,82 +435,65 @@ def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
     assert (after.status, after.error_type) == (DeadLetterStatus.PERMANENT_FAILURE, "CannotResend")
 
 
-def test_a_dead_letters_retry_keeps_the_calls_shadow_name_and_stamps(
-    redis_url: str, dlq_url: str, queue: DeadLetterQueue
-) -> None:
-    # Given a call sent with a shadow name and a stamp (one more stamp JSON cannot hold), that
-    # failed for good
-    queue_name = f"stamped-{uuid.uuid4().hex[:8]}"
+def _headers_of_the_resent_failure(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, **request: Any
+) -> dict[str, Any]:
+    """The headers of the message a sweep, running as a task, sends again for a call (of a
+    request made of ``request``) that failed for good."""
+    queue_name = f"resent-{uuid.uuid4().hex[:8]}"
     app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url)
 
-    @app.task(base=IdempotentTask, name=f"sweep.stamped.{uuid.uuid4().hex}", shared=False)
+    @app.task(base=IdempotentTask, name=f"sweep.resent.{uuid.uuid4().hex}", shared=False)
     def charge(order: str) -> None:
         raise RuntimeError("declined")
 
     task_id = str(uuid.uuid4())
-    charge.push_request(
-        id=task_id,
-        retries=0,
-        delivery_info={"routing_key": queue_name},
-        shadow="charge order o-7",
-        stamped_headers=["on_behalf", "probe"],
-        stamps={"on_behalf": "ops", "probe": object()},
-    )
+    charge.push_request(id=task_id, retries=0, delivery_info={"routing_key": queue_name}, **request)
     try:
         charge.on_final_failure(RuntimeError("declined"), None, ("o-7",), {})
     finally:
         charge.pop_request()
     (row,) = [item for item in queue.items() if item.task_id == task_id]
-    # When the sweep sends it again
     assert queue.retry_now(row.id)
-    assert app.tasks[SWEEP_TASK].run(batch=5) == 1
-    # Then the message carries the call's shadow name and the stamp JSON could keep
+    assert app.tasks[SWEEP_TASK].apply(kwargs={"batch": 5}).get() == 1
     broker = redis.Redis.from_url(f"{redis_url}/{BROKER_DB}")
     try:
         [raw] = broker.lrange(queue_name, 0, -1)
         broker.delete(queue_name)
     finally:
         broker.close()
-    headers = json.loads(raw)["headers"]
-    assert (headers["id"], headers["shadow"]) == (task_id, "charge order o-7")
+    headers: dict[str, Any] = json.loads(raw)["headers"]
+    assert headers["id"] == task_id
+    return headers
+
+
+def test_a_dead_letters_retry_keeps_the_calls_shadow_name_and_stamps(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    # Given a call sent with a shadow name and a stamp (one more stamp JSON cannot hold), that
+    # failed for good, when the sweep sends it again
+    headers = _headers_of_the_resent_failure(
+        redis_url,
+        dlq_url,
+        queue,
+        shadow="charge order o-7",
+        stamped_headers=["on_behalf", "probe"],
+        stamps={"on_behalf": "ops", "probe": object()},
+    )
+    # Then the message carries the call's shadow name and the stamp JSON could keep
+    assert headers["shadow"] == "charge order o-7"
     assert (headers["stamped_headers"], headers["stamps"]) == (["on_behalf"], {"on_behalf": "ops"})
 
 
 def test_a_dead_letters_retry_keeps_the_calls_place_in_its_workflow_not_the_sweeps(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
-    # Given a call of a workflow (its root and parent ids) that failed for good
-    queue_name = f"workflow-{uuid.uuid4().hex[:8]}"
-    app = _sweeping_app(f"{redis_url}/{BROKER_DB}", dlq_url)
-
-    @app.task(base=IdempotentTask, name=f"sweep.step.{uuid.uuid4().hex}", shared=False)
-    def step(order: str) -> None:
-        raise RuntimeError("declined")
-
-    task_id = str(uuid.uuid4())
-    step.push_request(
-        id=task_id,
-        retries=0,
-        delivery_info={"routing_key": queue_name},
-        root_id="the-root",
-        parent_id="the-parent",
+    # Given a call of a workflow (its root and parent ids) that failed for good, when the
+    # sweep, running as a task, sends it again
+    headers = _headers_of_the_resent_failure(
+        redis_url, dlq_url, queue, root_id="the-root", parent_id="the-parent"
     )
-    try:
-        step.on_final_failure(RuntimeError("declined"), None, ("o-8",), {})
-    finally:
-        step.pop_request()
-    (row,) = [item for item in queue.items() if item.task_id == task_id]
-    # When the sweep, running as a task, sends it again
-    assert queue.retry_now(row.id)
-    assert app.tasks[SWEEP_TASK].apply(kwargs={"batch": 5}).get() == 1
     # Then the message names the call's root and parent, not the sweep
-    broker = redis.Redis.from_url(f"{redis_url}/{BROKER_DB}")
-    try:
-        [raw] = broker.lrange(queue_name, 0, -1)
-        broker.delete(queue_name)
-    finally:
-        broker.close()
-    headers = json.loads(raw)["headers"]
     assert (headers["root_id"], headers["parent_id"]) == ("the-root", "the-parent")
 
 
