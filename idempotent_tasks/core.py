@@ -117,8 +117,10 @@ class Attempt:
     side_written: bool = False
     #: Set when the store refused that side write (the completion was made without it).
     side_write_refused: bool = False
-    #: Set when this attempt's completion was stored (the key holds its value now).
+    #: Set when this attempt's completion was stored (the key holds its value now), and
+    #: whether that value was cached (duplicates get ``None`` otherwise).
     completed: bool = False
+    result_cached: bool = False
     #: Set once this attempt gives the key up (a retry, a failure): a renewal the heartbeat
     #: makes after that finds the claim gone, which is no takeover.
     given_up: bool = False
@@ -213,6 +215,7 @@ class Attempt:
             self.side_write_refused = True
             outcome = self.store.complete(self.request, self.token, encoded)
         self.completed = outcome is not CompleteOutcome.STALE
+        self.result_cached = self.completed and encoded is not None
         if outcome is CompleteOutcome.STALE:
             self.log.warning(
                 "%s finished key %r after its claim was taken over by another execution; "

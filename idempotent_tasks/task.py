@@ -85,7 +85,7 @@ from .pickups import (
     hand_to_guard,
     make_pickup,
     pickup_timeout,
-    republish_taken,
+    republish,
     seconds_to_expiry,
     seconds_until,
 )
@@ -553,8 +553,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     SoftTimeLimitExceeded,
                     lambda: attempt.finish(REPLACED, attempt.request.lease_seconds),
                 )
-                # A call whose lost message this one took over answers with its replacement.
-                self._republish_taken_over_message(attempt)
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
                 pickup = self._requeued_pickup(attempt.request.key, args, kwargs)
@@ -656,7 +654,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 return
             # That call's own record: not this one's children, nor its place in a workflow.
             own = Context({"id": task_id, "task": self.name, "children": []})
-            backend.store_result(task_id, value, states.SUCCESS, request=own)
+            despite_time_limit(
+                SoftTimeLimitExceeded,
+                lambda: backend.store_result(task_id, value, states.SUCCESS, request=own),
+            )
         except Exception as exc:
             logger.warning(
                 "could not store the result of %s, whose key this call took over: %s", task_id, exc
@@ -671,9 +672,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         task_id = attempt.taken_from_task_id
         if envelope is None or task_id is None or self.request.is_eager:
             return
-        if not attempt.completed:
-            # Not stored (the store down, a corrupt record): the copy would find the key
-            # unfinished and run it again. The key's pickup guard sends it, if ever.
+        if not (attempt.completed and attempt.result_cached):
+            # Not stored (the store down, a corrupt record), the copy would find the key
+            # unfinished and run it again; not cached (too big, not serializable), it would
+            # answer None. That call keeps the value stored as its result.
             return
         lost = DuePickup(
             storage_key=attempt.request.storage_key,
@@ -684,7 +686,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         if call_expired(lost):
             return  # a worker would drop it unrun (REVOKED): its stored result stands
-        republish_taken(self.app, attempt.store, lost)
+        try:
+            # A soft time limit firing meanwhile must not drop it: the key's pickup is gone.
+            despite_time_limit(SoftTimeLimitExceeded, lambda: republish(self.app, lost))
+        except Exception as exc:
+            logger.error("could not publish %s (%s) again: %s", self.name, task_id, exc)
+            return
+        logger.warning(
+            "published %s (%s) again: its message was lost, and this call ran its key",
+            self.name,
+            task_id,
+        )
+        signals.lost_message_republished.send(task_name=self.name)
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,

@@ -208,7 +208,18 @@ class RedisStore:
             pipe = self.client.pipeline(transaction=False)
             for index in indexes:
                 self._scripts["due"](keys=[index], args=[limit], client=pipe)
-            members = [_text(m) for found in pipe.execute() for m in found]
+            replies = pipe.execute(raise_on_error=False)
+        members: list[str] = []
+        for index, found in zip(indexes, replies, strict=True):
+            if isinstance(found, Exception):
+                try:
+                    with _translated_errors():
+                        raise found
+                except CorruptRecord as exc:
+                    # One index holding something else must not stop the guard for every shard.
+                    logger.error("skipping due index %r in the sweep: %s", index, exc)
+                    continue
+            members.extend(_text(member) for member in found)
         taken: list[DuePickup] = []
         for storage_key in members:
             try:

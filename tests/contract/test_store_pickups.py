@@ -29,6 +29,7 @@ from idempotent_tasks.records import (
 )
 from idempotent_tasks.stores import MemoryStore, Store
 from idempotent_tasks.stores import sql as sql_store_module
+from idempotent_tasks.stores.redis import RedisStore
 from idempotent_tasks.stores.sql import SqlStore
 from tests.contract.conftest import SERVER_STORES, open_store, store_url
 
@@ -479,6 +480,31 @@ def test_sql_take_due_hands_out_what_it_took_when_a_later_batch_cannot_be_read(
         assert len(batches) == 2
     finally:
         monkeypatch.undo()
+        store.close()
+
+
+def test_a_redis_due_index_holding_something_else_stops_the_guard_for_its_shard_alone(
+    request: pytest.FixtureRequest, make_request: Make
+) -> None:
+    # Given a due key, and another shard's due index overwritten with a string (by hand)
+    store = open_store("redis", store_url("redis", request), prefix=f"p{uuid.uuid4().hex[:8]}")
+    assert isinstance(store, RedisStore)
+    try:
+        due_one = request_for(make_request, "k-due")
+        store.reserve(due_one, make_pickup(due_in=0.0))
+        own_index = store.names(due_one.storage_key)[2]
+        other = next(
+            f"{store.prefix}:{{{shard:02x}}}:due"
+            for shard in range(256)
+            if f"{store.prefix}:{{{shard:02x}}}:due" != own_index
+        )
+        store.client.set(other, "not an index")
+        time.sleep(0.05)
+        # When the sweep takes due keys, then it takes that one, skipping the unreadable index
+        assert [due.storage_key for due in store.take_due(10)] == [due_one.storage_key]
+    finally:
+        for index in range(256):
+            store.client.delete(f"{store.prefix}:{{{index:02x}}}:due")
         store.close()
 
 

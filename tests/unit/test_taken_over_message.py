@@ -11,15 +11,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.exceptions import Ignore
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.result import AsyncResult
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks import task as task_module
-from idempotent_tasks.app_store import store_for
-from idempotent_tasks.pickups import make_pickup
 from idempotent_tasks.records import DuePickup
-from idempotent_tasks.task import KEY_HEADER
 
 
 def _envelope(expires: str | None = None) -> bytes:
@@ -40,29 +37,32 @@ def charge() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("completed", "expires", "published"),
+    ("completed", "cached", "expires", "published"),
     [
-        (True, None, True),
-        (True, "future", True),
-        (True, "past", False),  # a worker would drop it unrun, REVOKED
-        (False, None, False),  # the key is not done: the copy would run it again
+        (True, True, None, True),
+        (True, True, "future", True),
+        (True, True, "past", False),  # a worker would drop it unrun, REVOKED
+        (False, False, None, False),  # the key is not done: the copy would run it again
+        (True, False, None, False),  # not cached: the copy would answer None
     ],
 )
 def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_can_answer(
     charge: Any,
     monkeypatch: pytest.MonkeyPatch,
     completed: bool,
+    cached: bool,
     expires: str | None,
     published: bool,
 ) -> None:
     sent: list[DuePickup] = []
-    monkeypatch.setattr(task_module, "republish_taken", lambda app, store, due: sent.append(due))
+    monkeypatch.setattr(task_module, "republish", lambda app, due: sent.append(due))
     now = datetime.now(timezone.utc)
     moment = {"future": now + timedelta(hours=1), "past": now - timedelta(seconds=1)}
     attempt = SimpleNamespace(
         taken_over_envelope=_envelope(expires and moment[expires].isoformat()),
         taken_from_task_id="lost-call",
         completed=completed,
+        result_cached=cached,
         request=SimpleNamespace(storage_key="taken.charge:k"),
         store=object(),
     )
@@ -76,43 +76,33 @@ def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_
     )
 
 
-def test_a_taken_over_message_goes_out_again_when_the_call_that_took_it_replaced_itself(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_soft_time_limit_firing_while_it_goes_out_does_not_drop_it(
+    charge: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a key queued for call "lost-call", whose message counts as lost at once
-    app = Celery("taken-over-replaced", set_as_current=False, broker="memory://")
-    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    # Given a publish the call's soft time limit interrupts once (it fires once per run)
+    tries: list[DuePickup] = []
 
-    @app.task(base=IdempotentTask, name="taken.after", shared=False)
-    def after(order: str) -> str:
-        return order
+    def interrupted_once(app: Any, due: DuePickup) -> None:
+        tries.append(due)
+        if len(tries) == 1:
+            raise SoftTimeLimitExceeded()
 
-    @app.task(base=IdempotentTask, name="taken.replaces", shared=False, bind=True)
-    def replaces(self: Any, order: str) -> str:
-        raise self.replace(after.s(order))
-
-    store = store_for(app)
-    lost = replaces._claim_request("order-1", ("o-1",), {}, "lost-call", owner="")
-    assert store.reserve(lost, make_pickup(["o-1"], {}, {}, 10.0, wait=-20)) is None
-    sent: list[DuePickup] = []
-    monkeypatch.setattr(task_module, "republish_taken", lambda app, store, due: sent.append(due))
-    # When another message of the key runs it, and its body replaces itself
-    replaces.push_request(
-        id="taker",
-        called_directly=False,
-        is_eager=False,
-        args=["o-1"],
-        kwargs={},
-        headers={KEY_HEADER: "order-1"},
-        delivery_info={"routing_key": "celery"},
+    monkeypatch.setattr(task_module, "republish", interrupted_once)
+    attempt = SimpleNamespace(
+        taken_over_envelope=_envelope(),
+        taken_from_task_id="lost-call",
+        completed=True,
+        result_cached=True,
+        request=SimpleNamespace(storage_key="taken.charge:k"),
+        store=object(),
     )
+    charge.push_request(id="taker", called_directly=False, is_eager=False)
     try:
-        with pytest.raises(Ignore):
-            replaces("o-1")
+        charge._republish_taken_over_message(attempt)
     finally:
-        replaces.pop_request()
-    # Then the lost call's message goes out again (it answers with the replacement's value)
-    assert [due.task_id for due in sent] == ["lost-call"]
+        charge.pop_request()
+    # Then it is published all the same
+    assert [due.task_id for due in tries] == ["lost-call", "lost-call"]
 
 
 def test_the_result_stored_for_a_taken_over_call_is_its_own_not_the_takers(
