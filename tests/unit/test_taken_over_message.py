@@ -24,6 +24,24 @@ def _envelope(expires: str | None = None) -> bytes:
     return json.dumps({"args": ["a"], "kwargs": {}, "options": options}).encode()
 
 
+def _republish_as_the_taker(charge: Any, envelope: bytes, *, completed: bool, cached: bool) -> None:
+    """Run the taker's re-publication of call "lost-call"'s message (key ``taken.charge:k``)
+    once its own completion was (or was not) stored and cached."""
+    attempt = SimpleNamespace(
+        taken_over_envelope=envelope,
+        taken_from_task_id="lost-call",
+        completed=completed,
+        result_cached=cached,
+        request=SimpleNamespace(storage_key="taken.charge:k"),
+        store=object(),
+    )
+    charge.push_request(id="taker", called_directly=False, is_eager=False)
+    try:
+        charge._republish_taken_over_message(attempt)
+    finally:
+        charge.pop_request()
+
+
 @pytest.fixture()
 def charge() -> Any:
     app = Celery("taken-over", set_as_current=False, broker="memory://")
@@ -58,19 +76,12 @@ def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_
     monkeypatch.setattr(task_module, "republish", lambda app, due: sent.append(due))
     now = datetime.now(timezone.utc)
     moment = {"future": now + timedelta(hours=1), "past": now - timedelta(seconds=1)}
-    attempt = SimpleNamespace(
-        taken_over_envelope=_envelope(expires and moment[expires].isoformat()),
-        taken_from_task_id="lost-call",
+    _republish_as_the_taker(
+        charge,
+        _envelope(expires and moment[expires].isoformat()),
         completed=completed,
-        result_cached=cached,
-        request=SimpleNamespace(storage_key="taken.charge:k"),
-        store=object(),
+        cached=cached,
     )
-    charge.push_request(id="taker", called_directly=False, is_eager=False)
-    try:
-        charge._republish_taken_over_message(attempt)
-    finally:
-        charge.pop_request()
     assert [(due.task_id, due.storage_key) for due in sent] == (
         [("lost-call", "taken.charge:k")] if published else []
     )
@@ -88,19 +99,7 @@ def test_a_soft_time_limit_firing_while_it_goes_out_does_not_drop_it(
             raise SoftTimeLimitExceeded()
 
     monkeypatch.setattr(task_module, "republish", interrupted_once)
-    attempt = SimpleNamespace(
-        taken_over_envelope=_envelope(),
-        taken_from_task_id="lost-call",
-        completed=True,
-        result_cached=True,
-        request=SimpleNamespace(storage_key="taken.charge:k"),
-        store=object(),
-    )
-    charge.push_request(id="taker", called_directly=False, is_eager=False)
-    try:
-        charge._republish_taken_over_message(attempt)
-    finally:
-        charge.pop_request()
+    _republish_as_the_taker(charge, _envelope(), completed=True, cached=True)
     # Then it is published all the same
     assert [due.task_id for due in tries] == ["lost-call", "lost-call"]
 
