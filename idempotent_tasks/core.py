@@ -117,9 +117,8 @@ class Attempt:
     side_written: bool = False
     #: Set when the store refused that side write (the completion was made without it).
     side_write_refused: bool = False
-    #: Set when this attempt's completion was stored (the key holds its value now), and
-    #: whether that value was cached (duplicates get ``None`` otherwise).
-    completed: bool = False
+    #: Set when this attempt's completion was stored with its value cached: the key answers
+    #: duplicates with that value now (not ``None``).
     result_cached: bool = False
     #: Set once this attempt gives the key up (a retry, a failure): a renewal the heartbeat
     #: makes after that finds the claim gone, which is no takeover.
@@ -214,8 +213,7 @@ class Attempt:
             self.log.warning("%s; completing key %r without it", exc, self.request.key)
             self.side_write_refused = True
             outcome = self.store.complete(self.request, self.token, encoded)
-        self.completed = outcome is not CompleteOutcome.STALE
-        self.result_cached = self.completed and encoded is not None
+        self.result_cached = outcome is not CompleteOutcome.STALE and encoded is not None
         if outcome is CompleteOutcome.STALE:
             self.log.warning(
                 "%s finished key %r after its claim was taken over by another execution; "

@@ -129,8 +129,8 @@ def continuation_options(request: Any) -> dict[str, Any]:
         module_logger.warning(
             "its callbacks or chain are not JSON: a retry of its dead letter will not run them"
         )
-        plain = ("time_limit", "soft_time_limit", "shadow", "root_id", "parent_id")
-        return {**stamps, **{name: kept[name] for name in plain if name in kept}}
+        plain = {name: value for name, value in kept.items() if name not in CANVAS_OPTIONS}
+        return {**stamps, **plain}
     return {**stamps, **stored}
 
 
@@ -140,16 +140,20 @@ def write_failure(
     dead_letter_id: str | None,
     sweep_id: str | None = None,
     *,
-    new_row: bool = True,
+    only_on_row: bool = False,
 ) -> str | None:
     """Record a final failure: a new row, or the next failure of a re-published row (of the
-    sweep ``sweep_id``, when given); with ``new_row`` off (a task whose dead-letter queue is
+    sweep ``sweep_id``, when given); with ``only_on_row`` (a task whose dead-letter queue is
     off), only the latter.
 
     Returns the row's id (``None``: no row). Raises StoreUnavailable when the database cannot
     be written.
     """
-    item = dlq_for(app).record_failure(failure, dead_letter_id, sweep_id, new_row=new_row)
+    queue = dlq_for(app)
+    if only_on_row:
+        item = queue.record_on_row(failure, dead_letter_id, sweep_id)
+    else:
+        item = queue.record_failure(failure, dead_letter_id, sweep_id)
     if item is None:
         return None
     _log_item(item)

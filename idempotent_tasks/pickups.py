@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 from kombu.entity import Exchange, Queue
 from kombu.exceptions import OperationalError
@@ -25,6 +26,7 @@ from kombu.utils import json as kombu_json
 
 from . import defaults, signals
 from .broker_errors import broker_cannot_take
+from .core import despite_time_limit
 from .errors import CorruptRecord, StoreUnavailable
 from .records import DuePickup, Pickup
 from .settings import app_setting
@@ -313,7 +315,9 @@ def republish_taken(
     too.
     """
     try:
-        republish(app, due)
+        # A soft time limit firing meanwhile (the sweep's, a task's) must not drop it: taken,
+        # the pickup is not due again before its backoff, or gone with its key.
+        despite_time_limit(SoftTimeLimitExceeded, lambda: republish(app, due))
     except Exception as exc:
         logger.error("could not publish %s (%s) again: %s", due.task_name, due.task_id, exc)
         if broker_cannot_take(exc):

@@ -85,7 +85,7 @@ from .pickups import (
     hand_to_guard,
     make_pickup,
     pickup_timeout,
-    republish,
+    republish_taken,
     seconds_to_expiry,
     seconds_until,
 )
@@ -672,7 +672,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         task_id = attempt.taken_from_task_id
         if envelope is None or task_id is None or self.request.is_eager:
             return
-        if not (attempt.completed and attempt.result_cached):
+        if not attempt.result_cached:
             # Not stored (the store down, a corrupt record), the copy would find the key
             # unfinished and run it again; not cached (too big, not serializable), it would
             # answer None. That call keeps the value stored as its result.
@@ -686,18 +686,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         if call_expired(lost):
             return  # a worker would drop it unrun (REVOKED): its stored result stands
-        try:
-            # A soft time limit firing meanwhile must not drop it: the key's pickup is gone.
-            despite_time_limit(SoftTimeLimitExceeded, lambda: republish(self.app, lost))
-        except Exception as exc:
-            logger.error("could not publish %s (%s) again: %s", self.name, task_id, exc)
-            return
-        logger.warning(
-            "published %s (%s) again: its message was lost, and this call ran its key",
-            self.name,
-            task_id,
-        )
-        signals.lost_message_republished.send(task_name=self.name)
+        republish_taken(self.app, attempt.store, lost)
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,
@@ -1119,7 +1108,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             despite_time_limit(
                 SoftTimeLimitExceeded,
                 lambda: write_failure(
-                    self.app, failure, dead_letter_id, sweep_id, new_row=bool(self.dlq)
+                    self.app, failure, dead_letter_id, sweep_id, only_on_row=not self.dlq
                 ),
             )
         except (StoreUnavailable, SchemaVersionError) as exc:

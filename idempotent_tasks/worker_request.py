@@ -84,7 +84,7 @@ class IdempotentRequest(Request):  # type: ignore[misc]
             # SystemExit): Celery retries it (see _retry_worker_lost), hands it back, or fails it
             # for good, which ends it here first: dead-lettered, its key released.
             try:
-                if self.task.lost_call_fails(self.request_dict) and not self._succeeded():
+                if self.task.lost_call_fails(self.request_dict) and not self._success_was_stored():
                     _ = self._context  # its callbacks and chain, for a dead letter's options
                     self.task.end_lost_call(self.request_dict, exc)
             except Exception:
@@ -118,8 +118,9 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         return retried
 
     def _success_was_stored(self) -> Any:
-        """Celery's look for a success the call stored before its process died, asked once
-        (``on_failure`` asks too): two looks could disagree, and each may wait on the backend."""
+        """Celery's look for a success the call stored before its process died (Celery then
+        only acknowledges it), asked once (``on_failure`` asks too): two looks could disagree,
+        and each may wait on the backend."""
         if self._idempotency_success is None:
             self._idempotency_success = (super()._success_was_stored(),)
         return self._idempotency_success[0]
@@ -133,11 +134,6 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         return isinstance(exc, SystemExit | KeyboardInterrupt) and not (
             self._already_cancelled or self._already_revoked
         )
-
-    def _succeeded(self) -> bool:
-        """Whether the call stored its success before its process died: Celery then only
-        acknowledges it."""
-        return bool(self._success_was_stored())
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # A cold shutdown kills running tasks through this path too: their messages are

@@ -107,45 +107,30 @@ class DeadLetterQueue:
 
     # -- writing ------------------------------------------------------------------------------
 
-    @overload
     def record_failure(
         self, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
-    ) -> DeadLetter: ...
-
-    @overload
-    def record_failure(
-        self,
-        failure: Failure,
-        dead_letter_id: str | None,
-        sweep_id: str | None = None,
-        *,
-        new_row: bool,
-    ) -> DeadLetter | None: ...
-
-    def record_failure(
-        self,
-        failure: Failure,
-        dead_letter_id: str | None,
-        sweep_id: str | None = None,
-        *,
-        new_row: bool = True,
-    ) -> DeadLetter | None:
+    ) -> DeadLetter:
         """Record a final failure: a new row, or the next failure of the re-published row
-        ``dead_letter_id`` (of the sweep ``sweep_id``, when given). A row that succeeded by that
-        very run (its key forgotten since, or a repeating job's next run) leaves the failure a
-        row of its own, unless ``new_row`` is off (``None`` is then returned). Returns the row
-        the failure is on now."""
-        if dead_letter_id is not None:
-            item = self.record_retry_failure(
-                dead_letter_id,
-                failure.error_type,
-                failure.error_message,
-                failure.traceback,
-                sweep_id,
-            )
-            if item is not None and not item.succeeded_before(sweep_id):
-                return item
-        return self.add(failure) if new_row else None
+        ``dead_letter_id`` (of the sweep ``sweep_id``, when given); see :meth:`record_on_row`.
+        Returns the row the failure is on now."""
+        on_row = self.record_on_row(failure, dead_letter_id, sweep_id)
+        return on_row if on_row is not None else self.add(failure)
+
+    def record_on_row(
+        self, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
+    ) -> DeadLetter | None:
+        """Record the failure of the re-published row ``dead_letter_id`` (of the sweep
+        ``sweep_id``, when given) on that row; ``None`` when there is no such row, or it
+        succeeded by that very run (its key forgotten since, or a repeating job's next run):
+        the failure is then a new call's."""
+        if dead_letter_id is None:
+            return None
+        item = self.record_retry_failure(
+            dead_letter_id, failure.error_type, failure.error_message, failure.traceback, sweep_id
+        )
+        if item is None or item.succeeded_before(sweep_id):
+            return None
+        return item
 
     def add(self, failure: Failure) -> DeadLetter:
         """Record a final failure as a ``pending`` item; the same failure twice gives one row.

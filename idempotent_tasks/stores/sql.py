@@ -322,16 +322,16 @@ class SqlStore:
             swap = replace_if_unchanged(claim_id, found, values)
             replaced_other = is_live(found, now) and found["task_id"] != request.task_id
             lost_message = replaced_other and found["status"] == QUEUED
-            replaced = self._replaced(
+            wrote, envelope = self._replaced(
                 swap, claim_id, ended=not is_live(found, now), read_envelope=lost_message
             )
-            if replaced is not None:
+            if wrote:
                 return ClaimResult(
                     outcome=Outcome.ACQUIRED,
                     token=token,
                     takeover=takeover,
                     taken_from_task_id=found["task_id"] if replaced_other else None,
-                    taken_over_envelope=replaced or None,
+                    taken_over_envelope=envelope,
                 )
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
 
@@ -507,25 +507,25 @@ class SqlStore:
 
     def _replaced(
         self, swap: Update, claim_id: str, *, ended: bool, read_envelope: bool
-    ) -> bytes | None:
-        """Run a claim's compare-and-set; ``None`` when it did not write. A row it replaced that
+    ) -> tuple[bool, bytes | None]:
+        """Run a claim's compare-and-set: whether it wrote, and with ``read_envelope`` (another
+        call's queued message taken over) that message's envelope, read in the same
+        transaction (``None`` when there is none, or it cannot be read). A row it replaced that
         had ended (expired, released) takes its pickup along: that is another call's message,
-        whose arguments the guard must never publish under this claim's task id. With
-        ``read_envelope`` (another call's queued message taken over), the pickup's envelope is
-        read in the same transaction and returned (``b""`` when there is none, or it cannot be
-        read), else ``b""``."""
+        whose arguments the guard must never publish under this claim's task id."""
         with self._begin() as connection:
             if _count(connection, swap) != 1:
-                return None
+                return False, None
             if ended:
                 connection.execute(delete_pickup(claim_id))
             if not read_envelope:
-                return b""
+                return True, None
             row = connection.execute(select_pickup(claim_id)).mappings().one_or_none()
-            envelope = None if row is None else row["envelope"]
-            if not isinstance(envelope, bytes | bytearray | memoryview):
-                return b""  # an unreadable one: the guard's sweep reports it
-            return bytes(envelope)
+        try:
+            pickup = readable_pickup(row)
+        except CorruptRecord:
+            return True, None  # the guard's sweep reports it
+        return True, None if pickup is None else bytes(pickup["envelope"])
 
     def close(self) -> None:
         self.engine.dispose()

@@ -14,8 +14,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.result import AsyncResult
 
-from idempotent_tasks import IdempotentTask
-from idempotent_tasks import task as task_module
+from idempotent_tasks import IdempotentTask, pickups
 from idempotent_tasks.records import DuePickup
 
 
@@ -24,13 +23,12 @@ def _envelope(expires: str | None = None) -> bytes:
     return json.dumps({"args": ["a"], "kwargs": {}, "options": options}).encode()
 
 
-def _republish_as_the_taker(charge: Any, envelope: bytes, *, completed: bool, cached: bool) -> None:
+def _republish_as_the_taker(charge: Any, envelope: bytes, *, cached: bool) -> None:
     """Run the taker's re-publication of call "lost-call"'s message (key ``taken.charge:k``)
-    once its own completion was (or was not) stored and cached."""
+    once its own completion was (or was not) stored with its value cached."""
     attempt = SimpleNamespace(
         taken_over_envelope=envelope,
         taken_from_task_id="lost-call",
-        completed=completed,
         result_cached=cached,
         request=SimpleNamespace(storage_key="taken.charge:k"),
         store=object(),
@@ -55,31 +53,29 @@ def charge() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("completed", "cached", "expires", "published"),
+    ("cached", "expires", "published"),
     [
-        (True, True, None, True),
-        (True, True, "future", True),
-        (True, True, "past", False),  # a worker would drop it unrun, REVOKED
-        (False, False, None, False),  # the key is not done: the copy would run it again
-        (True, False, None, False),  # not cached: the copy would answer None
+        (True, None, True),
+        (True, "future", True),
+        (True, "past", False),  # a worker would drop it unrun, REVOKED
+        # not stored (the copy would run the key again), or not cached (it would answer None)
+        (False, None, False),
     ],
 )
 def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_can_answer(
     charge: Any,
     monkeypatch: pytest.MonkeyPatch,
-    completed: bool,
     cached: bool,
     expires: str | None,
     published: bool,
 ) -> None:
     sent: list[DuePickup] = []
-    monkeypatch.setattr(task_module, "republish", lambda app, due: sent.append(due))
+    monkeypatch.setattr(pickups, "republish", lambda app, due: sent.append(due))
     now = datetime.now(timezone.utc)
     moment = {"future": now + timedelta(hours=1), "past": now - timedelta(seconds=1)}
     _republish_as_the_taker(
         charge,
         _envelope(expires and moment[expires].isoformat()),
-        completed=completed,
         cached=cached,
     )
     assert [(due.task_id, due.storage_key) for due in sent] == (
@@ -98,8 +94,8 @@ def test_a_soft_time_limit_firing_while_it_goes_out_does_not_drop_it(
         if len(tries) == 1:
             raise SoftTimeLimitExceeded()
 
-    monkeypatch.setattr(task_module, "republish", interrupted_once)
-    _republish_as_the_taker(charge, _envelope(), completed=True, cached=True)
+    monkeypatch.setattr(pickups, "republish", interrupted_once)
+    _republish_as_the_taker(charge, _envelope(), cached=True)
     # Then it is published all the same
     assert [due.task_id for due in tries] == ["lost-call", "lost-call"]
 
