@@ -49,15 +49,17 @@ class Store(Protocol):
         published (the broker was unreachable), and the pickup guard publishes it when it next
         looks (a sweep, or a publish of the key). ``republished``, when given, sets the count
         of re-publications back (a take whose publish failed does not count). A ``processing``
-        record of ``task_id`` whose lease ended (a dead owner's key, taken for its lost
-        message) has its pickup made due; one whose owner is alive is left alone. Whether
-        there was one with a pickup."""
+        record keeping ``task_id``'s message whose lease ended (a dead owner's key, taken for
+        that lost message) has its pickup made due; one whose owner is alive is left alone.
+        Whether there was one with a pickup."""
         ...
 
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
-        """Forget the pickup of the ``processing`` record of ``task_id``: that call was
-        terminated on purpose (a revoke), and the guard must never publish its message again.
-        The claim stays until its lease ends. Whether there was such a record."""
+        """Forget the pickup of ``task_id``'s message while its key is ``processing``: that
+        call was terminated on purpose (a revoke) or expired, and the guard must never publish
+        its message again. The claim stays until its lease ends, and so does a message of
+        another call that ``task_id``'s took the key from. Whether the key is ``processing``
+        for ``task_id``, or kept its message."""
         ...
 
     def take_due(self, limit: int) -> list[DuePickup]:
@@ -66,8 +68,10 @@ class Store(Protocol):
         Each one taken has its due time moved on (``timeout * 2 ** republished`` from now) in
         the same atomic step, so concurrent sweeps never take one key in the same period.
         ``republished`` counts the re-publications since the message was queued (by
-        :meth:`reserve` or a retry's :meth:`release`); a claim does not reset it.
-        Index entries of keys no longer queued are dropped on the way.
+        :meth:`reserve` or a retry's :meth:`release`); a claim does not reset it. Each goes
+        out under the task id of its own message, which a claim by another call does not
+        change (nor the owner's callers: that message's run takes the key over and answers
+        them). Index entries of keys no longer queued are dropped on the way.
         """
         ...
 
@@ -83,8 +87,10 @@ class Store(Protocol):
         compared), when the record is ``processing`` under an expired
         lease or under ``request.previous_owner`` (a takeover: the fencing token is incremented),
         or when it is already held by this very owner (a retried call); replacing another task
-        id's ``queued`` or ``processing`` record, it names that id (``taken_from_task_id``).
-        Otherwise returns the
+        id's ``queued`` or ``processing`` record, it names that id (``taken_from_task_id``),
+        and for a ``queued`` one gives its message (``taken_over_envelope``). The same call's
+        claim made again (its reply lost, or its message redelivered) is told the same again,
+        while the key keeps that other call's message. Otherwise returns the
         record found: ``MISMATCH`` if validation is on and its fingerprint differs, else
         ``COMPLETED`` or ``IN_PROGRESS``; like :meth:`reserve`'s, that record carries the
         store's time it was read (``read_at``).

@@ -34,9 +34,11 @@ SWEEP_EVERY = 60.0
 
 @dataclasses.dataclass
 class _Pending:
-    """A key's pickup: its message, when it is due and how often it was published again."""
+    """A key's pickup: its message (``task_id``'s: a claim by another call keeps it so, see
+    claim.lua), when it is due and how often it was published again."""
 
     pickup: Pickup
+    task_id: str
     due_at: float
     republished: int = 0
 
@@ -84,7 +86,7 @@ class MemoryStore:
             now = self._clock()
             found = self._live(storage_key, now)
             pending = self._pending.get(storage_key)
-            if found is None or pending is None or found.task_id != task_id:
+            if found is None or pending is None or pending.task_id != task_id:
                 return False
             if found.status is Status.QUEUED:
                 self._records[storage_key] = dataclasses.replace(
@@ -100,10 +102,13 @@ class MemoryStore:
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         with self._lock:
             found = self._live(storage_key, self._clock())
-            if found is None or found.status is not Status.PROCESSING or found.task_id != task_id:
+            if found is None or found.status is not Status.PROCESSING:
                 return False
-            self._pending.pop(storage_key, None)
-            return True
+            pending = self._pending.get(storage_key)
+            if pending is not None and pending.task_id == task_id:
+                del self._pending[storage_key]
+                return True
+            return found.task_id == task_id
 
     def take_due(self, limit: int) -> list[DuePickup]:
         with self._lock:
@@ -145,7 +150,7 @@ class MemoryStore:
         return DuePickup(
             storage_key=storage_key,
             task_name=found.task_name,
-            task_id=found.task_id,
+            task_id=pending.task_id,
             envelope=pending.pickup.envelope,
             republished=pending.republished,
         )
@@ -185,20 +190,21 @@ class MemoryStore:
                     fingerprint=kept,
                     taken_from=taken_from,
                 )
-                pending = self._pending.get(request.storage_key)
-                if taken_from is None or pending is None:
+                if taken_from is None:
                     return acquired
                 # Another call's lost message: published again once this call completes.
-                return dataclasses.replace(acquired, taken_over_envelope=pending.pickup.envelope)
+                return self._told_what_it_took(acquired, request.storage_key)
             if found.status is Status.PROCESSING and found.owner == request.owner:
-                return ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
+                # Its claim made again (its reply lost): told again whose key it took.
+                again = ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
+                return self._told_what_it_took(again, request.storage_key, request.task_id)
             if mismatch:
                 return ClaimResult(outcome=Outcome.MISMATCH, record=found)
             if found.status is Status.COMPLETED:
                 return ClaimResult(outcome=Outcome.COMPLETED, record=found)
             previous = request.previous_owner
             if (previous and found.owner == previous) or found.lease_expires_at <= now:
-                return self._acquire(
+                taken = self._acquire(
                     request,
                     now,
                     created_at=found.created_at,
@@ -206,7 +212,25 @@ class MemoryStore:
                     fingerprint=kept,
                     taken_from=taken_from,
                 )
+                if not same_call:
+                    return taken
+                # Its message redelivered: told again whose key it took.
+                return self._told_what_it_took(taken, request.storage_key, request.task_id)
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
+
+    def _told_what_it_took(
+        self, acquired: ClaimResult, storage_key: str, task_id: str | None = None
+    ) -> ClaimResult:
+        """``acquired``, naming the call whose message the key keeps and giving that message,
+        when it is another call's than ``task_id``'s (when given)."""
+        pending = self._pending.get(storage_key)
+        if pending is None or pending.task_id == task_id:
+            return acquired
+        return dataclasses.replace(
+            acquired,
+            taken_from_task_id=pending.task_id,
+            taken_over_envelope=pending.pickup.envelope,
+        )
 
     def complete(
         self,
@@ -351,7 +375,9 @@ class MemoryStore:
             updated_at=now,
             expires_at=now + pickup.due_in + request.claim_ttl,
         )
-        self._pending[request.storage_key] = _Pending(pickup, due_at=now + pickup.due_in)
+        self._pending[request.storage_key] = _Pending(
+            pickup, task_id=request.task_id, due_at=now + pickup.due_in
+        )
 
     def _acquire(
         self,

@@ -20,6 +20,7 @@ of keys completed or expired.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -181,15 +182,12 @@ class SqlStore:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
-            if _count(connection, retime_queued(claim_id, task_id, now, now)) == 1:
-                mine = retime_pickup(claim_id, now, republished, task_id=task_id)
-            elif connection.execute(select_abandoned(claim_id, task_id, now)).first() is not None:
-                # A dead owner's key: its pickup (of the message it took over) is due; the
-                # owner's lease still decides when the message counts as lost.
-                mine = retime_pickup(claim_id, now, republished)
-            else:
+            queued = _count(connection, retime_queued(claim_id, task_id, now, now)) == 1
+            # Else a dead owner's key: the pickup of task_id's message it keeps is due; the
+            # owner's lease still decides when the message counts as lost.
+            if not queued and connection.execute(select_abandoned(claim_id, now)).first() is None:
                 return False
-            if _count(connection, mine) == 0:
+            if _count(connection, retime_pickup(claim_id, now, republished, task_id)) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
                 return False
             return True
@@ -261,7 +259,10 @@ class SqlStore:
 
         A key still queued for the pickup's task id is due at the pickup's time. A key claimed
         since is due only once its owner's lease ended a timeout ago without a takeover (the
-        owner died and its message was lost too); it is then published under the owner's id.
+        owner died and its message was lost too). The message goes out under its own task id,
+        which is the owner's unless the owner is another call that took the key over (that
+        call's callers are then answered by the message's own run, which takes it over in
+        turn).
         """
         claim_id, task_id = row["id"], row["task_id"]
         timeout = float(row["timeout"])
@@ -282,7 +283,6 @@ class SqlStore:
                     later = {"due_at": lost_at}
                     connection.execute(bump_pickup(claim_id, *unchanged, later))
                     return None
-                task_id = found["task_id"]
             values = {"republished": republished, "due_at": due_at}
             bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
             if _count(connection, bump) == 0:
@@ -310,6 +310,9 @@ class SqlStore:
             if found is None:
                 continue  # deleted between the two statements: insert again
             decision = self._decide(request, found, now)
+            if decision is not None and decision.outcome is Outcome.ACQUIRED:
+                # This owner's claim made again (its reply lost): told again whose key it took.
+                return self._told_what_it_took(decision, claim_id, request.task_id)
             if decision is not None:
                 return decision
             token = int(found["token"]) + 1
@@ -322,17 +325,23 @@ class SqlStore:
             swap = replace_if_unchanged(claim_id, found, values)
             replaced_other = is_live(found, now) and found["task_id"] != request.task_id
             lost_message = replaced_other and found["status"] == QUEUED
-            wrote, envelope = self._replaced(
-                swap, claim_id, ended=not is_live(found, now), read_envelope=lost_message
+            wrote, pickup = self._replaced(
+                swap, claim_id, ended=not is_live(found, now), read_pickup=lost_message
             )
-            if wrote:
-                return ClaimResult(
-                    outcome=Outcome.ACQUIRED,
-                    token=token,
-                    takeover=takeover,
-                    taken_from_task_id=found["task_id"] if replaced_other else None,
-                    taken_over_envelope=envelope,
-                )
+            if not wrote:
+                continue
+            acquired = ClaimResult(
+                outcome=Outcome.ACQUIRED,
+                token=token,
+                takeover=takeover,
+                taken_from_task_id=found["task_id"] if replaced_other else None,
+                taken_over_envelope=None if pickup is None else bytes(pickup["envelope"]),
+            )
+            if takeover and not replaced_other:
+                # The same call's claim made again (its message redelivered): told again whose
+                # key it took, as it was the first time.
+                return self._told_what_it_took(acquired, claim_id, request.task_id)
+            return acquired
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:
@@ -506,10 +515,10 @@ class SqlStore:
             return True
 
     def _replaced(
-        self, swap: Update, claim_id: str, *, ended: bool, read_envelope: bool
-    ) -> tuple[bool, bytes | None]:
-        """Run a claim's compare-and-set: whether it wrote, and with ``read_envelope`` (another
-        call's queued message taken over) that message's envelope, read in the same
+        self, swap: Update, claim_id: str, *, ended: bool, read_pickup: bool
+    ) -> tuple[bool, Any]:
+        """Run a claim's compare-and-set: whether it wrote, and with ``read_pickup`` (another
+        call's queued message taken over) that message's pickup row, read in the same
         transaction (``None`` when there is none, or it cannot be read). A row it replaced that
         had ended (expired, released) takes its pickup along: that is another call's message,
         whose arguments the guard must never publish under this claim's task id."""
@@ -518,14 +527,23 @@ class SqlStore:
                 return False, None
             if ended:
                 connection.execute(delete_pickup(claim_id))
-            if not read_envelope:
+            if not read_pickup:
                 return True, None
             row = connection.execute(select_pickup(claim_id)).mappings().one_or_none()
-        try:
-            pickup = readable_pickup(row)
-        except CorruptRecord:
-            return True, None  # the guard's sweep reports it
-        return True, None if pickup is None else bytes(pickup["envelope"])
+        return True, _readable_or_none(row)
+
+    def _told_what_it_took(self, acquired: ClaimResult, claim_id: str, task_id: str) -> ClaimResult:
+        """``acquired`` (a claim of ``task_id`` made again), naming the call whose key it took
+        over and giving its message, when the key keeps another call's pickup (see
+        ``take_due``)."""
+        pickup = _readable_or_none(self._one(select_pickup(claim_id)))
+        if pickup is None or pickup["task_id"] == task_id:
+            return acquired
+        return dataclasses.replace(
+            acquired,
+            taken_from_task_id=pickup["task_id"],
+            taken_over_envelope=bytes(pickup["envelope"]),
+        )
 
     def close(self) -> None:
         self.engine.dispose()
@@ -640,6 +658,15 @@ class SqlStore:
                     migrations=PICKUPS_MIGRATIONS,
                 )
                 self._schema_ready = True
+
+
+def _readable_or_none(pickup: Any) -> Any:
+    """A pickup row, or ``None`` when there is none or it cannot be read (the guard's sweep
+    reports that)."""
+    try:
+        return readable_pickup(pickup)
+    except CorruptRecord:
+        return None
 
 
 def _count(connection: Connection, statement: Executable) -> int:

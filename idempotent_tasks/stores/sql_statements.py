@@ -109,6 +109,11 @@ def delete_orphan_pickups(before: float) -> Delete:
     return delete(pickups).where((pickups.c.due_at < before) & ~claimed)
 
 
+def _processing(claim_id: str, now: float) -> Any:
+    """The key's claim row, live and ``processing`` (for any call)."""
+    return (claims.c.id == claim_id) & (claims.c.status == PROCESSING) & (claims.c.expires_at > now)
+
+
 def _live_row(claim_id: str, status: str, task_id: str, now: float) -> Any:
     """The key's claim row, live, in ``status`` for ``task_id``."""
     return (
@@ -132,10 +137,11 @@ def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Upd
 
 
 def delete_pickup_of_processing(claim_id: str, task_id: str, now: float) -> Delete:
-    """Delete a key's pickup row while its live claim row is ``processing`` for ``task_id``
-    (one statement: nothing can land between the check and the delete)."""
-    held = select(claims.c.id).where(_live_row(claim_id, PROCESSING, task_id, now)).exists()
-    return delete(pickups).where((pickups.c.id == claim_id) & held)
+    """Delete a key's pickup row of ``task_id``'s message while its live claim row is
+    ``processing`` (for that call, or another one that took the key over; one statement:
+    nothing can land between the check and the delete)."""
+    held = select(claims.c.id).where(_processing(claim_id, now)).exists()
+    return delete(pickups).where((pickups.c.id == claim_id) & (pickups.c.task_id == task_id) & held)
 
 
 def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
@@ -143,20 +149,16 @@ def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
     return select(claims.c.id).where(_live_row(claim_id, PROCESSING, task_id, now))
 
 
-def select_abandoned(claim_id: str, task_id: str, now: float) -> Select[Any]:
-    """The ``processing`` row of ``task_id`` whose owner's lease ended, if there is one."""
-    abandoned = _live_row(claim_id, PROCESSING, task_id, now) & (claims.c.lease_expires_at <= now)
+def select_abandoned(claim_id: str, now: float) -> Select[Any]:
+    """The key's live ``processing`` row whose owner's lease ended, if there is one."""
+    abandoned = _processing(claim_id, now) & (claims.c.lease_expires_at <= now)
     return select(claims.c.id).where(abandoned)
 
 
-def retime_pickup(
-    claim_id: str, due_at: float, republished: int | None = None, *, task_id: str | None = None
-) -> Update:
-    """Move the due time of a key's pickup row (only that of ``task_id``'s message, when
-    given), and set its count of re-publications, when given."""
-    mine = pickups.c.id == claim_id
-    if task_id is not None:
-        mine = mine & (pickups.c.task_id == task_id)
+def retime_pickup(claim_id: str, due_at: float, republished: int | None, task_id: str) -> Update:
+    """Move the due time of a key's pickup row of ``task_id``'s message, and set its count of
+    re-publications, when given."""
+    mine = (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
     values: dict[str, Any] = {"due_at": due_at}
     if republished is not None:
         values["republished"] = republished

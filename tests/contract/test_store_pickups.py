@@ -524,7 +524,20 @@ def test_claimed_keys_do_not_hide_due_ones_for_good(store: Store, make_request: 
 def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
     store: Store, make_request: Make
 ) -> None:
-    # Given a reserved key claimed by another delivery (task id "t-owner") with a 0.2 s lease
+    # Given a reserved key claimed by its own message, whose owner then died
+    owner = make_request(task_id="t-owner", lease_seconds=0.2)
+    assert store.reserve(owner, make_pickup()) is None
+    assert store.claim(owner).outcome is Outcome.ACQUIRED
+    # When nothing took the key over for a re-publication timeout after the lease
+    time.sleep(0.2 + TIMEOUT + 0.1)
+    # Then the sweep takes it, to publish the owner's message again under its own task id
+    assert [(due.task_id, due.envelope) for due in store.take_due(10)] == [("t-owner", ENVELOPE)]
+
+
+def test_a_dead_takers_key_is_taken_under_the_task_id_of_the_message_it_keeps(
+    store: Store, make_request: Make
+) -> None:
+    # Given a reserved key claimed by another call (task id "t-owner") with a 0.2 s lease
     reserved = make_request(task_id="t-reserved")
     assert store.reserve(reserved, make_pickup(due_in=0.0)) is None
     time.sleep(0.01)  # its message counts as lost at once (Redis: 1 ms on)
@@ -539,15 +552,98 @@ def test_a_claimed_key_whose_owner_died_is_taken_under_the_owners_task_id(
     # When the owner died and nothing took the key over for the timeout
     time.sleep(TIMEOUT + 0.05)
     taken = store.take_due(10)
-    # Then the sweep takes it once, to publish the owner's task again, and backs off
+    # Then the sweep takes it once, to publish the message it keeps again under that message's
+    # own task id (the owner's callers wait on another id, and its own message is not kept),
+    # and backs off
     assert [(due.task_id, due.envelope, due.republished) for due in taken] == [
-        ("t-owner", ENVELOPE, 1)
+        ("t-reserved", ENVELOPE, 1)
     ]
     assert store.take_due(10) == []
-    # and the re-published message takes the key over
-    again = make_request(task_id="t-owner")
-    claim = store.claim(again)
-    assert claim.outcome is Outcome.ACQUIRED and claim.takeover
+    # and the re-published message takes the key over, told whose call it took the key from
+    again = store.claim(make_request(task_id="t-reserved"))
+    assert (again.outcome, again.takeover, again.taken_from_task_id) == (
+        Outcome.ACQUIRED,
+        True,
+        "t-owner",
+    )
+    assert again.taken_over_envelope is None
+
+
+def _taken_from_a_lost_message(store: Store, make_request: Make, lease: float) -> ClaimRequest:
+    """A key reserved for call "t-lost", whose message counted as lost and was taken over by
+    call "t-taker" (returned, with a ``lease``-second lease)."""
+    lost = make_request(task_id="t-lost")
+    assert store.reserve(lost, make_pickup(due_in=0.0)) is None
+    time.sleep(0.01)
+    taker = make_request(task_id="t-taker", lease_seconds=lease)
+    first = store.claim(taker)
+    assert (first.outcome, first.taken_from_task_id) == (Outcome.ACQUIRED, "t-lost")
+    assert first.taken_over_envelope == ENVELOPE
+    return taker
+
+
+def test_a_claim_made_again_is_told_again_whose_message_it_took(
+    store: Store, make_request: Make
+) -> None:
+    # Given a call that took the key of a lost message over
+    taker = _taken_from_a_lost_message(store, make_request, lease=30.0)
+    # When its claim is made again by the same owner (the first reply lost on the way)
+    again = store.claim(taker)
+    # Then it is told the same: whose call it took, and that call's message to send again
+    assert (again.outcome, again.taken_from_task_id) == (Outcome.ACQUIRED, "t-lost")
+    assert again.taken_over_envelope == ENVELOPE
+
+
+def test_a_takers_redelivered_message_is_told_whose_message_it_took(
+    store: Store, make_request: Make
+) -> None:
+    # Given a call that took the key of a lost message over, and whose worker then died
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.2)
+    time.sleep(0.3)
+    # When its message comes back (the broker's redelivery: a new owner, the same task id)
+    redelivered = store.claim(dataclasses.replace(taker, owner=uuid.uuid4().hex))
+    # Then it takes its own claim over, told whose call it had taken the key from, with that
+    # call's message (owed once the key completes)
+    assert (redelivered.outcome, redelivered.takeover, redelivered.taken_from_task_id) == (
+        Outcome.ACQUIRED,
+        True,
+        "t-lost",
+    )
+    assert redelivered.taken_over_envelope == ENVELOPE
+
+
+def test_a_terminated_taker_leaves_the_message_it_took_to_the_guard(
+    store: Store, make_request: Make
+) -> None:
+    # Given a call that took the key of a lost message over
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
+    # When the taker is terminated on purpose
+    assert store.drop_pickup(taker.storage_key, "t-taker") is True
+    # Then the message it took is still the guard's to publish once its lease is over (only
+    # the terminated call's own message is never sent again), and the lost call alone can
+    # have it dropped
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    [due] = store.take_due(10)
+    assert (due.task_id, due.envelope) == ("t-lost", ENVELOPE)
+    assert store.drop_pickup(taker.storage_key, "t-lost") is True
+    time.sleep(PAST_FIRST_BACKOFF)
+    assert store.take_due(10) == []
+
+
+def test_a_dead_takers_key_is_handed_back_under_the_task_id_of_the_message_it_keeps(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key whose taker died, taken by the guard for the message the key keeps
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    [due] = store.take_due(10)
+    assert (due.task_id, due.republished) == ("t-lost", 1)
+    # When its publish fails and it is handed back: by that message's task id, not the taker's
+    assert store.make_reservation_due(taker.storage_key, "t-taker", 0) is False
+    assert store.make_reservation_due(taker.storage_key, "t-lost", 0) is True
+    # Then the guard takes it again at once
+    [again] = store.take_due(10)
+    assert (again.task_id, again.envelope, again.republished) == ("t-lost", ENVELOPE, 1)
 
 
 def test_a_dead_owners_claim_taken_over_hands_out_no_envelope(

@@ -12,7 +12,12 @@
 -- ARGV[9]  task name
 -- Returns  {outcome, token, takeover, field, value, ...}, or when acquired
 --          {"acquired", token, takeover, the task id of the other call whose record this one
---          replaced, or "", and when that record was queued, its envelope (if it has one)}
+--          replaced, or "", and when that record was queued, its envelope (if it has one)};
+--          the call's claim made again (its reply lost, or its message redelivered) is told
+--          again whose kept message it took over, and given that message
+-- The record's "envelope" (the guard's copy of a message) is the call's of "envelope_of" when
+-- that field is there: a claim by another call leaves the envelope where it is, for the guard
+-- to publish it again under its own call's task id.
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired; else the time of the read, ms
 --          takeover: 1 or 0; field/value pairs: the record found when not acquired
@@ -41,7 +46,7 @@ local function acquire(takeover, created_at, fingerprint, taken_from, envelope)
 end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
-  'created_at', 'token', 'task_id')
+  'created_at', 'token', 'task_id', 'envelope_of')
 if not found[1] then
   -- No record, or a corrupt one without a status (it protects nothing): start afresh.
   redis.call('DEL', KEYS[1])
@@ -53,6 +58,25 @@ local same_call = found[7] == ARGV[3]
 local fingerprint = same_call and found[3] or ARGV[2]
 local other_call = (not same_call and found[7]) or ''
 local mismatch = ARGV[6] == '1' and found[3] ~= ARGV[2] and not same_call
+local envelope_of = found[8]
+
+-- Another call takes the key: the envelope, if any, stays the message of the call it was
+-- kept for (none, when that is this call).
+local function keep_envelope_owner()
+  if envelope_of == ARGV[3] then
+    redis.call('HDEL', KEYS[1], 'envelope_of')
+  elseif not envelope_of and found[7] and redis.call('HEXISTS', KEYS[1], 'envelope') == 1 then
+    redis.call('HSET', KEYS[1], 'envelope_of', found[7])
+  end
+end
+
+-- The call this one took the key from, whose message the record keeps, and that message.
+local function taken_before()
+  if not envelope_of then
+    return '', nil
+  end
+  return envelope_of, redis.call('HGET', KEYS[1], 'envelope')
+end
 
 local function answer(outcome)
   local reply = {outcome, now, 0}
@@ -78,14 +102,17 @@ if found[1] == 'queued' then
   end
   -- Another call's message that counts as lost: its envelope goes back with the claim, to be
   -- published again once this call completes (its callers, callbacks and chord wait on it).
+  keep_envelope_owner()
   return acquire(0, found[5], fingerprint, other_call, redis.call('HGET', KEYS[1], 'envelope'))
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   local token = tonumber(found[6])
+  local taken_from, envelope = taken_before()
   if token then
-    return {'acquired', token, 0, ''}
+    return {'acquired', token, 0, taken_from, envelope}
   end
-  return acquire(0, found[5], fingerprint, '')  -- its token cannot be read (corrupt): a new one
+  -- Its token cannot be read (corrupt): a new one.
+  return acquire(0, found[5], fingerprint, taken_from, envelope)
 end
 if mismatch then
   return answer('mismatch')
@@ -95,6 +122,10 @@ if found[1] == 'completed' then
 end
 -- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.
 if (ARGV[7] ~= '' and found[2] == ARGV[7]) or (tonumber(found[4]) or 0) <= now then
-  return acquire(1, found[5], fingerprint, other_call)
+  if not same_call then
+    keep_envelope_owner()
+    return acquire(1, found[5], fingerprint, other_call)
+  end
+  return acquire(1, found[5], fingerprint, taken_before())
 end
 return answer('in_progress')

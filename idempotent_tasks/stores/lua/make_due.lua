@@ -1,13 +1,16 @@
 -- Make the queued record reserved for this task id due at once: its message could not be
--- published, and the pickup guard is to publish it when it next looks. A processing record of
--- this task id (a dead owner's, taken for its lost message) has only its pickup made due: its
--- owner's lease still decides, in take.lua, when the message counts as lost.
+-- published, and the pickup guard is to publish it when it next looks. A processing record
+-- keeping this task id's message (a dead owner's, taken for that lost message) has only its
+-- pickup made due: its owner's lease still decides, in take.lua, when the message counts as
+-- lost.
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  task id           ARGV[2]  storage key (index member)
 -- ARGV[3]  count of re-publications to set back to ("" to leave it)
 -- Returns  1 if made due, else 0
-local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope', 'lease_expires_at')
-if (found[1] ~= 'queued' and found[1] ~= 'processing') or found[2] ~= ARGV[1]
+local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope', 'lease_expires_at',
+  'envelope_of')
+-- The envelope's own call (see claim.lua).
+if (found[1] ~= 'queued' and found[1] ~= 'processing') or (found[5] or found[2]) ~= ARGV[1]
     or not found[3] then
   return 0
 end

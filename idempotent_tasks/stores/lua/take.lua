@@ -5,11 +5,12 @@
 -- ARGV[1]  storage key (index member)
 -- ARGV[2]  re-publication timeout, ms, for a record whose own cannot be read
 -- Returns  {task id, task name, envelope, republished} when taken, else nil; a key neither
---          queued nor processing (or without a pickup, or not a record at all) leaves the index
+--          queued nor processing (or without a pickup, or not a record at all) leaves the index;
+--          the task id is that of the envelope's own call (see claim.lua), not always the owner's
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local found = redis.pcall('HMGET', KEYS[1], 'status', 'lease_expires_at', 'pickup_timeout',
-  'republished', 'envelope', 'task_id', 'task_name', 'due_at')
+  'republished', 'envelope', 'task_id', 'task_name', 'due_at', 'envelope_of')
 -- A key holding something else than a record (an error reply) protects nothing either.
 local status = found.err == nil and found[1]
 -- Without its task id or name (a corrupt record) the message cannot be sent again either.
@@ -43,4 +44,4 @@ if status == 'queued' then
   redis.call('HSET', KEYS[1], 'lease_expires_at', next_due)
 end
 redis.call('ZADD', KEYS[2], next_due, ARGV[1])
-return {found[6], found[7], found[5], republished}
+return {found[9] or found[6], found[7], found[5], republished}
