@@ -32,7 +32,8 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
     """End a keyed call the worker discarded before it ran, revoked or expired.
 
     Its reservation is cancelled; a claim of this call whose owner is gone (its lease over: a
-    call terminated while it ran, whose copy the guard published) is released. A dead letter's
+    call terminated while it ran, whose copy the guard published) is released; its message,
+    kept by the claim of another call that took its key over, is dropped. A dead letter's
     retry records the revoke on its row (a failed retry), which would otherwise stay
     ``retrying``. Runs in the worker's main process, from Celery's ``task_revoked`` signal.
     """
@@ -44,6 +45,9 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
     publishing.cancel_reservation(task, stored_as, request.id)
     store = store_for(task.app)
     try:
+        # Published again, that copy would be discarded the same way while workers remember
+        # the revoke, and run after (three hours, a restart).
+        store.drop_pickup(stored_as, request.id)
         record = store.get(stored_as)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not read key %r of revoked call %s: %s", key, request.id, exc)

@@ -22,6 +22,7 @@ from sqlalchemy import (
     Table,
     Text,
     TypeDecorator,
+    inspect,
     text,
 )
 from sqlalchemy.dialects import mysql
@@ -158,8 +159,8 @@ schema_versions = Table(
 )
 
 #: Version of the claims table of the SQL store (2: ids compared exactly on MySQL/MariaDB;
-#: 3: text in utf8mb4 there).
-CLAIMS_SCHEMA_VERSION = 3
+#: 3: text in utf8mb4 there; 4: ``taken_from`` and ``owes_message``).
+CLAIMS_SCHEMA_VERSION = 4
 CLAIMS_COMPONENT = "claims"
 
 # POSIX seconds as doubles: MySQL's FLOAT is single precision, too coarse for timestamps.
@@ -186,6 +187,11 @@ claims = Table(
     Column("content_type", String(128)),
     Column("content_encoding", String(64)),
     Column("result", LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")),
+    # Written by a claim of another call's live row: that call's task id, and whether its
+    # queued message was handed to the claim, to be published again once the key completes
+    # (see claim.lua); kept for the same call's claim made again. NULL in rows of version 3.
+    Column("taken_from", String(255)),
+    Column("owes_message", Boolean),
     Index("ix_idempotent_tasks_claims_expires", "expires_at"),
     **TEXT_IN_UTF8MB4,
 )
@@ -250,6 +256,22 @@ def _in_utf8mb4(table: Table) -> Migration:
     return migrate
 
 
+def _with_columns(table: Table, *names: str) -> Migration:
+    """A step adding the nullable columns ``names`` of ``table`` (NULL in its rows), those
+    it lacks (a step taken twice, as MySQL's DDL commits at once, adds each once)."""
+
+    def migrate(connection: Connection) -> None:
+        present = {column["name"] for column in inspect(connection).get_columns(table.name)}
+        for name in names:
+            if name not in present:
+                column_type = table.c[name].type.compile(dialect=connection.dialect)
+                connection.execute(
+                    text(f"ALTER TABLE {table.name} ADD COLUMN {name} {column_type}")
+                )
+
+    return migrate
+
+
 DEAD_LETTER_MIGRATIONS: Mapping[int, Migration] = {
     1: _compared_exactly(dead_letters, "failure_id"),
     2: _in_utf8mb4(dead_letters),
@@ -257,6 +279,7 @@ DEAD_LETTER_MIGRATIONS: Mapping[int, Migration] = {
 CLAIMS_MIGRATIONS: Mapping[int, Migration] = {
     1: _compared_exactly(claims, "id"),
     2: _in_utf8mb4(claims),
+    3: _with_columns(claims, "taken_from", "owes_message"),
 }
 PICKUPS_MIGRATIONS: Mapping[int, Migration] = {
     1: _compared_exactly(pickups, "id"),

@@ -33,6 +33,15 @@ SWEEP_EVERY = 60.0
 
 
 @dataclasses.dataclass
+class _Taken:
+    """The call a key's claim took the key from, and whether it owes that call's message (see
+    claim.lua)."""
+
+    task_id: str
+    owes_message: bool
+
+
+@dataclasses.dataclass
 class _Pending:
     """A key's pickup: its message (``task_id``'s: a claim by another call keeps it so, see
     claim.lua), when it is due and how often it was published again."""
@@ -59,6 +68,7 @@ class MemoryStore:
         #: When the fencing counter of a key without a record may go: its last record's expiry.
         self._fences_until: dict[str, float] = {}
         self._pending: dict[str, _Pending] = {}
+        self._taken: dict[str, _Taken] = {}
         self._next_sweep = 0.0
 
     def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
@@ -147,6 +157,8 @@ class MemoryStore:
             self._records[storage_key] = dataclasses.replace(
                 found, lease_expires_at=pending.due_at, updated_at=now
             )
+        elif (taken := self._taken.get(storage_key)) is not None:
+            taken.owes_message = False  # the guard publishes it: no owner owes it now
         return DuePickup(
             storage_key=storage_key,
             task_name=found.task_name,
@@ -169,11 +181,15 @@ class MemoryStore:
             # is the same call: the key keeps the caller's fingerprint.
             same_call = found.task_id == request.task_id
             kept = found.fingerprint if same_call else request.fingerprint
-            # Replacing it, this claim takes the key from that call (see ClaimResult).
-            taken_from = None if same_call else found.task_id
             mismatch = (
                 request.validate and found.fingerprint != request.fingerprint and not same_call
             )
+            # What this claim tells (see claim.lua): replacing another call's record, it takes
+            # the key from that call, and is handed that call's queued message, lost; the same
+            # call's claim made again is told what its first one was.
+            taken = self._taken.get(request.storage_key) if same_call else None
+            if not same_call:
+                taken = _Taken(found.task_id, owes_message=found.status is Status.QUEUED)
             if found.status is Status.QUEUED:
                 if mismatch:
                     return ClaimResult(outcome=Outcome.MISMATCH, record=found)
@@ -182,54 +198,45 @@ class MemoryStore:
                     return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
                 # The pickup stays (its count too): should this owner die with its message, it
                 # is sent again.
-                acquired = self._acquire(
+                return self._acquire(
                     request,
                     now,
                     created_at=found.created_at,
                     takeover=False,
                     fingerprint=kept,
-                    taken_from=taken_from,
+                    taken=taken,
                 )
-                if taken_from is None:
-                    return acquired
-                # Another call's lost message: published again once this call completes.
-                return self._told_what_it_took(acquired, request.storage_key)
             if found.status is Status.PROCESSING and found.owner == request.owner:
-                # Its claim made again (its reply lost): told again whose key it took.
+                # Its claim made again (its reply lost).
                 again = ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
-                return self._told_what_it_took(again, request.storage_key, request.task_id)
+                return self._told(again, request.storage_key, taken)
             if mismatch:
                 return ClaimResult(outcome=Outcome.MISMATCH, record=found)
             if found.status is Status.COMPLETED:
                 return ClaimResult(outcome=Outcome.COMPLETED, record=found)
             previous = request.previous_owner
             if (previous and found.owner == previous) or found.lease_expires_at <= now:
-                taken = self._acquire(
+                return self._acquire(
                     request,
                     now,
                     created_at=found.created_at,
                     takeover=True,
                     fingerprint=kept,
-                    taken_from=taken_from,
+                    taken=taken,
                 )
-                if not same_call:
-                    return taken
-                # Its message redelivered: told again whose key it took.
-                return self._told_what_it_took(taken, request.storage_key, request.task_id)
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
 
-    def _told_what_it_took(
-        self, acquired: ClaimResult, storage_key: str, task_id: str | None = None
-    ) -> ClaimResult:
-        """``acquired``, naming the call whose message the key keeps and giving that message,
-        when it is another call's than ``task_id``'s (when given)."""
-        pending = self._pending.get(storage_key)
-        if pending is None or pending.task_id == task_id:
+    def _told(self, acquired: ClaimResult, storage_key: str, taken: _Taken | None) -> ClaimResult:
+        """``acquired``, naming the call it took the key from, and giving that call's message
+        while the claim owes it."""
+        if taken is None:
             return acquired
+        pending = self._pending.get(storage_key)
+        owed = taken.owes_message and pending is not None and pending.task_id == taken.task_id
         return dataclasses.replace(
             acquired,
-            taken_from_task_id=pending.task_id,
-            taken_over_envelope=pending.pickup.envelope,
+            taken_from_task_id=taken.task_id,
+            taken_over_envelope=pending.pickup.envelope if owed and pending else None,
         )
 
     def complete(
@@ -351,6 +358,7 @@ class MemoryStore:
             until = self._fences_until.get(storage_key, 0.0)
             self._fences_until[storage_key] = max(until, found.expires_at)
         self._pending.pop(storage_key, None)
+        self._taken.pop(storage_key, None)
 
     def _queue(
         self,
@@ -378,6 +386,8 @@ class MemoryStore:
         self._pending[request.storage_key] = _Pending(
             pickup, task_id=request.task_id, due_at=now + pickup.due_in
         )
+        # A retry's: the call its claim took the key from is its message's to name.
+        self._taken.pop(request.storage_key, None)
 
     def _acquire(
         self,
@@ -387,15 +397,17 @@ class MemoryStore:
         created_at: float,
         takeover: bool,
         fingerprint: str,
-        taken_from: str | None = None,
+        taken: _Taken | None = None,
     ) -> ClaimResult:
         token = self._fences.get(request.storage_key, 0) + 1
         self._fences[request.storage_key] = token
         record = self._new_record(request, token, now, created_at)
         self._records[request.storage_key] = dataclasses.replace(record, fingerprint=fingerprint)
-        return ClaimResult(
-            outcome=Outcome.ACQUIRED, token=token, takeover=takeover, taken_from_task_id=taken_from
-        )
+        self._taken.pop(request.storage_key, None)
+        if taken is not None:
+            self._taken[request.storage_key] = taken
+        acquired = ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
+        return self._told(acquired, request.storage_key, taken)
 
     @staticmethod
     def _new_record(request: ClaimRequest, token: int, now: float, created_at: float) -> Record:

@@ -80,6 +80,7 @@ from .sql_statements import (
     delete_pickup,
     delete_pickup_if_unchanged,
     delete_pickup_of_processing,
+    disown_message,
     forget_claim,
     insert_if_absent,
     postpone_pickup,
@@ -283,6 +284,7 @@ class SqlStore:
                     later = {"due_at": lost_at}
                     connection.execute(bump_pickup(claim_id, *unchanged, later))
                     return None
+                connection.execute(disown_message(claim_id))  # the guard publishes it now
             values = {"republished": republished, "due_at": due_at}
             bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
             if _count(connection, bump) == 0:
@@ -311,8 +313,13 @@ class SqlStore:
                 continue  # deleted between the two statements: insert again
             decision = self._decide(request, found, now)
             if decision is not None and decision.outcome is Outcome.ACQUIRED:
-                # This owner's claim made again (its reply lost): told again whose key it took.
-                return self._told_what_it_took(decision, claim_id, request.task_id)
+                # This owner's claim made again (its reply lost): told what it was first.
+                pickup = self._pickup_if_owed(claim_id, found["owes_message"])
+                return dataclasses.replace(
+                    decision,
+                    taken_from_task_id=found["taken_from"],
+                    taken_over_envelope=_owed_envelope(pickup, found["taken_from"]),
+                )
             if decision is not None:
                 return decision
             token = int(found["token"]) + 1
@@ -322,26 +329,26 @@ class SqlStore:
                 values["created_at"] = found["created_at"]
                 if found["task_id"] == request.task_id:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
+            if is_live(found, now) and found["task_id"] != request.task_id:
+                # Another call's key taken over; its queued message, lost, is handed out.
+                values["taken_from"] = found["task_id"]
+                values["owes_message"] = found["status"] == QUEUED
+            elif takeover:
+                # The same call's message redelivered: told what its first claim was.
+                values["taken_from"] = found["taken_from"]
+                values["owes_message"] = found["owes_message"]
             swap = replace_if_unchanged(claim_id, found, values)
-            replaced_other = is_live(found, now) and found["task_id"] != request.task_id
-            lost_message = replaced_other and found["status"] == QUEUED
             wrote, pickup = self._replaced(
-                swap, claim_id, ended=not is_live(found, now), read_pickup=lost_message
+                swap, claim_id, ended=not is_live(found, now), read_pickup=values["owes_message"]
             )
-            if not wrote:
-                continue
-            acquired = ClaimResult(
-                outcome=Outcome.ACQUIRED,
-                token=token,
-                takeover=takeover,
-                taken_from_task_id=found["task_id"] if replaced_other else None,
-                taken_over_envelope=None if pickup is None else bytes(pickup["envelope"]),
-            )
-            if takeover and not replaced_other:
-                # The same call's claim made again (its message redelivered): told again whose
-                # key it took, as it was the first time.
-                return self._told_what_it_took(acquired, claim_id, request.task_id)
-            return acquired
+            if wrote:
+                return ClaimResult(
+                    outcome=Outcome.ACQUIRED,
+                    token=token,
+                    takeover=takeover,
+                    taken_from_task_id=values["taken_from"],
+                    taken_over_envelope=_owed_envelope(pickup, values["taken_from"]),
+                )
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
 
     def _decide(self, request: ClaimRequest, row: Any, now: float) -> ClaimResult | None:
@@ -518,7 +525,7 @@ class SqlStore:
         self, swap: Update, claim_id: str, *, ended: bool, read_pickup: bool
     ) -> tuple[bool, Any]:
         """Run a claim's compare-and-set: whether it wrote, and with ``read_pickup`` (another
-        call's queued message taken over) that message's pickup row, read in the same
+        call's queued message handed to the claim) the key's pickup row, read in the same
         transaction (``None`` when there is none, or it cannot be read). A row it replaced that
         had ended (expired, released) takes its pickup along: that is another call's message,
         whose arguments the guard must never publish under this claim's task id."""
@@ -532,18 +539,9 @@ class SqlStore:
             row = connection.execute(select_pickup(claim_id)).mappings().one_or_none()
         return True, _readable_or_none(row)
 
-    def _told_what_it_took(self, acquired: ClaimResult, claim_id: str, task_id: str) -> ClaimResult:
-        """``acquired`` (a claim of ``task_id`` made again), naming the call whose key it took
-        over and giving its message, when the key keeps another call's pickup (see
-        ``take_due``)."""
-        pickup = _readable_or_none(self._one(select_pickup(claim_id)))
-        if pickup is None or pickup["task_id"] == task_id:
-            return acquired
-        return dataclasses.replace(
-            acquired,
-            taken_from_task_id=pickup["task_id"],
-            taken_over_envelope=bytes(pickup["envelope"]),
-        )
+    def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
+        """The key's pickup row, when its claim owes the message (else ``None``)."""
+        return _readable_or_none(self._one(select_pickup(claim_id))) if owed else None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -586,6 +584,8 @@ class SqlStore:
             "content_type": None,
             "content_encoding": None,
             "result": None,
+            "taken_from": None,
+            "owes_message": False,
         }
 
     def _processing_row(
@@ -609,6 +609,8 @@ class SqlStore:
             "content_type": None,
             "content_encoding": None,
             "result": None,
+            "taken_from": None,
+            "owes_message": False,
         }
 
     def _rowcount(self, statement: Insert | Update | Delete) -> int:
@@ -658,6 +660,14 @@ class SqlStore:
                     migrations=PICKUPS_MIGRATIONS,
                 )
                 self._schema_ready = True
+
+
+def _owed_envelope(pickup: Any, taken_from: str | None) -> bytes | None:
+    """The message of the call a claim took the key from, owed to it, from the key's pickup
+    row (``None`` when that row is gone, or another call's)."""
+    if pickup is None or taken_from is None or pickup["task_id"] != taken_from:
+        return None
+    return bytes(pickup["envelope"])
 
 
 def _readable_or_none(pickup: Any) -> Any:

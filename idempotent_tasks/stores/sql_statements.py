@@ -84,6 +84,11 @@ def update_held(
     )
 
 
+def disown_message(claim_id: str) -> Update:
+    """Mark a claim row as owing no other call's message (the guard publishes it)."""
+    return claims.update().where(claims.c.id == claim_id).values(owes_message=False)
+
+
 def forget_claim(claim_id: str, now: float) -> Update:
     """Release a row whatever its state, keeping its token (the key's fencing counter)."""
     return claims.update().where(claims.c.id == claim_id).values(status=RELEASED, updated_at=now)

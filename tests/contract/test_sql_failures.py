@@ -17,7 +17,9 @@ from idempotent_tasks.core import Attempt
 from idempotent_tasks.dlq import DeadLetterQueue, Failure, schema_setup
 from idempotent_tasks.dlq.schema import (
     CLAIMS_COMPONENT,
+    CLAIMS_SCHEMA_VERSION,
     PICKUPS_COMPONENT,
+    PICKUPS_SCHEMA_VERSION,
     claims,
     dead_letters,
     pickups,
@@ -123,9 +125,14 @@ def test_a_cancel_needs_no_second_pooled_connection_to_read_the_clock(
         store.close()
 
 
+#: Columns of the claims table version 4 added.
+VERSION_FOUR_COLUMNS = ("taken_from", "owes_message")
+
+
 def _version_one_tables(engine: sa.Engine) -> sa.Table:
     """The claim store's tables as version 1 made them: ids compared by the database's default
-    collation (on MariaDB, blind to case, accents and trailing spaces)."""
+    collation (on MariaDB, blind to case, accents and trailing spaces), and without the
+    columns of version 4."""
     old = sa.MetaData()
     for table in (claims, pickups):
         columns = [
@@ -133,6 +140,7 @@ def _version_one_tables(engine: sa.Engine) -> sa.Table:
             if column.name == "id"
             else column._copy()
             for column in table.columns
+            if column.name not in VERSION_FOUR_COLUMNS
         ]
         sa.Table(table.name, old, *columns)
     with engine.begin() as connection:
@@ -208,7 +216,11 @@ def test_version_one_tables_are_brought_to_exact_ids_keeping_their_rows(
         assert store.complete(other, claimed.token, None) is CompleteOutcome.STORED
         with engine.connect() as connection:
             versions = dict(connection.execute(sa.select(schema_versions)).all())
-        assert versions[CLAIMS_COMPONENT] == versions[PICKUPS_COMPONENT] == 3
+        assert versions[CLAIMS_COMPONENT] == CLAIMS_SCHEMA_VERSION == 4
+        assert versions[PICKUPS_COMPONENT] == PICKUPS_SCHEMA_VERSION == 3
+        # and the columns of version 4 are there, for a claim to write
+        present = {column["name"] for column in sa.inspect(engine).get_columns(claims.name)}
+        assert present.issuperset(VERSION_FOUR_COLUMNS)
     finally:
         store.close()
         engine.dispose()
@@ -411,7 +423,11 @@ def test_tables_made_latin1_by_an_earlier_version_are_brought_to_utf8mb4(latin1_
         _keeps_any_script(latin1_url)
         with engine.connect() as connection:
             versions = dict(connection.execute(sa.select(schema_versions)).all())
-        assert set(versions.values()) == {3}
+        assert versions == {
+            CLAIMS_COMPONENT: CLAIMS_SCHEMA_VERSION,
+            PICKUPS_COMPONENT: PICKUPS_SCHEMA_VERSION,
+            "dead_letters": 3,
+        }
     finally:
         engine.dispose()
 

@@ -612,6 +612,61 @@ def test_a_takers_redelivered_message_is_told_whose_message_it_took(
     assert redelivered.taken_over_envelope == ENVELOPE
 
 
+def test_a_claim_made_again_after_taking_a_dead_owners_key_gets_no_message_either(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key whose own message's owner died, taken over by another call: told whose call
+    # it took, and given no message (the dead owner's comes back by itself)
+    own = make_request(task_id="t-own", lease_seconds=0.2)
+    assert store.reserve(own, make_pickup()) is None
+    assert store.claim(own).outcome is Outcome.ACQUIRED
+    time.sleep(0.3)
+    heir = make_request(storage_key=own.storage_key, task_id="t-heir", lease_seconds=0.2)
+    first = store.claim(heir)
+    assert (first.taken_from_task_id, first.taken_over_envelope) == ("t-own", None)
+    # When its claim is made again (the reply lost), or its message redelivered after it died
+    again = store.claim(heir)
+    time.sleep(0.3)
+    redelivered = store.claim(dataclasses.replace(heir, owner=uuid.uuid4().hex))
+    # Then each is told the same as the first: no message to publish twice
+    for claim in (again, redelivered):
+        assert (claim.outcome, claim.taken_from_task_id, claim.taken_over_envelope) == (
+            Outcome.ACQUIRED,
+            "t-own",
+            None,
+        )
+
+
+def test_a_claim_made_again_names_the_call_it_took_not_the_one_whose_message_is_kept(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key taken from a lost message by "t-taker", which died, then taken over in turn
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.2)
+    time.sleep(0.3)
+    heir = make_request(storage_key=taker.storage_key, task_id="t-heir")
+    first = store.claim(heir)
+    assert (first.taken_from_task_id, first.taken_over_envelope) == ("t-taker", None)
+    # When its claim is made again, then it is told the same: the call it took the key from
+    again = store.claim(heir)
+    assert (again.taken_from_task_id, again.taken_over_envelope) == ("t-taker", None)
+
+
+def test_a_takers_message_published_by_the_guard_is_no_longer_handed_out(
+    store: Store, make_request: Make
+) -> None:
+    # Given a call that took the key of a lost message over and died, and the guard, which
+    # then took that message to publish it itself
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    [due] = store.take_due(10)
+    assert due.task_id == "t-lost"
+    # When the taker's message comes back, then it is told whose key it took, but not given
+    # that message: it is on its way already
+    redelivered = store.claim(dataclasses.replace(taker, owner=uuid.uuid4().hex))
+    assert (redelivered.outcome, redelivered.taken_from_task_id) == (Outcome.ACQUIRED, "t-lost")
+    assert redelivered.taken_over_envelope is None
+
+
 def test_a_terminated_taker_leaves_the_message_it_took_to_the_guard(
     store: Store, make_request: Make
 ) -> None:

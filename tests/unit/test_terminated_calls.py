@@ -220,6 +220,25 @@ def test_a_terminated_calls_claim_is_released_once_its_process_is_gone(requeued:
     assert record is not None and (record.status, record.owner) == (Status.PROCESSING, "issued-2")
 
 
+def test_a_revoked_calls_message_kept_by_the_call_that_took_its_key_is_never_published() -> None:
+    clocked = Clocked()
+    app, store = clocked.app, clocked.store
+    charge = clocked.charge_task()
+
+    # Given a keyed call whose message counted as lost, and another call that took its key
+    # over (its claim keeps that message for the guard)
+    clocked.reserve(charge, "task-1")
+    clocked.now += 61
+    taker = charge._claim_request("k", ("o",), {}, "task-2", owner="pool-process")
+    assert store.claim(taker).taken_from_task_id == "task-1"
+    # When the first call is revoked, and a worker discards its message
+    request = Context(id="task-1", args=["o"], kwargs={}, idempotency_key="k")
+    task_revoked.send(sender=charge, request=request, terminated=False, signum=None, expired=False)
+    # Then, should the taker die, the guard never publishes the revoked call's message
+    clocked.now += taker.lease_seconds + 3600
+    assert republish_lost(app, store) == 0
+
+
 def _terminate(task: Any, task_id: str) -> None:
     """What the worker's main process does for ``revoke(task_id, terminate=True)`` of a call
     of ``task`` with key ``k``."""

@@ -13,14 +13,16 @@
 -- Returns  {outcome, token, takeover, field, value, ...}, or when acquired
 --          {"acquired", token, takeover, the task id of the other call whose record this one
 --          replaced, or "", and when that record was queued, its envelope (if it has one)};
---          the call's claim made again (its reply lost, or its message redelivered) is told
---          again whose kept message it took over, and given that message
--- The record's "envelope" (the guard's copy of a message) is the call's of "envelope_of" when
--- that field is there: a claim by another call leaves the envelope where it is, for the guard
--- to publish it again under its own call's task id.
+--          the same call's claim made again (its reply lost, or its message redelivered) is
+--          told again what its first one was, the envelope only while none published it since
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired; else the time of the read, ms
 --          takeover: 1 or 0; field/value pairs: the record found when not acquired
+-- Fields a claim by another call writes: "taken_from" (the call it took the key from),
+-- "owes_message" ("1": that call's queued message, which the claim handed out to be published
+-- again once the key completes; take.lua clears it when the guard publishes it instead), and
+-- "envelope_of" (whose message "envelope" is, when not the record's call's: the envelope stays
+-- where it is, for the guard to publish it under its own call's task id).
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
@@ -46,7 +48,7 @@ local function acquire(takeover, created_at, fingerprint, taken_from, envelope)
 end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
-  'created_at', 'token', 'task_id', 'envelope_of')
+  'created_at', 'token', 'task_id', 'envelope_of', 'taken_from', 'owes_message')
 if not found[1] then
   -- No record, or a corrupt one without a status (it protects nothing): start afresh.
   redis.call('DEL', KEYS[1])
@@ -60,22 +62,30 @@ local other_call = (not same_call and found[7]) or ''
 local mismatch = ARGV[6] == '1' and found[3] ~= ARGV[2] and not same_call
 local envelope_of = found[8]
 
--- Another call takes the key: the envelope, if any, stays the message of the call it was
--- kept for (none, when that is this call).
-local function keep_envelope_owner()
+-- Another call takes the key over; owed: the message of the call it takes it from is handed to
+-- it (see the fields above).
+local function take_from_other(owed)
   if envelope_of == ARGV[3] then
-    redis.call('HDEL', KEYS[1], 'envelope_of')
+    redis.call('HDEL', KEYS[1], 'envelope_of')  -- its own message: this call's again
   elseif not envelope_of and found[7] and redis.call('HEXISTS', KEYS[1], 'envelope') == 1 then
     redis.call('HSET', KEYS[1], 'envelope_of', found[7])
   end
+  if owed then
+    redis.call('HSET', KEYS[1], 'taken_from', other_call, 'owes_message', '1')
+  else
+    redis.call('HSET', KEYS[1], 'taken_from', other_call)
+    redis.call('HDEL', KEYS[1], 'owes_message')
+  end
 end
 
--- The call this one took the key from, whose message the record keeps, and that message.
+-- What the same call's first claim was told: the call it took the key from (or ''), and that
+-- call's message while it is still owed.
 local function taken_before()
-  if not envelope_of then
-    return '', nil
+  local taken_from = found[9] or ''
+  if taken_from == '' or found[10] ~= '1' then
+    return taken_from, nil
   end
-  return envelope_of, redis.call('HGET', KEYS[1], 'envelope')
+  return taken_from, redis.call('HGET', KEYS[1], 'envelope')
 end
 
 local function answer(outcome)
@@ -102,17 +112,16 @@ if found[1] == 'queued' then
   end
   -- Another call's message that counts as lost: its envelope goes back with the claim, to be
   -- published again once this call completes (its callers, callbacks and chord wait on it).
-  keep_envelope_owner()
+  take_from_other(true)
   return acquire(0, found[5], fingerprint, other_call, redis.call('HGET', KEYS[1], 'envelope'))
 end
 if found[2] == ARGV[1] and found[1] == 'processing' then
   local token = tonumber(found[6])
-  local taken_from, envelope = taken_before()
   if token then
-    return {'acquired', token, 0, taken_from, envelope}
+    return {'acquired', token, 0, taken_before()}
   end
   -- Its token cannot be read (corrupt): a new one.
-  return acquire(0, found[5], fingerprint, taken_from, envelope)
+  return acquire(0, found[5], fingerprint, taken_before())
 end
 if mismatch then
   return answer('mismatch')
@@ -123,7 +132,7 @@ end
 -- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.
 if (ARGV[7] ~= '' and found[2] == ARGV[7]) or (tonumber(found[4]) or 0) <= now then
   if not same_call then
-    keep_envelope_owner()
+    take_from_other(false)
     return acquire(1, found[5], fingerprint, other_call)
   end
   return acquire(1, found[5], fingerprint, taken_before())

@@ -60,8 +60,7 @@ else
   redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', int(now),
     'expires_at', int(now + ttl), 'result_cached', ARGV[4])
 end
-redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
-  'due_at')
+redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished', 'due_at')
 redis.call('ZREM', KEYS[3], ARGV[12])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if redis.call('PTTL', KEYS[2]) < ttl then

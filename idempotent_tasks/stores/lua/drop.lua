@@ -9,8 +9,8 @@ if found[1] ~= 'processing' then
   return 0
 end
 if (found[3] or found[2]) == ARGV[1] then
-  redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
-    'due_at')
+  redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'owes_message', 'pickup_timeout',
+    'republished', 'due_at')
   redis.call('ZREM', KEYS[2], ARGV[2])
   return 1
 end

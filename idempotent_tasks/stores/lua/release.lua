@@ -23,7 +23,9 @@ local due_at = int(now + due_in)
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', ARGV[7],
   'lease_expires_at', due_at, 'updated_at', int(now), 'expires_at', int(now + due_in + ttl),
   'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', '0', 'due_at', due_at)
-redis.call('HDEL', KEYS[1], 'envelope_of')  -- the envelope is this call's own now
+-- The envelope is this call's own now, and the call it took the key from is its retry's to
+-- answer (the retry's message names it).
+redis.call('HDEL', KEYS[1], 'envelope_of', 'taken_from', 'owes_message')
 redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
 local fence_ttl = redis.call('PTTL', KEYS[3])
 if fence_ttl >= 0 and fence_ttl < due_in + ttl + 1000 then

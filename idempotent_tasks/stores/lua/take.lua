@@ -42,6 +42,8 @@ redis.call('HSET', KEYS[1], 'due_at', next_due, 'republished', int(republished),
   'updated_at', int(now), 'pickup_timeout', int(timeout))
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'lease_expires_at', next_due)
+else
+  redis.call('HDEL', KEYS[1], 'owes_message')  -- the guard publishes it: no owner owes it now
 end
 redis.call('ZADD', KEYS[2], next_due, ARGV[1])
 return {found[9] or found[6], found[7], found[5], republished}
