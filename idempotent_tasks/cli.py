@@ -18,6 +18,7 @@ from .app_store import dlq_for, store_for, store_url
 from .codec import ResultCodec
 from .dead_letters import SWEEP_TASK
 from .dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
+from .dlq.items import ARGS_LOSSY
 from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from .keys import storage_key
 from .records import Record, Status
@@ -115,8 +116,8 @@ def _queue(ctx: click.Context) -> DeadLetterQueue:
 def _store(ctx: click.Context) -> tuple[Store, str]:
     """The app's claim store and its URL, its connections closed when the command ends."""
     app = _app(ctx)
-    url = store_url(app)
     try:
+        url = store_url(app)  # the default one's folder is made here
         store = store_for(app)
     except SETUP_ERRORS as exc:
         raise click.ClickException(f"cannot open the claim store: {exc}") from exc
@@ -211,6 +212,12 @@ def dlq_retry(ctx: click.Context, item_id: str, yes: bool) -> None:
             raise click.ClickException(f"no dead letter with id {item_id!r}")
         if item.status is DeadLetterStatus.RETRYING:
             raise click.ClickException(_being_retried(item_id))
+        if item.options.get(ARGS_LOSSY) and item.framework != "rq":
+            # (An RQ row is sent from RQ's own copy of its job, while RQ has it.)
+            raise click.ClickException(
+                f"dead letter {item.id} keeps its task's arguments as text only: it cannot be "
+                "sent again (call its task again by hand, or purge it)"
+            )
         if item.status is DeadLetterStatus.SUCCEEDED and not yes:
             click.confirm(
                 f"Dead letter {item.id} ({item.task_name}) succeeded already: retrying it runs "

@@ -40,7 +40,7 @@ from .app_store import store_for
 from .errors import CorruptRecord, StoreUnavailable
 from .pickups import hand_to_guard
 from .records import ClaimRequest, Pickup, Record
-from .settings import app_setting
+from .settings import app_setting, switch
 
 if TYPE_CHECKING:
     from .stores.redis import ListPush, RedisStore
@@ -135,7 +135,9 @@ def publish(
         # Its monitors would see a task-sent event for a duplicate never sent.
         or conf.task_send_sent_event
         or conf.task_protocol == 1  # the task id is not in the message's headers
-        or not app_setting(conf, "idempotency_publish_in_one_trip")
+        or not switch(
+            app_setting(conf, "idempotency_publish_in_one_trip"), "idempotency_publish_in_one_trip"
+        )
     ):
         return None
     store = _redis_store(store_for(task.app))

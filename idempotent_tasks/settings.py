@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from celery.utils.serialization import strtobool
+
 from . import defaults
 
 _MISSING = object()
@@ -36,6 +38,20 @@ def positive_seconds(value: Any, name: str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{name} must be a finite number of seconds above 0, not {value!r}")
     return seconds
+
+
+def switch(value: Any, name: str) -> bool:
+    """``value`` as on or off: a bool, 0 or 1, or text Celery reads as one (``"false"``,
+    ``"yes"``, ``"0"`` ..., from an environment variable); ``ValueError`` naming the setting
+    otherwise (``bool("false")`` would be true)."""
+    if isinstance(value, str):
+        try:
+            value = strtobool(value)
+        except TypeError:
+            pass
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be true or false, not {value!r}")
 
 
 def byte_count(value: Any, name: str) -> int:

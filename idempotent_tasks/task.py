@@ -92,7 +92,7 @@ from .pickups import (
 from .publishing import RESERVED_HEADER
 from .records import ClaimRequest, DuePickup, Outcome, Record, SideWrite, Status
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
-from .settings import app_setting, byte_count, positive_seconds, resolve
+from .settings import app_setting, byte_count, positive_seconds, resolve, switch
 from .startup import WORKER_TIME_LIMIT
 from .worker_request import (
     ISSUED_BY,
@@ -1457,7 +1457,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     @cached_property
     def _codec(self) -> ResultCodec:
         conf = self.app.conf
-        allow_pickle = bool(app_setting(conf, "idempotency_allow_pickle"))
+        allow_pickle = switch(
+            app_setting(conf, "idempotency_allow_pickle"), "idempotency_allow_pickle"
+        )
         serializer = resolve(
             app_setting(conf, "idempotency_result_serializer"),
             self.serializer,

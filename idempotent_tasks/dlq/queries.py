@@ -103,6 +103,21 @@ def mark_succeeded(item_id: str, now: datetime, sweep_id: str | None = None) -> 
     )
 
 
+def give_up(item_id: str, error_message: str, now: datetime) -> Update:
+    """Make a ``retrying`` item a ``permanent_failure`` with ``error_message``."""
+    return (
+        update(dead_letters)
+        .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
+        .values(
+            status=PERMANENT_FAILURE,
+            error_message=error_message,
+            next_retry_at=None,
+            sweep_id=None,
+            updated_at=now,
+        )
+    )
+
+
 def record_retry_failure(
     item_id: str, values: dict[str, Any], read_sweep_id: str | None, read_retry_count: int
 ) -> Update:

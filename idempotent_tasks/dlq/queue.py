@@ -351,6 +351,23 @@ class DeadLetterQueue:
             result = connection.execute(queries.mark_succeeded(item_id, now, sweep_id))
         return bool(result.rowcount)
 
+    def give_up(self, item_id: str, reason: str) -> bool:
+        """A ``retrying`` item that can never be sent again (its arguments kept as text only,
+        its job gone) becomes ``permanent_failure`` at once, its failure as it was, the
+        ``reason`` added to its message; whether it was ``retrying``."""
+        note = f"[not sent again: {reason}]"
+        with self._begin() as connection:
+            found = connection.execute(queries.select_by_id(item_id)).one_or_none()
+            if found is None:
+                return False
+            message = found._mapping["error_message"] or ""
+            if note not in message:
+                message = f"{message}\n{note}" if message else note
+            result = connection.execute(
+                queries.give_up(item_id, _storable(message), self._db(self._clock()))
+            )
+        return bool(result.rowcount)
+
     def record_retry_failure(
         self,
         item_id: str,

@@ -23,7 +23,8 @@ class ResendLater(Exception):
 
 class CannotResend(Exception):
     """A dead letter that cannot be sent again as it is kept (its arguments are kept only as
-    text, say): sending it would run the task with the wrong values."""
+    text, say): sending it would run the task with the wrong values. It is given up at once
+    (``permanent_failure``), its failure kept."""
 
 
 def resend_due(
@@ -72,8 +73,9 @@ def resend_due(
                 logger.warning("dead letter %s had succeeded: marked so, not sent again", item.id)
                 queue.mark_succeeded(item.id)
             except CannotResend as exc:
-                logger.error("dead letter %s cannot be sent again: %s", item.id, exc)
-                queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
+                # No retry would do better; the failure it records stays as it was.
+                logger.error("dead letter %s cannot be sent again (given up): %s", item.id, exc)
+                queue.give_up(item.id, str(exc))
             except Exception as exc:
                 if unreachable(exc):
                     logger.error(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from ..urls import shown_url
 from .base import Store
 from .memory import MemoryStore
 
@@ -36,7 +37,7 @@ def store_from_url(url: str, *, prefix: str) -> Store:
 
         return SqlStore(url, prefix=prefix)
     raise ValueError(
-        f"idempotency_store_url {url!r}: no store for scheme {scheme!r} (use redis://, "
+        f"idempotency_store_url {shown_url(url)!r}: no store for scheme {scheme!r} (use redis://, "
         "rediss://, memory:// or an SQLAlchemy URL: postgresql+psycopg://, mysql+pymysql://, "
         "sqlite:///)"
     )

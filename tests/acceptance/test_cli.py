@@ -382,6 +382,17 @@ def test_retry_of_an_rq_item_names_the_rq_sweep(run: Run, queue: DeadLetterQueue
     assert "the next sweep (idempotent-tasks rq retry-dead-letters)" in result.stdout
 
 
+def test_retry_refuses_an_item_kept_without_its_arguments(run: Run, queue: DeadLetterQueue) -> None:
+    # Given an item whose arguments JSON could not hold, kept as text only
+    item = queue.add(failure(23, args=[], options={"args_lossy": True}))
+
+    result = run("dlq", "retry", item.id)
+
+    # Then the command says it cannot be sent again, and leaves the row as it was
+    assert_failed_cleanly(result, "keeps its task's arguments as text only")
+    assert queue.get(item.id) == item
+
+
 def test_retry_refuses_an_item_a_sweep_is_retrying(
     run: Run, queue: DeadLetterQueue, clock: Clock
 ) -> None:
@@ -669,6 +680,19 @@ def test_key_show_of_an_unknown_key_fails_clearly(run: Run, store: RedisStore) -
     assert_failed_cleanly(other_task, "Error: no record of key 'order-42' for task shop.refund")
     assert "not registered" in other_task.stderr
     assert no_task.exit_code == 2 and "Missing option '--task'" in no_task.stderr
+
+
+def test_key_show_with_a_default_store_folder_that_cannot_be_made_fails_clearly(
+    run: Run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Given no store URL (the default SQLite file) and a data folder no one can make
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("IDEMPOTENT_TASKS_DATA_DIR", str(blocker / "data"))
+
+    result = run("key", "show", "order-42", "--task", "shop.charge", store="")
+
+    assert_failed_cleanly(result, "Error: cannot open the claim store: ")
 
 
 # -- key forget -----------------------------------------------------------------------------

@@ -778,6 +778,34 @@ def test_record_retry_failure_changes_only_a_retrying_item(
     assert dlq.record_retry_failure(str(uuid.uuid4()), "Late", "late report", None) is None
 
 
+def test_give_up_ends_a_retrying_item_at_once_keeping_its_failure(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given an item a sweep took, and one pending
+    item = dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    assert [taken.id for taken in dlq.take_due()] == [item.id]
+    pending = dlq.add(_failure(max_retries=3))
+    # When it cannot be sent (said twice: a sweep's repeated report), then it ends at once,
+    # its failure as it was, the reason added to its message once
+    assert dlq.give_up(item.id, "its job is gone") is True
+    assert dlq.give_up(item.id, "its job is gone") is False
+    ended = dlq.get(item.id)
+    assert ended is not None
+    assert (ended.status, ended.retry_count, ended.next_retry_at, ended.sweep_id) == (
+        DeadLetterStatus.PERMANENT_FAILURE,
+        0,
+        None,
+        None,
+    )
+    assert (ended.error_type, ended.traceback) == (item.error_type, item.traceback)
+    assert ended.error_message == f"{item.error_message}\n[not sent again: its job is gone]"
+    # And an item no sweep holds is left alone
+    before = dlq.get(pending.id)
+    assert dlq.give_up(pending.id, "its job is gone") is False
+    assert dlq.get(pending.id) == before
+
+
 def test_a_repeated_retry_failure_report_counts_once(dlq: DeadLetterQueue, clock: Clock) -> None:
     item = dlq.add(_failure(max_retries=3))
     clock.advance(days=1)

@@ -429,10 +429,16 @@ def test_a_row_whose_arguments_are_kept_as_text_is_never_sent_again(
     assert queue.retry_now(row.id)
     assert app.tasks[SWEEP_TASK].run(batch=2) == 0
     # Then it is refused before anything is sent (the broker would have failed it otherwise),
-    # and the row gives up again, saying why
+    # and the row gives up again at once, its failure kept, saying why
     after = queue.get(row.id)
     assert after is not None
-    assert (after.status, after.error_type) == (DeadLetterStatus.PERMANENT_FAILURE, "CannotResend")
+    assert (after.status, after.retry_count, after.error_type) == (
+        DeadLetterStatus.PERMANENT_FAILURE,
+        0,
+        "RuntimeError",
+    )
+    assert after.traceback == row.traceback
+    assert (after.error_message or "").startswith("declined\n[not sent again: its arguments")
 
 
 def _headers_of_the_resent_failure(
@@ -605,18 +611,20 @@ def test_a_celery_row_whose_key_no_worker_takes_is_never_sent_again(
     item = queue.add(dataclasses.replace(_failure(), idempotency_key=""))
     assert queue.retry_now(item.id)
     # When the sweep runs, then it refuses the row before anything is sent (a worker would
-    # refuse the message, leaving its row retrying, due again and again), using a retry
+    # refuse the message, leaving its row retrying, due again and again), and gives it up at
+    # once, its failure kept, saying why
     assert app.tasks[SWEEP_TASK].run(batch=2) == 0
     row = queue.get(item.id)
     assert row is not None
     assert (row.status, row.retry_count, row.error_type) == (
-        DeadLetterStatus.PENDING,
-        1,
-        "CannotResend",
+        DeadLetterStatus.PERMANENT_FAILURE,
+        0,
+        "RuntimeError",
     )
+    assert (row.error_message or "").startswith("seeded\n[not sent again: ")
 
 
-def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
+def test_an_rq_row_that_cannot_be_enqueued_is_given_up_and_the_sweep_ends(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
     # Given more due RQ rows than one batch whose arguments are kept as text and whose
@@ -627,15 +635,25 @@ def test_an_rq_row_that_cannot_be_enqueued_uses_a_retry_and_the_sweep_ends(
     items = [queue.add(_failure(RQ_FRAMEWORK, lossy)) for _ in range(3)]
     # When the sweep runs in batches of two, then it ends, having enqueued nothing
     assert rq_retry_dead_letters(connection, dlq_url, batch=2) == 0
-    # And each row used a retry, saying why, so it gives up at its limit
+    # And each row is given up at once, its failure kept, saying why
     for item in items:
         row = queue.get(item.id)
         assert row is not None
-        assert (row.retry_count, row.error_type) == (1, "CannotResend")
+        _given_up(row)
     assert Queue(queue_name, connection=connection).count == 0
 
 
-def test_rows_whose_arguments_or_serializer_cannot_be_read_back_use_a_retry(
+def _given_up(row: DeadLetter) -> None:
+    """``row``, seeded by ``_failure``, was given up by a sweep that could not send it."""
+    assert (row.status, row.retry_count, row.error_type) == (
+        DeadLetterStatus.PERMANENT_FAILURE,
+        0,
+        "RuntimeError",
+    )
+    assert (row.error_message or "").startswith("seeded\n[not sent again: ")
+
+
+def test_rows_whose_arguments_or_serializer_cannot_be_read_back_are_given_up(
     app: Celery, redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
     # Given a Celery row whose arguments were edited into a typed value that does not read
@@ -651,12 +669,12 @@ def test_rows_whose_arguments_or_serializer_cannot_be_read_back_use_a_retry(
     assert app.tasks[SWEEP_TASK].run(batch=2) == 0
     connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
     assert rq_retry_dead_letters(connection, dlq_url, batch=2) == 0
-    # Then each row used a retry, saying why, so it gives up at its limit (rather than be
-    # sent again every poll interval for ever)
+    # Then each row is given up at once, its failure kept, saying why (rather than be sent
+    # again every poll interval for ever; `dlq retry` sends it once it is mended)
     for item in (celery_row, *rq_rows):
         row = queue.get(item.id)
         assert row is not None
-        assert (row.retry_count, row.error_type) == (1, "CannotResend")
+        _given_up(row)
 
 
 def test_a_dead_letters_run_renews_its_row_so_no_sweep_sends_it_again_meanwhile(

@@ -457,9 +457,10 @@ def test_a_dead_letters_job_cancelled_once_sent_again_is_not_sent_again(
     finally:
         engine.dispose()
     assert retry_dead_letters(rq_env.connection, rq_env.dlq_url) == 0
-    # Then the job stays cancelled, and the row records a failed retry, on its way to give up
+    # Then the job stays cancelled, and the row is given up, its failure kept, saying why
     assert Job.fetch(job_id, connection=rq_env.connection).get_status() is JobStatus.CANCELED
     row = rq_env.dlq.get(item.id)
-    assert row is not None and row.status is DeadLetterStatus.PENDING
-    assert (row.retry_count, row.error_type) == (1, "CannotResend")
+    assert row is not None and row.status is DeadLetterStatus.PERMANENT_FAILURE
+    assert (row.retry_count, row.error_type) == (item.retry_count, item.error_type)
+    assert "[not sent again: " in (row.error_message or "")
     assert "cancelled" in (row.error_message or "")

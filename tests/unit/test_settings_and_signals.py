@@ -9,7 +9,7 @@ from celery import Celery
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.rq import idempotent
-from idempotent_tasks.settings import app_setting, resolve
+from idempotent_tasks.settings import app_setting, resolve, switch
 from idempotent_tasks.signals import Signal
 
 
@@ -24,6 +24,23 @@ def test_app_setting_falls_back_to_the_documented_default() -> None:
     assert app_setting(app.conf, "idempotency_ttl") == 86400
     app.conf.idempotency_ttl = 60
     assert app_setting(app.conf, "idempotency_ttl") == 60
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        *[(True, True), (False, False), (1, True), (0, False), ("false", False), ("Off", False)],
+        *[("no", False), ("0", False), ("yes", True), ("on", True), ("1", True), ("TRUE", True)],
+    ],
+)
+def test_a_switch_setting_reads_text_as_celery_does(value: object, read: bool) -> None:
+    assert switch(value, "idempotency_publish_in_one_trip") is read
+
+
+@pytest.mark.parametrize("value", ["maybe", "", 2, 0.5, [True]])
+def test_a_switch_setting_that_is_no_yes_or_no_is_refused_by_name(value: object) -> None:
+    with pytest.raises(ValueError, match="idempotency_publish_in_one_trip must be true or false"):
+        switch(value, "idempotency_publish_in_one_trip")
 
 
 def test_unknown_on_duplicate_is_refused_when_the_task_is_defined() -> None:

@@ -88,6 +88,30 @@ def test_pickle_is_used_when_the_app_opts_in() -> None:
     assert pickled._codec.allow_unsafe
 
 
+@pytest.mark.parametrize(("setting", "allowed"), [("false", False), ("no", False), ("True", True)])
+def test_a_pickle_opt_in_given_as_text_is_read_as_celery_reads_text(
+    setting: str, allowed: bool
+) -> None:
+    # An environment variable's "false" is no opt-in (bool("false") would be)
+    app = _app(idempotency_allow_pickle=setting)
+
+    @app.task(base=IdempotentTask, serializer="pickle", shared=False)
+    def pickled() -> None: ...
+
+    assert pickled._codec.serializer == ("pickle" if allowed else "json")
+    assert pickled._codec.allow_unsafe is allowed
+
+
+def test_a_pickle_opt_in_that_is_no_yes_or_no_is_refused() -> None:
+    app = _app(idempotency_store_url="memory://", idempotency_allow_pickle="sometimes")
+
+    @app.task(base=IdempotentTask, serializer="pickle", shared=False)
+    def pickled() -> None: ...
+
+    with pytest.raises(ValueError, match="idempotency_allow_pickle must be true or false"):
+        pickled.apply_async(idempotency_key="k")
+
+
 def test_a_serializer_not_installed_here_falls_back_to_json() -> None:
     app = _app(idempotency_result_serializer="not-installed-here")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from idempotent_tasks.stores import store_from_url
 from idempotent_tasks.urls import shown_url
 
 
@@ -36,3 +37,10 @@ def test_passwords_are_hidden_wherever_the_url_holds_them(url: str, shown: str) 
 )
 def test_a_url_without_secrets_is_shown_as_it_is(url: str) -> None:
     assert shown_url(url) == url
+
+
+def test_a_store_url_no_store_handles_is_refused_with_its_password_hidden() -> None:
+    with pytest.raises(ValueError, match="no store for scheme") as refused:
+        store_from_url("redis+sentinel://:s3cret@sentinel:26379/0", prefix="p")
+    assert "s3cret" not in str(refused.value)
+    assert "redis+sentinel://:***@sentinel:26379/0" in str(refused.value)
