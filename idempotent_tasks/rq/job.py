@@ -321,6 +321,9 @@ class IdempotentJob(Job):
                     # its first look, unless another call took it meanwhile: then that one
                     # runs). Kept instead, the key would sit claimed, unrenewed, in the queue.
                     attempt.release_quietly()
+                    # Should that give-back have failed, the next run takes the key back at
+                    # once rather than wait out this claim's lease as another's.
+                    state["previous_owner"] = request.owner
                     return Requeue(f"key {request.key!r} is free: its body runs next")
                 return self._run_body(attempt, request.key, options, state)
             record = claim.record
@@ -341,7 +344,13 @@ class IdempotentJob(Job):
                     task_name=request.task_name, where="worker", outcome=claim.outcome
                 )
             if claim.outcome is Outcome.COMPLETED:
-                value = attempt.cached_value(record)
+                try:
+                    value = attempt.cached_value(record)
+                except CorruptRecord as exc:
+                    # As for a claim that cannot be read: the job waits in the dead-letter
+                    # table (its key to be looked at, or forgotten) rather than vanish.
+                    self._idempotency_no_retry = True
+                    return self._after_failure(exc, None, request.key, options, state)
                 self._dead_letter_succeeded(state)
                 return value
             pause = self._on_in_progress(record, request, options, waits, state)

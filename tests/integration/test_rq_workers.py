@@ -349,6 +349,26 @@ def test_a_dead_letters_job_whose_key_stands_for_other_arguments_records_it_on_i
     assert rq_jobs.starts(name) == 1
 
 
+def test_a_job_whose_keys_cached_result_cannot_be_read_is_dead_lettered(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a completed key whose cached result no serializer here reads (written by another
+    # app sharing the store, say)
+    name = fresh("unreadable")
+    first = queue.enqueue(rq_jobs.record_keyed, name, 1)
+    assert wait_value(first) == {"name": name, "value": 1, "run": 1}
+    record_name = queue.store.names(storage_key(RECORD_KEYED, f"keyed:{name}"))[0]
+    rq_env.connection.hset(record_name, "content_type", "application/x-no-such-serializer")
+    # When a job of the key arrives (through a plain rq.Queue: no look at enqueue)
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    job = plain.enqueue(rq_jobs.record_keyed, name, 1, meta={META_KEY: {"dlq_url": rq_env.dlq_url}})
+    # Then it fails without running, and waits in the dead-letter table rather than vanish
+    wait_failed(job)
+    (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
+    assert (row.error_type, row.idempotency_key) == ("CorruptRecord", f"keyed:{name}")
+    assert rq_jobs.starts(name) == 1
+
+
 def test_a_job_whose_key_holds_a_corrupt_record_is_dead_lettered_without_running(
     queue: IdempotentQueue, rq_env: RQEnv
 ) -> None:
