@@ -163,6 +163,9 @@ class IdempotentQueue(Queue):
         key = carried.get("key")
         if key is not None:
             check_task_id(rq_options.get("job_id"))
+        # Without the function here, no fingerprint tells the key's arguments apart: the worker
+        # alone looks at the key.
+        if key is not None and "fingerprint" in carried:
             answered = self._peek(
                 task_name, key, carried["fingerprint"], options, func, call_args, call_kwargs
             )
@@ -238,6 +241,10 @@ class IdempotentQueue(Queue):
             carried["dlq_url"] = self.dlq_url
         if key is not None:
             carried["key"] = key
+        if key is not None and target is not None:
+            # Bound to the function's parameters (a producer that cannot import it leaves that
+            # to the worker: the arguments as given would not match the same call made
+            # otherwise, positionally or by name).
             carried["fingerprint"] = fingerprint(task_name, signature_of(target), args, kwargs)
         return options, task_name, carried
 
@@ -332,7 +339,7 @@ def _importable(func: Any) -> Any:
     """The function itself, imported when given as a dotted path (``None`` if it cannot be).
 
     Its signature binds arguments for the fingerprint, and it may carry ``@idempotent``
-    options. A producer that cannot import the function fingerprints the arguments as given.
+    options. A producer that cannot import the function leaves the fingerprint to the worker.
     """
     if not isinstance(func, str):
         return func

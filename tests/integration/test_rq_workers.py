@@ -349,6 +349,25 @@ def test_a_dead_letters_job_whose_key_stands_for_other_arguments_records_it_on_i
     assert rq_jobs.starts(name) == 1
 
 
+def test_jobs_enqueued_by_a_path_the_producer_cannot_import_match_however_called(
+    queue: IdempotentQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a producer that cannot import the function it enqueues by its dotted path (a web
+    # app without the workers' code), and a key completed by a positional call
+    def cannot_import(path: str) -> Any:
+        raise ImportError(path)
+
+    monkeypatch.setattr("idempotent_tasks.rq.queue.import_attribute", cannot_import)
+    name, key = fresh("by-path"), fresh("key")
+    first = queue.enqueue(RECORD, name, 1, idempotency_key=key)
+    assert wait_value(first) == {"name": name, "value": 1, "run": 1}
+    # When the same call is enqueued with its arguments named
+    again = queue.enqueue(RECORD, name=name, value=1, idempotency_key=key)
+    # Then it is no mismatch: it gets the key's value, and the body ran once
+    assert wait_value(again) == {"name": name, "value": 1, "run": 1}
+    assert rq_jobs.starts(name) == 1
+
+
 def test_a_job_whose_keys_cached_result_cannot_be_read_is_dead_lettered(
     queue: IdempotentQueue, rq_env: RQEnv
 ) -> None:
