@@ -58,7 +58,8 @@ class Store(Protocol):
         """Forget the pickup of ``task_id``'s message while its key is ``processing``: that
         call was terminated on purpose (a revoke) or expired, and the guard must never publish
         its message again. The claim stays until its lease ends, and so does a message of
-        another call that ``task_id``'s took the key from. Whether the key is ``processing``
+        another call that ``task_id``'s took the key from (until :meth:`release` without a
+        pickup deletes the key, and that message with it). Whether the key is ``processing``
         for ``task_id``, or kept its message."""
         ...
 

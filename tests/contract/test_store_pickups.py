@@ -672,7 +672,7 @@ def test_a_terminated_taker_leaves_the_message_it_took_to_the_guard(
 ) -> None:
     # Given a call that took the key of a lost message over
     taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
-    # When the taker is terminated on purpose
+    # When the taker is terminated on purpose (its claim not released: its process may live)
     assert store.drop_pickup(taker.storage_key, "t-taker") is True
     # Then the message it took is still the guard's to publish once its lease is over (only
     # the terminated call's own message is never sent again), and the lost call alone can
