@@ -156,6 +156,11 @@ class IdempotentJob(Job):
         except BaseException as exc:
             self._idempotency_ended_by = exc
             raise
+        if not isinstance(value, Retry):
+            # Done: the key completed (or answered). What fails after, in RQ's hands (a success
+            # callback that raises, saving the result), is RQ's to report: a dead letter would
+            # only find the key completed, and the callback failing again, for ever.
+            self._idempotency_settled = True
         self._result = value
         return value
 

@@ -183,3 +183,8 @@ def fails_after_recovering(dlq_url: str, seconds: float, timeout: float) -> None
     finally:
         queue.dispose()
     raise RuntimeError("declined again")
+
+
+def failing_success_callback(job: Any, connection: Any, result: Any, *_: Any, **__: Any) -> None:
+    """An ``on_success`` callback that always raises."""
+    raise RuntimeError("the success callback declined")

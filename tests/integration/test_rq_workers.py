@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rq import Queue, Retry
+from rq import Callback, Queue, Retry
 from rq.job import JobStatus
 from rq.results import Result
 
@@ -366,6 +366,29 @@ def test_jobs_enqueued_by_a_path_the_producer_cannot_import_match_however_called
     # Then it is no mismatch: it gets the key's value, and the body ran once
     assert wait_value(again) == {"name": name, "value": 1, "run": 1}
     assert rq_jobs.starts(name) == 1
+
+
+def test_a_job_whose_success_callback_fails_writes_no_dead_letter(
+    queue: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a keyed job whose body succeeds and whose on_success callback raises
+    name, key = fresh("callback"), fresh("key")
+    job = queue.enqueue(
+        rq_jobs.record,
+        name,
+        1,
+        idempotency_key=key,
+        on_success=Callback(rq_jobs.failing_success_callback),
+    )
+    # When RQ fails the job for its callback
+    wait_failed(job)
+    time.sleep(1)
+    # Then no dead letter is written (sent again, it would find the key completed, and the
+    # callback fail again, for ever), and the key keeps the body's value
+    assert rq_env.rows_of(job.id) == []
+    assert rq_jobs.starts(name) == 1
+    record = queue.store.get(storage_key(RECORD, key))
+    assert record is not None and record.status is Status.COMPLETED
 
 
 def test_a_job_whose_keys_cached_result_cannot_be_read_is_dead_lettered(
