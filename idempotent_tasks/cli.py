@@ -415,7 +415,11 @@ def _task(app: Any, task_name: str) -> Any:
 
 def _codec(task: Any) -> ResultCodec:
     """The task's result codec, else one accepting a record's own type only (never pickle)."""
-    codec = getattr(task, "_codec", None)
+    try:
+        codec = getattr(task, "_codec", None)
+    except ValueError as exc:  # a setting it is built from is malformed
+        _warn(f"the task's result settings are unusable ({exc}); decoding its record's own type")
+        codec = None
     if isinstance(codec, ResultCodec):
         return codec
     return ResultCodec(serializer=defaults.RESULT_SERIALIZER, max_bytes=defaults.RESULT_MAX_BYTES)

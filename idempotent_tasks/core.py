@@ -125,8 +125,9 @@ class Attempt:
     given_up: bool = False
     #: The task id of another call whose claim or queued message this claim replaced.
     taken_from_task_id: str | None = None
-    #: The envelope of that call's queued message, when the claim replaced one (see
-    #: :class:`~idempotent_tasks.records.ClaimResult`).
+    #: The message this claim owes, to publish again once the key completes: its call's task
+    #: id and its envelope (see :class:`~idempotent_tasks.records.ClaimResult`).
+    owed_task_id: str | None = None
     taken_over_envelope: bytes | None = None
     #: When this attempt last asked for its claim (:func:`lease_clock`): its lease runs from no
     #: earlier.
@@ -139,6 +140,7 @@ class Attempt:
         if result.outcome is Outcome.ACQUIRED:
             self.token = result.token
             self.taken_from_task_id = result.taken_from_task_id
+            self.owed_task_id = result.owed_task_id
             self.taken_over_envelope = result.taken_over_envelope
             if result.takeover:
                 self.log.warning(

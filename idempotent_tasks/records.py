@@ -125,10 +125,13 @@ class ClaimResult:
     record found otherwise; ``takeover`` says the claim replaced an expired or retried owner.
     ``taken_from_task_id`` is the task id of another call whose live claim or queued message
     this claim replaced (its lease ended, or its message counts as lost): its callers wait on
-    that id, which may never run again. ``taken_over_envelope`` is the pickup envelope of that
-    call's ``queued`` message, when the claim replaced one (the message counts as lost): once
-    this call completes, that message is published again, so that call answers with the key's
-    value and its callbacks, chord part or reply follow.
+    that id, which may never run again. ``taken_over_envelope`` is the pickup envelope of a
+    message this claim owes, of the call ``owed_task_id``: that call's ``queued`` message, when
+    the claim replaced one (the message counts as lost), or one a dead owner owed, which passes
+    on to the claim that takes its key over. Once this call completes, that message is
+    published again, so its call answers with the key's value and its callbacks, chord part or
+    reply follow. The same call's claim made again is told the same, the message while still
+    owed (the guard did not publish it meanwhile).
     """
 
     outcome: Outcome
@@ -136,6 +139,7 @@ class ClaimResult:
     record: Record | None = None
     takeover: bool = False
     taken_from_task_id: str | None = None
+    owed_task_id: str | None = None
     taken_over_envelope: bytes | None = None
 
 

@@ -48,6 +48,9 @@ def end_revoked_call(task: IdempotentTask, request: Any) -> None:
         # Published again, that copy would be discarded the same way while workers remember
         # the revoke, and run after (three hours, a restart).
         store.drop_pickup(stored_as, request.id)
+    except (StoreUnavailable, CorruptRecord) as exc:
+        logger.warning("could not drop the pickup of revoked call %s: %s", request.id, exc)
+    try:
         record = store.get(stored_as)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not read key %r of revoked call %s: %s", key, request.id, exc)

@@ -46,7 +46,7 @@ def switch(value: Any, name: str) -> bool:
     otherwise (``bool("false")`` would be true)."""
     if isinstance(value, str):
         try:
-            value = strtobool(value)
+            value = strtobool(value.strip())
         except TypeError:
             pass
     if isinstance(value, bool) or value in (0, 1):

@@ -669,7 +669,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         value, as a slow copy of it would, and its callbacks, chord part and ``rpc://`` reply
         follow, which no stored result alone brings."""
         envelope = attempt.taken_over_envelope
-        task_id = attempt.taken_from_task_id
+        task_id = attempt.owed_task_id
         if envelope is None or task_id is None or self.request.is_eager:
             return
         if not attempt.result_cached:

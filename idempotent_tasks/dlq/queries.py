@@ -103,11 +103,15 @@ def mark_succeeded(item_id: str, now: datetime, sweep_id: str | None = None) -> 
     )
 
 
-def give_up(item_id: str, error_message: str, now: datetime) -> Update:
-    """Make a ``retrying`` item a ``permanent_failure`` with ``error_message``."""
+def give_up(item_id: str, error_message: str, now: datetime, sweep_id: str | None) -> Update:
+    """Make a ``retrying`` item (held by the sweep ``sweep_id``, when given) a
+    ``permanent_failure`` with ``error_message``."""
+    held = dead_letters.c.status == RETRYING
+    if sweep_id is not None:
+        held = held & (dead_letters.c.sweep_id == sweep_id)
     return (
         update(dead_letters)
-        .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
+        .where(dead_letters.c.id == item_id, held)
         .values(
             status=PERMANENT_FAILURE,
             error_message=error_message,

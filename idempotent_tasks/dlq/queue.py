@@ -351,11 +351,12 @@ class DeadLetterQueue:
             result = connection.execute(queries.mark_succeeded(item_id, now, sweep_id))
         return bool(result.rowcount)
 
-    def give_up(self, item_id: str, reason: str) -> bool:
+    def give_up(self, item_id: str, reason: str, sweep_id: str | None = None) -> bool:
         """A ``retrying`` item that can never be sent again (its arguments kept as text only,
         its job gone) becomes ``permanent_failure`` at once, its failure as it was, the
-        ``reason`` added to its message; whether it was ``retrying``."""
-        note = f"[not sent again: {reason}]"
+        ``reason`` added to its message; only while the sweep ``sweep_id`` holds it, when
+        given. Whether it was so held."""
+        note = _storable(f"[not sent again: {reason}]")
         with self._begin() as connection:
             found = connection.execute(queries.select_by_id(item_id)).one_or_none()
             if found is None:
@@ -363,9 +364,8 @@ class DeadLetterQueue:
             message = found._mapping["error_message"] or ""
             if note not in message:
                 message = f"{message}\n{note}" if message else note
-            result = connection.execute(
-                queries.give_up(item_id, _storable(message), self._db(self._clock()))
-            )
+            now = self._db(self._clock())
+            result = connection.execute(queries.give_up(item_id, message, now, sweep_id))
         return bool(result.rowcount)
 
     def record_retry_failure(

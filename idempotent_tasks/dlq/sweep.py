@@ -42,10 +42,11 @@ def resend_due(
     messages now) costs no retry: the item is due again ``retry_delay`` seconds later, and the
     sweep ends at once, the rest of the batch handed back untried, so a long outage does not
     cost a publish timeout per row. An item ``resend`` puts off (:class:`ResendLater`) is due
-    again then too, with no retry used, and the sweep goes on. Any other error of ``resend``
-    (:class:`CannotResend`, a router or serializer that raises, a queue the broker refuses to
-    push onto) counts as a failed retry, with its error: the item is tried again on its
-    backoff and gives up at its limit, rather than be sent every ``retry_delay`` for ever.
+    again then too, with no retry used, and the sweep goes on. An item that cannot be sent as
+    it is kept (:class:`CannotResend`) is given up at once, its failure kept. Any other error
+    of ``resend`` (a router or serializer that raises, a queue the broker refuses to push
+    onto) counts as a failed retry, with its error: the item is tried again on its backoff and
+    gives up at its limit, rather than be sent every ``retry_delay`` for ever.
     An item is tried once per sweep, however short its backoff: a batch that comes round to
     items tried already is the sweep's last.
     """
@@ -75,7 +76,7 @@ def resend_due(
             except CannotResend as exc:
                 # No retry would do better; the failure it records stays as it was.
                 logger.error("dead letter %s cannot be sent again (given up): %s", item.id, exc)
-                queue.give_up(item.id, str(exc))
+                queue.give_up(item.id, str(exc), item.sweep_id)
             except Exception as exc:
                 if unreachable(exc):
                     logger.error(

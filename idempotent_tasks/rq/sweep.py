@@ -145,7 +145,7 @@ def _enqueue(
         raise JobStillLive(f"job {item.task_id} is {current.value} already")
     if current == JobStatus.CANCELED:
         # Cancelled once sent again (job.cancel(), rq cancel): an operator's no, which a
-        # resend would overrule. It uses a retry, as a stopped run does, so the row gives up.
+        # resend would overrule. The row is given up.
         raise CannotResend(f"job {item.task_id} was cancelled")
     # The original job, while RQ keeps it as failed (or stopped).
     original = held if current in (JobStatus.FAILED, JobStatus.STOPPED) else None

@@ -157,8 +157,10 @@ class MemoryStore:
             self._records[storage_key] = dataclasses.replace(
                 found, lease_expires_at=pending.due_at, updated_at=now
             )
-        elif (taken := self._taken.get(storage_key)) is not None:
-            taken.owes_message = False  # the guard publishes it: no owner owes it now
+        else:
+            self._records[storage_key] = dataclasses.replace(found, updated_at=now)
+            if (taken := self._taken.get(storage_key)) is not None:
+                taken.owes_message = False  # the guard publishes it: no owner owes it now
         return DuePickup(
             storage_key=storage_key,
             task_name=found.task_name,
@@ -185,11 +187,12 @@ class MemoryStore:
                 request.validate and found.fingerprint != request.fingerprint and not same_call
             )
             # What this claim tells (see claim.lua): replacing another call's record, it takes
-            # the key from that call, and is handed that call's queued message, lost; the same
-            # call's claim made again is told what its first one was.
-            taken = self._taken.get(request.storage_key) if same_call else None
+            # the key from that call, and owes that call's queued message, lost, or the message
+            # a dead owner owed; the same call's claim made again is told what its first one was.
+            taken = self._taken.get(request.storage_key)
             if not same_call:
-                taken = _Taken(found.task_id, owes_message=found.status is Status.QUEUED)
+                owed_before = taken is not None and taken.owes_message
+                taken = _Taken(found.task_id, found.status is Status.QUEUED or owed_before)
             if found.status is Status.QUEUED:
                 if mismatch:
                     return ClaimResult(outcome=Outcome.MISMATCH, record=found)
@@ -209,7 +212,7 @@ class MemoryStore:
             if found.status is Status.PROCESSING and found.owner == request.owner:
                 # Its claim made again (its reply lost).
                 again = ClaimResult(outcome=Outcome.ACQUIRED, token=found.token)
-                return self._told(again, request.storage_key, taken)
+                return self._told(again, request, taken)
             if mismatch:
                 return ClaimResult(outcome=Outcome.MISMATCH, record=found)
             if found.status is Status.COMPLETED:
@@ -226,17 +229,19 @@ class MemoryStore:
                 )
             return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
 
-    def _told(self, acquired: ClaimResult, storage_key: str, taken: _Taken | None) -> ClaimResult:
-        """``acquired``, naming the call it took the key from, and giving that call's message
-        while the claim owes it."""
+    def _told(
+        self, acquired: ClaimResult, request: ClaimRequest, taken: _Taken | None
+    ) -> ClaimResult:
+        """``acquired``, naming the call it took the key from, and the message it owes, if
+        any (not the claiming call's own: owed to no one)."""
         if taken is None:
             return acquired
-        pending = self._pending.get(storage_key)
-        owed = taken.owes_message and pending is not None and pending.task_id == taken.task_id
+        told = dataclasses.replace(acquired, taken_from_task_id=taken.task_id)
+        pending = self._pending.get(request.storage_key)
+        if not taken.owes_message or pending is None or pending.task_id == request.task_id:
+            return told
         return dataclasses.replace(
-            acquired,
-            taken_from_task_id=taken.task_id,
-            taken_over_envelope=pending.pickup.envelope if owed and pending else None,
+            told, owed_task_id=pending.task_id, taken_over_envelope=pending.pickup.envelope
         )
 
     def complete(
@@ -407,7 +412,7 @@ class MemoryStore:
         if taken is not None:
             self._taken[request.storage_key] = taken
         acquired = ClaimResult(outcome=Outcome.ACQUIRED, token=token, takeover=takeover)
-        return self._told(acquired, request.storage_key, taken)
+        return self._told(acquired, request, taken)
 
     @staticmethod
     def _new_record(request: ClaimRequest, token: int, now: float, created_at: float) -> Record:

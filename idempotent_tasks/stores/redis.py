@@ -274,7 +274,7 @@ class RedisStore:
                 token=int(reply[1]),
                 takeover=bool(reply[2]),
                 taken_from_task_id=_text(reply[3]) or None,
-                taken_over_envelope=_bytes(reply[4]) if len(reply) > 4 and reply[4] else None,
+                **_owed(reply[4], reply[5] if len(reply) > 5 else None),
             )
         record = _record(request.storage_key, _pairs(reply[3:]), read_at=int(reply[1]) / 1000)
         return ClaimResult(outcome=outcome, record=record)
@@ -574,6 +574,13 @@ def _text(value: bytes | str) -> str:
 
 def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else value
+
+
+def _owed(task_id: bytes | str, envelope: bytes | str | None) -> dict[str, Any]:
+    """The fields of a claim's answer that name the message it owes, if any."""
+    if not task_id or not envelope:
+        return {}
+    return {"owed_task_id": _text(task_id), "taken_over_envelope": _bytes(envelope)}
 
 
 def _pairs(flat: list[bytes]) -> dict[str, bytes]:

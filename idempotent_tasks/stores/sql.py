@@ -284,7 +284,9 @@ class SqlStore:
                     later = {"due_at": lost_at}
                     connection.execute(bump_pickup(claim_id, *unchanged, later))
                     return None
-                connection.execute(disown_message(claim_id))  # the guard publishes it now
+                # The guard publishes it now; a claim decided on the row as it was read (its
+                # debt in it) is refused (the compare-and-set sees the update's time).
+                connection.execute(disown_message(claim_id, now))
             values = {"republished": republished, "due_at": due_at}
             bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
             if _count(connection, bump) == 0:
@@ -318,7 +320,7 @@ class SqlStore:
                 return dataclasses.replace(
                     decision,
                     taken_from_task_id=found["taken_from"],
-                    taken_over_envelope=_owed_envelope(pickup, found["taken_from"]),
+                    **_owed(pickup, request.task_id),
                 )
             if decision is not None:
                 return decision
@@ -330,9 +332,10 @@ class SqlStore:
                 if found["task_id"] == request.task_id:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
             if is_live(found, now) and found["task_id"] != request.task_id:
-                # Another call's key taken over; its queued message, lost, is handed out.
+                # Another call's key taken over: its queued message, lost, is owed by this
+                # claim, and so is the message a dead owner owed (see claim.lua).
                 values["taken_from"] = found["task_id"]
-                values["owes_message"] = found["status"] == QUEUED
+                values["owes_message"] = found["status"] == QUEUED or bool(found["owes_message"])
             elif takeover:
                 # The same call's message redelivered: told what its first claim was.
                 values["taken_from"] = found["taken_from"]
@@ -347,7 +350,7 @@ class SqlStore:
                     token=token,
                     takeover=takeover,
                     taken_from_task_id=values["taken_from"],
-                    taken_over_envelope=_owed_envelope(pickup, values["taken_from"]),
+                    **_owed(pickup, request.task_id),
                 )
         raise StoreUnavailable(f"claim of {request.storage_key!r} kept losing races; try again")
 
@@ -662,12 +665,12 @@ class SqlStore:
                 self._schema_ready = True
 
 
-def _owed_envelope(pickup: Any, taken_from: str | None) -> bytes | None:
-    """The message of the call a claim took the key from, owed to it, from the key's pickup
-    row (``None`` when that row is gone, or another call's)."""
-    if pickup is None or taken_from is None or pickup["task_id"] != taken_from:
-        return None
-    return bytes(pickup["envelope"])
+def _owed(pickup: Any, task_id: str) -> dict[str, Any]:
+    """The fields of a claim's answer naming the message it owes, from the key's pickup row
+    (none when that row is gone, or it is the claiming call's own message: owed to no one)."""
+    if pickup is None or pickup["task_id"] == task_id:
+        return {}
+    return {"owed_task_id": pickup["task_id"], "taken_over_envelope": bytes(pickup["envelope"])}
 
 
 def _readable_or_none(pickup: Any) -> Any:

@@ -84,9 +84,9 @@ def update_held(
     )
 
 
-def disown_message(claim_id: str) -> Update:
+def disown_message(claim_id: str, now: float) -> Update:
     """Mark a claim row as owing no other call's message (the guard publishes it)."""
-    return claims.update().where(claims.c.id == claim_id).values(owes_message=False)
+    return claims.update().where(claims.c.id == claim_id).values(owes_message=False, updated_at=now)
 
 
 def forget_claim(claim_id: str, now: float) -> Update:

@@ -778,17 +778,28 @@ def test_record_retry_failure_changes_only_a_retrying_item(
     assert dlq.record_retry_failure(str(uuid.uuid4()), "Late", "late report", None) is None
 
 
+def _taken_by_a_sweep(dlq: DeadLetterQueue, clock: Clock) -> tuple[DeadLetter, DeadLetter]:
+    """An item added, and as a sweep then took it (retrying, with that sweep's id)."""
+    item = dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    assert taken.id == item.id and taken.sweep_id is not None
+    return item, taken
+
+
 def test_give_up_ends_a_retrying_item_at_once_keeping_its_failure(
     dlq: DeadLetterQueue, clock: Clock
 ) -> None:
     # Given an item a sweep took, and one pending
-    item = dlq.add(_failure(max_retries=3))
-    clock.advance(days=1)
-    assert [taken.id for taken in dlq.take_due()] == [item.id]
+    item, taken = _taken_by_a_sweep(dlq, clock)
     pending = dlq.add(_failure(max_retries=3))
-    # When it cannot be sent (said twice: a sweep's repeated report), then it ends at once,
-    # its failure as it was, the reason added to its message once
-    assert dlq.give_up(item.id, "its job is gone") is True
+    # When another sweep, which no longer holds it, finds it cannot be sent, then nothing
+    # changes
+    assert dlq.give_up(item.id, "its job is gone", "an-earlier-sweep") is False
+    assert dlq.get(item.id) == taken
+    # When the sweep holding it cannot send it (said twice: a repeated report), then it ends
+    # at once, its failure as it was, the reason added to its message once
+    assert dlq.give_up(item.id, "its job is gone", taken.sweep_id) is True
     assert dlq.give_up(item.id, "its job is gone") is False
     ended = dlq.get(item.id)
     assert ended is not None
@@ -822,10 +833,7 @@ def test_a_report_from_an_earlier_sweeps_run_leaves_a_later_sweeps_retry_alone(
 ) -> None:
     # Given an item whose first retry (published by one sweep) failed, and which a later sweep
     # has taken again
-    item = dlq.add(_failure(max_retries=3))
-    clock.advance(days=1)
-    [first_sweep] = dlq.take_due()
-    assert first_sweep.sweep_id is not None
+    item, first_sweep = _taken_by_a_sweep(dlq, clock)
     failed = dlq.record_retry_failure(item.id, "E", "once", None, first_sweep.sweep_id)
     assert failed is not None and failed.retry_count == 1
     clock.advance(days=1)

@@ -179,7 +179,7 @@ def test_a_queued_key_waits_for_its_own_message_until_that_counts_as_lost(
     time.sleep(PAST_DUE)
     late = store.claim(other)
     assert (late.outcome, late.taken_from_task_id) == (Outcome.ACQUIRED, "t-own")
-    assert late.taken_over_envelope == ENVELOPE
+    assert (late.owed_task_id, late.taken_over_envelope) == ("t-own", ENVELOPE)
 
 
 def test_a_queued_keys_own_message_takes_nothing_from_another_call(
@@ -578,8 +578,20 @@ def _taken_from_a_lost_message(store: Store, make_request: Make, lease: float) -
     taker = make_request(task_id="t-taker", lease_seconds=lease)
     first = store.claim(taker)
     assert (first.outcome, first.taken_from_task_id) == (Outcome.ACQUIRED, "t-lost")
-    assert first.taken_over_envelope == ENVELOPE
+    assert (first.owed_task_id, first.taken_over_envelope) == ("t-lost", ENVELOPE)
     return taker
+
+
+def _dead_taker_taken_by_the_guard(
+    store: Store, make_request: Make
+) -> tuple[ClaimRequest, DuePickup]:
+    """A key taken from a lost message (call "t-lost") by a taker with a 0.1 s lease that died,
+    and what the guard then took to publish: the taker's request, and that pickup."""
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
+    time.sleep(0.1 + TIMEOUT + 0.1)
+    [due] = store.take_due(10)
+    assert (due.task_id, due.envelope) == ("t-lost", ENVELOPE)
+    return taker, due
 
 
 def test_a_claim_made_again_is_told_again_whose_message_it_took(
@@ -591,7 +603,7 @@ def test_a_claim_made_again_is_told_again_whose_message_it_took(
     again = store.claim(taker)
     # Then it is told the same: whose call it took, and that call's message to send again
     assert (again.outcome, again.taken_from_task_id) == (Outcome.ACQUIRED, "t-lost")
-    assert again.taken_over_envelope == ENVELOPE
+    assert (again.owed_task_id, again.taken_over_envelope) == ("t-lost", ENVELOPE)
 
 
 def test_a_takers_redelivered_message_is_told_whose_message_it_took(
@@ -609,7 +621,7 @@ def test_a_takers_redelivered_message_is_told_whose_message_it_took(
         True,
         "t-lost",
     )
-    assert redelivered.taken_over_envelope == ENVELOPE
+    assert (redelivered.owed_task_id, redelivered.taken_over_envelope) == ("t-lost", ENVELOPE)
 
 
 def test_a_claim_made_again_after_taking_a_dead_owners_key_gets_no_message_either(
@@ -637,18 +649,43 @@ def test_a_claim_made_again_after_taking_a_dead_owners_key_gets_no_message_eithe
         )
 
 
-def test_a_claim_made_again_names_the_call_it_took_not_the_one_whose_message_is_kept(
+def test_a_dead_takers_debt_passes_to_the_call_that_takes_its_key_over(
     store: Store, make_request: Make
 ) -> None:
-    # Given a key taken from a lost message by "t-taker", which died, then taken over in turn
+    # Given a key taken from a lost message by "t-taker", which died owing that message
     taker = _taken_from_a_lost_message(store, make_request, lease=0.2)
     time.sleep(0.3)
+    # When another call takes the key over (before the guard would publish the message), and
+    # its claim is made again (the reply lost)
     heir = make_request(storage_key=taker.storage_key, task_id="t-heir")
     first = store.claim(heir)
-    assert (first.taken_from_task_id, first.taken_over_envelope) == ("t-taker", None)
-    # When its claim is made again, then it is told the same: the call it took the key from
     again = store.claim(heir)
-    assert (again.taken_from_task_id, again.taken_over_envelope) == ("t-taker", None)
+    # Then each time it is told whose key it took, and given the message owed, under that
+    # message's own call's task id
+    for claim in (first, again):
+        assert (claim.taken_from_task_id, claim.owed_task_id, claim.taken_over_envelope) == (
+            "t-taker",
+            "t-lost",
+            ENVELOPE,
+        )
+
+
+def test_a_lost_calls_own_message_taking_its_key_back_owes_nothing(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key taken from a lost message by "t-taker", which died owing that message
+    taker = _taken_from_a_lost_message(store, make_request, lease=0.2)
+    time.sleep(0.3)
+    # When the lost call's own message (slow, not lost after all) takes the key over
+    lost = store.claim(make_request(storage_key=taker.storage_key, task_id="t-lost"))
+    # Then it answers the taker's callers, and owes no message: it is running its own
+    assert (lost.taken_from_task_id, lost.owed_task_id, lost.taken_over_envelope) == (
+        "t-taker",
+        None,
+        None,
+    )
+    # And the guard has nothing of it to publish once it is done
+    assert store.take_due(10) == []
 
 
 def test_a_takers_message_published_by_the_guard_is_no_longer_handed_out(
@@ -656,10 +693,7 @@ def test_a_takers_message_published_by_the_guard_is_no_longer_handed_out(
 ) -> None:
     # Given a call that took the key of a lost message over and died, and the guard, which
     # then took that message to publish it itself
-    taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
-    time.sleep(0.1 + TIMEOUT + 0.1)
-    [due] = store.take_due(10)
-    assert due.task_id == "t-lost"
+    taker, _ = _dead_taker_taken_by_the_guard(store, make_request)
     # When the taker's message comes back, then it is told whose key it took, but not given
     # that message: it is on its way already
     redelivered = store.claim(dataclasses.replace(taker, owner=uuid.uuid4().hex))
@@ -689,10 +723,8 @@ def test_a_dead_takers_key_is_handed_back_under_the_task_id_of_the_message_it_ke
     store: Store, make_request: Make
 ) -> None:
     # Given a key whose taker died, taken by the guard for the message the key keeps
-    taker = _taken_from_a_lost_message(store, make_request, lease=0.1)
-    time.sleep(0.1 + TIMEOUT + 0.1)
-    [due] = store.take_due(10)
-    assert (due.task_id, due.republished) == ("t-lost", 1)
+    taker, due = _dead_taker_taken_by_the_guard(store, make_request)
+    assert due.republished == 1
     # When its publish fails and it is handed back: by that message's task id, not the taker's
     assert store.make_reservation_due(taker.storage_key, "t-taker", 0) is False
     assert store.make_reservation_due(taker.storage_key, "t-lost", 0) is True

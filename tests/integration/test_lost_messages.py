@@ -243,32 +243,47 @@ def test_a_lost_message_whose_key_another_message_ran_still_runs_its_link(
     assert ledger_events(name, "callback") == 1
 
 
-@pytest.mark.usefixtures("short_pickup")
-def test_a_lost_call_whose_taker_died_with_its_message_lost_still_runs_and_answers_both(
-    worker_and_beat: Any,
-) -> None:
-    # Given a keyed call with a link whose message the broker lost
-    name, key = fresh("lost-taker"), fresh("key")
+def _lost_and_taken_by_a_dead_taker(prefix: str) -> tuple[str, str, Any, str]:
+    """A keyed call of ``ledgered`` with a link, whose message the broker lost, and whose key
+    a call of another task id then took over under an owner whose 0.2 s lease is over now:
+    the call's name (its argument), key and result, and the taker's task id."""
+    name, key = fresh(prefix), fresh("key")
     task = worker_app.ledgered
     lost = task.apply_async((name,), idempotency_key=key, link=worker_app.noted_callback.s(name))
     _lose_message("celery", lost.id)
     time.sleep(PICKUP_TIMEOUT + 0.2)  # the message now counts as lost
-    # And another call that took its key over, whose worker then died with its message lost
     taker_id = fresh("taker")
     taker = task._claim_request(key, (name,), {}, taker_id, owner="dead-taker")
     claim = store_for(app).claim(dataclasses.replace(taker, lease_seconds=0.2))
     assert (claim.outcome, claim.taken_from_task_id) == (Outcome.ACQUIRED, lost.id)
-    time.sleep(0.2 + PICKUP_TIMEOUT)  # the taker's lease, and a pickup timeout, are over
+    time.sleep(0.3)
+    return name, key, lost, taker_id
+
+
+def _ran_once_answering_all(name: str, *results: Any) -> None:
+    """The key of the call ``name`` (see ``_lost_and_taken_by_a_dead_taker``) ran its body once,
+    every one of ``results`` resolves to its value, and the lost call's link ran, once."""
+    for result in results:
+        assert result.get(timeout=30) == name
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the lost call's link")
+    assert ledger_events(name, "start") == 1
+
+
+@pytest.mark.usefixtures("short_pickup")
+def test_a_lost_call_whose_taker_died_with_its_message_lost_still_runs_and_answers_both(
+    worker_and_beat: Any,
+) -> None:
+    # Given a keyed call with a link whose message the broker lost, and another call that
+    # took its key over, whose worker then died with its message lost
+    name, _, lost, taker_id = _lost_and_taken_by_a_dead_taker("lost-taker")
+    time.sleep(PICKUP_TIMEOUT)  # a pickup timeout after the taker's lease is over
 
     # When the guard's sweep finds the key
     worker_and_beat()
 
     # Then it publishes the message the key keeps under that call's own task id: the body runs
     # once, the lost call's link runs, and the taker's callers get the value as well
-    assert lost.get(timeout=30) == name
-    assert app.AsyncResult(taker_id).get(timeout=30) == name
-    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the lost call's link")
-    assert ledger_events(name, "start") == 1
+    _ran_once_answering_all(name, lost, app.AsyncResult(taker_id))
 
 
 @pytest.mark.usefixtures("short_pickup")
@@ -277,26 +292,16 @@ def test_a_takers_redelivered_message_still_answers_the_lost_call_whose_key_it_t
 ) -> None:
     # Given a keyed call with a link whose message the broker lost, and another call that
     # took its key over, whose worker then died
-    name, key = fresh("redelivered-taker"), fresh("key")
-    task = worker_app.ledgered
-    lost = task.apply_async((name,), idempotency_key=key, link=worker_app.noted_callback.s(name))
-    _lose_message("celery", lost.id)
-    time.sleep(PICKUP_TIMEOUT + 0.2)
-    taker_id = fresh("taker")
-    taker = task._claim_request(key, (name,), {}, taker_id, owner="dead-taker")
-    claim = store_for(app).claim(dataclasses.replace(taker, lease_seconds=0.2))
-    assert (claim.outcome, claim.taken_from_task_id) == (Outcome.ACQUIRED, lost.id)
-    time.sleep(0.3)
+    name, key, lost, taker_id = _lost_and_taken_by_a_dead_taker("redelivered-taker")
 
     # When the taker's message comes back (the broker's redelivery: the same task id)
     worker_and_beat(beat=False)
-    redelivered = app.send_task(task.name, (name,), task_id=taker_id, idempotency_key=key)
+    redelivered = app.send_task(
+        worker_app.ledgered.name, (name,), task_id=taker_id, idempotency_key=key
+    )
 
     # Then it runs the key once and still answers the lost call, whose link runs
-    assert redelivered.get(timeout=30) == name
-    assert lost.get(timeout=30) == name
-    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the lost call's link")
-    assert ledger_events(name, "start") == 1
+    _ran_once_answering_all(name, redelivered, lost)
 
 
 @pytest.mark.usefixtures("short_pickup")

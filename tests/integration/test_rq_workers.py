@@ -391,6 +391,16 @@ def test_a_job_whose_success_callback_fails_writes_no_dead_letter(
     assert record is not None and record.status is Status.COMPLETED
 
 
+def _dead_lettered_as_corrupt(queue: IdempotentQueue, rq_env: RQEnv, name: str) -> None:
+    """Enqueue ``record_keyed(name, 1)`` through a plain rq.Queue (no look at enqueue; its dead
+    letters go to the test's table), and see it fail and be dead-lettered as CorruptRecord."""
+    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
+    job = plain.enqueue(rq_jobs.record_keyed, name, 1, meta={META_KEY: {"dlq_url": rq_env.dlq_url}})
+    wait_failed(job)
+    (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
+    assert (row.error_type, row.idempotency_key) == ("CorruptRecord", f"keyed:{name}")
+
+
 def test_a_job_whose_keys_cached_result_cannot_be_read_is_dead_lettered(
     queue: IdempotentQueue, rq_env: RQEnv
 ) -> None:
@@ -401,13 +411,9 @@ def test_a_job_whose_keys_cached_result_cannot_be_read_is_dead_lettered(
     assert wait_value(first) == {"name": name, "value": 1, "run": 1}
     record_name = queue.store.names(storage_key(RECORD_KEYED, f"keyed:{name}"))[0]
     rq_env.connection.hset(record_name, "content_type", "application/x-no-such-serializer")
-    # When a job of the key arrives (through a plain rq.Queue: no look at enqueue)
-    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
-    job = plain.enqueue(rq_jobs.record_keyed, name, 1, meta={META_KEY: {"dlq_url": rq_env.dlq_url}})
-    # Then it fails without running, and waits in the dead-letter table rather than vanish
-    wait_failed(job)
-    (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
-    assert (row.error_type, row.idempotency_key) == ("CorruptRecord", f"keyed:{name}")
+    # When a job of the key arrives, then it fails without running, and waits in the
+    # dead-letter table rather than vanish
+    _dead_lettered_as_corrupt(queue, rq_env, name)
     assert rq_jobs.starts(name) == 1
 
 
@@ -418,13 +424,8 @@ def test_a_job_whose_key_holds_a_corrupt_record_is_dead_lettered_without_running
     name = fresh("corrupt")
     record_name = queue.store.names(storage_key(RECORD_KEYED, f"keyed:{name}"))[0]
     rq_env.connection.set(record_name, "not a record")
-    # When a job of the key arrives (through a plain rq.Queue: no look at enqueue; its dead
-    # letters go to the test's table)
-    plain = Queue(queue.name, connection=rq_env.connection, job_class=IdempotentJob)
-    job = plain.enqueue(rq_jobs.record_keyed, name, 1, meta={META_KEY: {"dlq_url": rq_env.dlq_url}})
-    # Then it fails without running, and waits in the dead-letter table rather than vanish
-    wait_failed(job)
-    (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
-    assert (row.error_type, row.idempotency_key) == ("CorruptRecord", f"keyed:{name}")
+    # When a job of the key arrives, then it fails without running, and waits in the
+    # dead-letter table rather than vanish
+    _dead_lettered_as_corrupt(queue, rq_env, name)
     assert rq_jobs.starts(name) == 0
     rq_env.connection.delete(record_name)

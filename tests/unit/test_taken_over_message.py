@@ -29,6 +29,7 @@ def _republish_as_the_taker(charge: Any, envelope: bytes, *, cached: bool) -> No
     attempt = SimpleNamespace(
         taken_over_envelope=envelope,
         taken_from_task_id="lost-call",
+        owed_task_id="lost-call",
         result_cached=cached,
         request=SimpleNamespace(storage_key="taken.charge:k"),
         store=object(),

@@ -12,17 +12,20 @@
 -- ARGV[9]  task name
 -- Returns  {outcome, token, takeover, field, value, ...}, or when acquired
 --          {"acquired", token, takeover, the task id of the other call whose record this one
---          replaced, or "", and when that record was queued, its envelope (if it has one)};
---          the same call's claim made again (its reply lost, or its message redelivered) is
---          told again what its first one was, the envelope only while none published it since
+--          replaced (or ""), and the message this claim owes (or ""/nil): its call's task id
+--          and its envelope}; the same call's claim made again (its reply lost, or its message
+--          redelivered) is told again what its first one was, the message while still owed
 --          outcome: "acquired" | "completed" | "in_progress" | "mismatch"
 --          token: the fencing token when acquired; else the time of the read, ms
 --          takeover: 1 or 0; field/value pairs: the record found when not acquired
+-- Owed: a queued message that counted as lost, of the call whose record the claim replaces,
+-- to be published again once the key completes (its callers, callbacks and chord wait on it);
+-- or the one a dead owner owed, which passes on to the claim that takes its key over.
 -- Fields a claim by another call writes: "taken_from" (the call it took the key from),
--- "owes_message" ("1": that call's queued message, which the claim handed out to be published
--- again once the key completes; take.lua clears it when the guard publishes it instead), and
--- "envelope_of" (whose message "envelope" is, when not the record's call's: the envelope stays
--- where it is, for the guard to publish it under its own call's task id).
+-- "owes_message" ("1": the claim owes the message the record keeps; take.lua clears it when
+-- the guard publishes that message instead), and "envelope_of" (whose message "envelope" is,
+-- when not the record's call's: the envelope stays where it is, for the guard to publish it
+-- under its own call's task id).
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
@@ -33,8 +36,8 @@ local ttl = tonumber(ARGV[5])
 -- corrupt one that lost it: the names are written, with now as that time.
 -- fingerprint: the arguments the key stands for from now on.
 -- taken_from: the task id of the other call whose live record this claim replaces, or ''.
--- envelope: the pickup envelope of the other call's queued message this claim replaces, or nil.
-local function acquire(takeover, created_at, fingerprint, taken_from, envelope)
+-- owed_task_id, envelope: the message this claim owes (see above), or '' and nil.
+local function acquire(takeover, created_at, fingerprint, taken_from, owed_task_id, envelope)
   local token = redis.call('INCR', KEYS[2])
   redis.call('HSET', KEYS[1], 'status', 'processing', 'owner', ARGV[1], 'token', int(token),
     'task_id', ARGV[3], 'fingerprint', fingerprint, 'lease_expires_at', int(now + lease),
@@ -44,7 +47,7 @@ local function acquire(takeover, created_at, fingerprint, taken_from, envelope)
   end
   redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
-  return {'acquired', token, takeover, taken_from, envelope}
+  return {'acquired', token, takeover, taken_from, owed_task_id or '', envelope}
 end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'fingerprint', 'lease_expires_at',
@@ -62,13 +65,18 @@ local other_call = (not same_call and found[7]) or ''
 local mismatch = ARGV[6] == '1' and found[3] ~= ARGV[2] and not same_call
 local envelope_of = found[8]
 
--- Another call takes the key over; owed: the message of the call it takes it from is handed to
--- it (see the fields above).
-local function take_from_other(owed)
+-- Another call takes the key over: from a queued record (its message lost), or from a dead
+-- owner, whose debt passes on (see above). Whether this claim owes the message kept.
+local function take_from_other(from_queued)
+  local owed = from_queued or found[10] == '1'
   if envelope_of == ARGV[3] then
-    redis.call('HDEL', KEYS[1], 'envelope_of')  -- its own message: this call's again
+    -- Its own message: this call's again, owed to no one.
+    redis.call('HDEL', KEYS[1], 'envelope_of', 'owes_message')
+    envelope_of = nil
+    owed = false
   elseif not envelope_of and found[7] and redis.call('HEXISTS', KEYS[1], 'envelope') == 1 then
-    redis.call('HSET', KEYS[1], 'envelope_of', found[7])
+    envelope_of = found[7]
+    redis.call('HSET', KEYS[1], 'envelope_of', envelope_of)
   end
   if owed then
     redis.call('HSET', KEYS[1], 'taken_from', other_call, 'owes_message', '1')
@@ -76,16 +84,15 @@ local function take_from_other(owed)
     redis.call('HSET', KEYS[1], 'taken_from', other_call)
     redis.call('HDEL', KEYS[1], 'owes_message')
   end
+  return owed
 end
 
--- What the same call's first claim was told: the call it took the key from (or ''), and that
--- call's message while it is still owed.
-local function taken_before()
-  local taken_from = found[9] or ''
-  if taken_from == '' or found[10] ~= '1' then
-    return taken_from, nil
+-- The message this claim owes, when it does: its call's task id and its envelope.
+local function owed_message(owed)
+  if not owed or not envelope_of then
+    return '', nil
   end
-  return taken_from, redis.call('HGET', KEYS[1], 'envelope')
+  return envelope_of, redis.call('HGET', KEYS[1], 'envelope')
 end
 
 local function answer(outcome)
@@ -110,18 +117,17 @@ if found[1] == 'queued' then
   if other_call == '' then
     return acquire(0, found[5], fingerprint, '')
   end
-  -- Another call's message that counts as lost: its envelope goes back with the claim, to be
-  -- published again once this call completes (its callers, callbacks and chord wait on it).
-  take_from_other(true)
-  return acquire(0, found[5], fingerprint, other_call, redis.call('HGET', KEYS[1], 'envelope'))
+  -- Another call's message that counts as lost: owed by this claim.
+  return acquire(0, found[5], fingerprint, other_call, owed_message(take_from_other(true)))
 end
+local owed_before = found[10] == '1'  -- by the same call's earlier claim
 if found[2] == ARGV[1] and found[1] == 'processing' then
   local token = tonumber(found[6])
   if token then
-    return {'acquired', token, 0, taken_before()}
+    return {'acquired', token, 0, found[9] or '', owed_message(owed_before)}
   end
   -- Its token cannot be read (corrupt): a new one.
-  return acquire(0, found[5], fingerprint, taken_before())
+  return acquire(0, found[5], fingerprint, found[9] or '', owed_message(owed_before))
 end
 if mismatch then
   return answer('mismatch')
@@ -132,9 +138,8 @@ end
 -- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.
 if (ARGV[7] ~= '' and found[2] == ARGV[7]) or (tonumber(found[4]) or 0) <= now then
   if not same_call then
-    take_from_other(false)
-    return acquire(1, found[5], fingerprint, other_call)
+    return acquire(1, found[5], fingerprint, other_call, owed_message(take_from_other(false)))
   end
-  return acquire(1, found[5], fingerprint, taken_before())
+  return acquire(1, found[5], fingerprint, found[9] or '', owed_message(owed_before))
 end
 return answer('in_progress')
