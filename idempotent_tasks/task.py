@@ -600,6 +600,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         taken_from = _taken_from(self.request)
         if taken_from is not None and not (attempt.superseded or is_replaced(value)):
             self._answer_taken_over_call(taken_from, value)
+            if attempt.owed_task_id not in (None, taken_from):
+                # A lost call whose message a dead owner owed: its callers too have the value,
+                # should its message not go out again.
+                self._answer_taken_over_call(attempt.owed_task_id, value)
             self._republish_taken_over_message(attempt)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.

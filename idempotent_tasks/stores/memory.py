@@ -34,8 +34,8 @@ SWEEP_EVERY = 60.0
 
 @dataclasses.dataclass
 class _Taken:
-    """The call a key's claim took the key from, and whether it owes that call's message (see
-    claim.lua)."""
+    """The call a key's claim took the key from, and whether it owes the message the key keeps
+    (that call's, or one a dead owner owed before: see claim.lua)."""
 
     task_id: str
     owes_message: bool
@@ -191,7 +191,12 @@ class MemoryStore:
             # a dead owner owed; the same call's claim made again is told what its first one was.
             taken = self._taken.get(request.storage_key)
             if not same_call:
-                owed_before = taken is not None and taken.owes_message
+                pending = self._pending.get(request.storage_key)
+                owed_before = (
+                    taken is not None
+                    and taken.owes_message
+                    and not (pending is not None and pending.task_id == request.task_id)
+                )
                 taken = _Taken(found.task_id, found.status is Status.QUEUED or owed_before)
             if found.status is Status.QUEUED:
                 if mismatch:

@@ -80,7 +80,6 @@ from .sql_statements import (
     delete_pickup,
     delete_pickup_if_unchanged,
     delete_pickup_of_processing,
-    disown_message,
     forget_claim,
     insert_if_absent,
     postpone_pickup,
@@ -91,6 +90,7 @@ from .sql_statements import (
     select_abandoned,
     select_claim,
     select_due,
+    select_owed_pickup,
     select_pickup,
     select_processing,
     update_held,
@@ -284,9 +284,16 @@ class SqlStore:
                     later = {"due_at": lost_at}
                     connection.execute(bump_pickup(claim_id, *unchanged, later))
                     return None
-                # The guard publishes it now; a claim decided on the row as it was read (its
-                # debt in it) is refused (the compare-and-set sees the update's time).
-                connection.execute(disown_message(claim_id, now))
+                # The guard publishes it now, and no claim owes it: a compare-and-set on the row
+                # as read, so that a claim that took the key over meanwhile (perhaps owing it)
+                # makes this take give way, and one decided on the row before loses its own
+                # compare-and-set (the update's time moved).
+                disown = replace_if_unchanged(
+                    claim_id, found, {"owes_message": False, "updated_at": now}
+                )
+                if _count(connection, disown) == 0:
+                    connection.rollback()
+                    return None
             values = {"republished": republished, "due_at": due_at}
             bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
             if _count(connection, bump) == 0:
@@ -333,9 +340,12 @@ class SqlStore:
                     values["fingerprint"] = found["fingerprint"]  # the same call: see _decide
             if is_live(found, now) and found["task_id"] != request.task_id:
                 # Another call's key taken over: its queued message, lost, is owed by this
-                # claim, and so is the message a dead owner owed (see claim.lua).
+                # claim, and so is the message a dead owner owed (see claim.lua), unless it is
+                # this call's own.
                 values["taken_from"] = found["task_id"]
-                values["owes_message"] = found["status"] == QUEUED or bool(found["owes_message"])
+                values["owes_message"] = found["status"] == QUEUED or (
+                    bool(found["owes_message"]) and not self._kept_for(claim_id, request.task_id)
+                )
             elif takeover:
                 # The same call's message redelivered: told what its first claim was.
                 values["taken_from"] = found["taken_from"]
@@ -527,8 +537,8 @@ class SqlStore:
     def _replaced(
         self, swap: Update, claim_id: str, *, ended: bool, read_pickup: bool
     ) -> tuple[bool, Any]:
-        """Run a claim's compare-and-set: whether it wrote, and with ``read_pickup`` (another
-        call's queued message handed to the claim) the key's pickup row, read in the same
+        """Run a claim's compare-and-set: whether it wrote, and with ``read_pickup`` (a message
+        the claim owes: see claim.lua) the key's pickup row, read in the same
         transaction (``None`` when there is none, or it cannot be read). A row it replaced that
         had ended (expired, released) takes its pickup along: that is another call's message,
         whose arguments the guard must never publish under this claim's task id."""
@@ -542,9 +552,15 @@ class SqlStore:
             row = connection.execute(select_pickup(claim_id)).mappings().one_or_none()
         return True, _readable_or_none(row)
 
+    def _kept_for(self, claim_id: str, task_id: str) -> bool:
+        """Whether the message the key keeps is ``task_id``'s own."""
+        pickup = _readable_or_none(self._one(select_pickup(claim_id)))
+        return pickup is not None and pickup["task_id"] == task_id
+
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
-        """The key's pickup row, when its claim owes the message (else ``None``)."""
-        return _readable_or_none(self._one(select_pickup(claim_id))) if owed else None
+        """The key's pickup row, when its claim owes the message (else ``None``): read with the
+        debt in one statement, so a guard's take that cleared it meanwhile is seen."""
+        return _readable_or_none(self._one(select_owed_pickup(claim_id))) if owed else None
 
     def close(self) -> None:
         self.engine.dispose()

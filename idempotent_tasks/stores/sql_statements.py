@@ -84,11 +84,6 @@ def update_held(
     )
 
 
-def disown_message(claim_id: str, now: float) -> Update:
-    """Mark a claim row as owing no other call's message (the guard publishes it)."""
-    return claims.update().where(claims.c.id == claim_id).values(owes_message=False, updated_at=now)
-
-
 def forget_claim(claim_id: str, now: float) -> Update:
     """Release a row whatever its state, keeping its token (the key's fencing counter)."""
     return claims.update().where(claims.c.id == claim_id).values(status=RELEASED, updated_at=now)
@@ -192,6 +187,12 @@ def select_due(prefix: str, now: float, limit: int) -> Select[Any]:
         .order_by(pickups.c.due_at)
         .limit(limit)
     )
+
+
+def select_owed_pickup(claim_id: str) -> Select[Any]:
+    """The pickup row of one claim, while the claim row owes its message (one statement)."""
+    owed = select(claims.c.id).where(claims.c.id == claim_id, claims.c.owes_message.is_(True))
+    return select(pickups).where(pickups.c.id == claim_id, owed.exists())
 
 
 def select_pickup(claim_id: str) -> Select[Any]:

@@ -45,8 +45,10 @@ PAST_DUE = DUE_IN + 0.15
 PAST_FIRST_BACKOFF = TIMEOUT * 2 + 0.15
 
 
-def make_pickup(envelope: bytes = ENVELOPE, due_in: float = DUE_IN) -> Pickup:
-    return Pickup(envelope=envelope, due_in=due_in, timeout=TIMEOUT)
+def make_pickup(
+    envelope: bytes = ENVELOPE, due_in: float = DUE_IN, timeout: float = TIMEOUT
+) -> Pickup:
+    return Pickup(envelope=envelope, due_in=due_in, timeout=timeout)
 
 
 def request_for(make_request: Make, name: str, **overrides: object) -> ClaimRequest:
@@ -268,10 +270,11 @@ def test_take_due_hands_an_overdue_key_out_once_per_backoff(
 
 
 def test_take_hands_one_overdue_key_out_once_per_backoff(store: Store, make_request: Make) -> None:
-    # Given two reserved keys
+    # Given two reserved keys (a first backoff of 2 s: time for the steps between two takes on
+    # a busy machine)
     first, second = request_for(make_request, "first"), request_for(make_request, "second")
     for request in (first, second):
-        assert store.reserve(request, make_pickup()) is None
+        assert store.reserve(request, make_pickup(timeout=1.0)) is None
     # Not before it is due
     assert store.take(first.storage_key) is None
     time.sleep(PAST_DUE)
@@ -286,7 +289,7 @@ def test_take_hands_one_overdue_key_out_once_per_backoff(store: Store, make_requ
     assert store.take(first.storage_key) is None
     # and the sweep, backed off the same, hands out only the other key
     assert taken_keys(store) == [second.storage_key]
-    time.sleep(PAST_FIRST_BACKOFF)
+    time.sleep(2.0 + 0.15)
     again = store.take(first.storage_key)
     assert again is not None and again.republished == 2
 
@@ -677,15 +680,24 @@ def test_a_lost_calls_own_message_taking_its_key_back_owes_nothing(
     taker = _taken_from_a_lost_message(store, make_request, lease=0.2)
     time.sleep(0.3)
     # When the lost call's own message (slow, not lost after all) takes the key over
-    lost = store.claim(make_request(storage_key=taker.storage_key, task_id="t-lost"))
+    lost = store.claim(
+        make_request(storage_key=taker.storage_key, task_id="t-lost", lease_seconds=0.2)
+    )
     # Then it answers the taker's callers, and owes no message: it is running its own
     assert (lost.taken_from_task_id, lost.owed_task_id, lost.taken_over_envelope) == (
         "t-taker",
         None,
         None,
     )
-    # And the guard has nothing of it to publish once it is done
     assert store.take_due(10) == []
+    # And should it die in turn, the call taking the key from it owes nothing either
+    time.sleep(0.3)
+    later = store.claim(make_request(storage_key=taker.storage_key, task_id="t-later"))
+    assert (later.taken_from_task_id, later.owed_task_id, later.taken_over_envelope) == (
+        "t-lost",
+        None,
+        None,
+    )
 
 
 def test_a_takers_message_published_by_the_guard_is_no_longer_handed_out(

@@ -35,7 +35,8 @@ local ttl = tonumber(ARGV[5])
 -- key's names (the usual case: they stay as they are); nil or false for a new record, or a
 -- corrupt one that lost it: the names are written, with now as that time.
 -- fingerprint: the arguments the key stands for from now on.
--- taken_from: the task id of the other call whose live record this claim replaces, or ''.
+-- taken_from: the task id of the other call whose live record this claim replaces (on the same
+-- call's paths: its earlier claim's), or ''.
 -- owed_task_id, envelope: the message this claim owes (see above), or '' and nil.
 local function acquire(takeover, created_at, fingerprint, taken_from, owed_task_id, envelope)
   local token = redis.call('INCR', KEYS[2])
