@@ -286,7 +286,12 @@ class Attempt:
     def _winning_value(self, own_value: Any) -> Any:
         try:
             record = self.store.get(self.request.storage_key)
-        except (StoreUnavailable, CorruptRecord):
+        except StoreUnavailable:
+            # Refused, this value may never be the key's: waited on as for a live new owner,
+            # the key's own value is looked up again once the store is back.
+            self.superseded = True
+            return own_value
+        except CorruptRecord:
             return own_value
         if record is not None and record.status in (Status.PROCESSING, Status.QUEUED):
             # The execution that took the key over is still running (or retrying): this value
