@@ -38,6 +38,7 @@ def test_a_refused_completion_whose_winner_cannot_be_read_waits_for_it(
     now[0] += 11
     winner = Attempt(store=store, request=_request("winner"), codec=codec)
     assert winner.claim().outcome is Outcome.ACQUIRED
+
     # When it finishes, its completion is refused, and the store cannot be read just then
     def unreachable(storage_key: str) -> None:
         raise StoreUnavailable("restarting")
