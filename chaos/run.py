@@ -211,11 +211,7 @@ def run_store(args: argparse.Namespace) -> tuple[int, str]:
     deadline = started + args.max_seconds
     directory = Path(tempfile.mkdtemp(prefix=f"chaos-{args.store}-"))
     directory.chmod(0o755)  # PostgreSQL runs as its own user beneath it
-    logging.basicConfig(
-        filename=directory / "driver.log",
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
-    )
+    driver_log = _log_to(directory / "driver.log")
     ledger = Ledger(directory / "ledger.sqlite3")
     ledger.create()
     cluster = Cluster(directory, args.store, ledger.path, args.concurrency, ready_timeout=90)
@@ -345,6 +341,7 @@ def run_store(args: argparse.Namespace) -> tuple[int, str]:
         ledger.close()
         for server_dir in ("redis", "postgres"):
             shutil.rmtree(directory / server_dir, ignore_errors=True)
+        _stop_logging_to(driver_log)
     assert result is not None
     return _finish(result, directory, args)
 
@@ -362,6 +359,31 @@ def _finish(result: AuditResult, directory: Path, args: argparse.Namespace) -> t
     else:
         print(f"run folder (ledger, logs): {directory}", flush=True)
     return status, text
+
+
+def _log_to(path: Path) -> logging.FileHandler:
+    """Send the driver's log records (INFO and up) to ``path``; the handler, to stop it."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return handler
+
+
+def _stop_logging_to(handler: logging.FileHandler) -> None:
+    """Close the driver's log before its folder may be removed.
+
+    Producer threads still waiting on a reply are daemons: they may log until the interpreter
+    exits. A closed file handler would open its file again (raising when the folder is gone)
+    and no handler at all would print to stderr after the report; their records are dropped.
+    """
+    root = logging.getLogger()
+    root.removeHandler(handler)
+    handler.close()
+    root.addHandler(logging.NullHandler())
 
 
 def _say(message: str) -> None:
