@@ -405,8 +405,8 @@ def _task(app: Any, task_name: str) -> Any:
     if task is None:
         try:
             app.loader.import_default_modules()  # the app's include/imports, as a worker does
-        except ImportError as exc:
-            _warn(f"could not import the app's task modules: {exc}")
+        except Exception as exc:  # any module's error as it is imported: a warning
+            _warn(f"could not import the app's task modules: {type(exc).__name__}: {exc}")
         task = app.tasks.get(task_name)
     if task is None:
         _warn(f"task {task_name!r} is not registered in app {app.main!r}; looking it up anyway")

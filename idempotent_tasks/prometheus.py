@@ -59,9 +59,29 @@ class Metrics:
 
     def __init__(self, registry: Any) -> None:
         client = _prometheus_client()
-        counter, gauge = client.Counter, client.Gauge
         #: Held so that the registry outlives this entry of ``_enabled`` (keyed by its id).
         self.registry = registry
+        try:
+            self._make_metrics(client.Counter, client.Gauge, registry)
+        except Exception:
+            # A name the registry holds already: none of ours stays half-registered, so that
+            # the registry is as it was and a later enable() can succeed.
+            for made in vars(self).values():
+                if isinstance(made, (client.Counter, client.Gauge)):
+                    registry.unregister(made)
+            raise
+        self._receivers = (
+            (signals.claim_finished, self._on_claim),
+            (signals.duplicate_suppressed, self._on_duplicate),
+            (signals.stale_complete_refused, self._on_stale),
+            (signals.lease_lost, self._on_lease_lost),
+            (signals.result_not_cached, self._on_not_cached),
+            (signals.dead_letter_written, self._on_dead_letter),
+            (signals.dead_letters_counted, self._on_counted),
+            (signals.lost_message_republished, self._on_lost_republished),
+        )
+
+    def _make_metrics(self, counter: Any, gauge: Any, registry: Any) -> None:
         self.claims = counter(
             f"{PREFIX}_claims", "Worker claims by outcome.", ["task", "outcome"], registry=registry
         )
@@ -113,16 +133,6 @@ class Metrics:
             ["status"],
             registry=registry,
             multiprocess_mode="mostrecent",
-        )
-        self._receivers = (
-            (signals.claim_finished, self._on_claim),
-            (signals.duplicate_suppressed, self._on_duplicate),
-            (signals.stale_complete_refused, self._on_stale),
-            (signals.lease_lost, self._on_lease_lost),
-            (signals.result_not_cached, self._on_not_cached),
-            (signals.dead_letter_written, self._on_dead_letter),
-            (signals.dead_letters_counted, self._on_counted),
-            (signals.lost_message_republished, self._on_lost_republished),
         )
 
     def connect(self) -> None:

@@ -31,12 +31,28 @@ def resolve(*candidates: Any, default: Any) -> Any:
 def positive_seconds(value: Any, name: str) -> float:
     """``value`` as seconds; ``ValueError`` naming the setting unless it is a finite number
     above 0 (an infinite or zero lease or TTL has no meaning a store could keep)."""
+    seconds = _seconds(value, name)
+    if seconds <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds above 0, not {value!r}")
+    return seconds
+
+
+def non_negative_seconds(value: Any, name: str) -> float:
+    """``value`` as seconds, 0 allowed (no wait); ``ValueError`` naming the setting unless it
+    is a finite number of at least 0."""
+    seconds = _seconds(value, name)
+    if seconds < 0:
+        raise ValueError(f"{name} must be a finite number of seconds, 0 or more, not {value!r}")
+    return seconds
+
+
+def _seconds(value: Any, name: str) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number of seconds, not {value!r}") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds above 0, not {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
     return seconds
 
 

@@ -8,6 +8,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .dlq import DeadLetterQueue
 from .errors import StoreUnavailable
+from .settings import non_negative_seconds
 
 #: What building a store or a dead-letter queue raises for a set-up no wait mends: a driver
 #: not installed, a URL that does not parse or names no store, a data folder not makeable.
@@ -32,6 +33,7 @@ def open_dead_letter_queue(url: str | None, base_delay: Any = None) -> DeadLette
     try:
         if base_delay is None:
             return DeadLetterQueue(url)
-        return DeadLetterQueue(url, base_delay=float(base_delay))
+        delay = non_negative_seconds(base_delay, "idempotency_dlq_base_delay")
+        return DeadLetterQueue(url, base_delay=delay)
     except SETUP_ERRORS as exc:
         raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc

@@ -660,7 +660,14 @@ def _shown(text: str) -> str:
     return text.encode(errors="surrogateescape").decode(errors="replace")
 
 
+#: Columns every write fills with text (a client writing bytes or a number there corrupts them).
+TEXT_COLUMNS = ("task_name", "task_id", "framework", "error_type", "error_message", "status")
+
+
 def _read_item(row: Any) -> DeadLetter:
+    for column in TEXT_COLUMNS:
+        if not isinstance(row[column], str):
+            raise TypeError(f"{column} is not text: {row[column]!r:.80}")
     for column in ("args", "kwargs", "options"):
         if isinstance(row[column], UnreadableJSON):
             raise ValueError(f"{column} holds {row[column]!r}")

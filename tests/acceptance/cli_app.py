@@ -1,7 +1,7 @@
 """The app ``celery -A tests.acceptance.cli_app idempotency ...`` runs against in the CLI tests.
 
-Its stores come from ``CLI_STORE_URL`` and ``CLI_DLQ_URL``, read at import (reload it after
-changing them).
+Its stores come from ``CLI_STORE_URL`` and ``CLI_DLQ_URL``, its task modules from
+``CLI_IMPORTS``, read at import (reload it after changing them).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ app.conf.update(
     idempotency_store_url=STORE_URL,
     idempotency_dlq_url=DLQ_URL,
     idempotency_key_prefix=KEY_PREFIX,
+    # Task modules a worker would import (comma-separated), as ``imports`` names them.
+    imports=tuple(filter(None, os.environ.get("CLI_IMPORTS", "").split(","))),
 )
 
 

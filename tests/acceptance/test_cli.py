@@ -667,6 +667,25 @@ def test_key_show_never_unpickles_for_an_unregistered_task(run: Run, store: Redi
     assert "does not accept" in as_json["result_error"]
 
 
+def test_key_show_with_a_task_module_that_fails_to_import_warns_and_goes_on(
+    run: Run, store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the app's task modules, one raising as it is imported (not an ImportError)
+    monkeypatch.setenv("CLI_IMPORTS", "tests.acceptance.cli_broken_tasks")
+    complete(store, "billing.refund", "refund-1", {"refunded": True}, "json")
+
+    result = run("key", "show", "refund-1", "--task", "billing.refund")
+
+    # Then the command says why in one line, and shows the record all the same
+    assert result.exit_code == 0, result.output
+    assert (
+        "Warning: could not import the app's task modules: RuntimeError: the tasks' settings "
+        "module is missing" in result.stderr
+    )
+    assert "Traceback" not in result.output
+    assert "refunded" in result.stdout
+
+
 def test_key_show_of_an_unknown_key_fails_clearly(run: Run, store: RedisStore) -> None:
     complete(store, "shop.charge", "order-42", 1, "json")
 

@@ -627,6 +627,30 @@ def test_a_row_whose_json_does_not_parse_is_left_out_and_given_up_on(
         dlq.dispose()
 
 
+def test_a_text_column_holding_bytes_is_left_out_and_given_up_on(
+    tmp_path: Path, clock: Clock
+) -> None:
+    # Given two due rows on SQLite (which keeps a BLOB in any column), one whose error type an
+    # operator's client overwrote with bytes
+    dlq = DeadLetterQueue(
+        f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}", clock=clock, rng=random.Random(SEED)
+    )
+    try:
+        readable = _add_at(dlq, clock, T0)
+        edited = _add_at(dlq, clock, T0)
+        _edit_row(dlq, edited.id, error_type=b"\xffRuntimeError")
+        # Then a listing reads the other row, and names the edited one
+        reported: list[CorruptRecord] = []
+        assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
+        assert ["error_type is not text" in str(error) for error in reported] == [True]
+        # And a sweep takes the other row, and gives the edited one up
+        clock.now = T0 + timedelta(hours=1)
+        assert _ids(dlq.take_due(limit=10)) == {readable.id}
+        assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
+    finally:
+        dlq.dispose()
+
+
 def test_a_failure_id_whose_bytes_are_not_utf8_is_read_and_its_row_swept(clock: Clock) -> None:
     # Given a due row on MariaDB whose failure id holds latin1 bytes (an earlier version's
     # migration of a latin1 table to bytes kept them so)

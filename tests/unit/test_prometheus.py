@@ -300,3 +300,24 @@ def test_metric_names_are_the_documented_ones(registry: CollectorRegistry) -> No
         "idempotent_tasks_lost_messages_republished",
         "idempotent_tasks_dead_letters",
     }
+
+
+def test_a_refused_enable_leaves_the_registry_as_it_was() -> None:
+    # Given a registry where the name of the metrics' second one is taken
+    from prometheus_client import Counter
+
+    registry = CollectorRegistry()
+    taken = Counter("idempotent_tasks_takeovers", "someone else's", registry=registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        enable(registry)
+    # Then none of the metrics made before the refusal stays registered
+    assert [metric.name for metric in registry.collect()] == ["idempotent_tasks_takeovers"]
+    # and once the name is free, enable() registers them all
+    registry.unregister(taken)
+    enable(registry)
+    try:
+        signals.lease_lost.send(task_name=TASK, key="order:1")
+        assert sample(registry, "idempotent_tasks_leases_lost_total", task=TASK) == 1
+        assert sample(registry, "idempotent_tasks_claims_total", task=TASK, outcome="x") is None
+    finally:
+        disable(registry)

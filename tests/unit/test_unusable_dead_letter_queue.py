@@ -64,3 +64,35 @@ def test_a_worker_refuses_to_start_on_a_dead_letter_queue_it_cannot_set_up(app: 
     worker.app = app  # type: ignore[attr-defined]
     with pytest.raises(SystemExit, match="no driver for mssql"):
         refuse_newer_schemas(sender=worker)
+
+
+@pytest.mark.parametrize(
+    ("base_delay", "said"),
+    [
+        ([60], "must be a number of seconds, not \\[60\\]"),
+        ("soon", "must be a number of seconds, not 'soon'"),
+        (-5, "must be a finite number of seconds, 0 or more, not -5"),
+        (float("inf"), "must be a finite number of seconds, not inf"),
+    ],
+    ids=["list", "text", "negative", "infinite"],
+)
+def test_a_malformed_dead_letter_base_delay_is_named_in_the_error(
+    app: Celery, tmp_path: Path, base_delay: object, said: str
+) -> None:
+    app.conf.idempotency_dlq_url = f"sqlite:///{tmp_path / 'dlq.sqlite3'}"
+    app.conf.idempotency_dlq_base_delay = base_delay
+    with pytest.raises(DeadLetterQueueUnusable, match=f"idempotency_dlq_base_delay {said}"):
+        dlq_for(app)
+
+
+@pytest.mark.parametrize("base_delay", [0, "2.5", 60])
+def test_a_dead_letter_base_delay_is_read_as_seconds(
+    app: Celery, tmp_path: Path, base_delay: object
+) -> None:
+    app.conf.idempotency_dlq_url = f"sqlite:///{tmp_path / 'dlq.sqlite3'}"
+    app.conf.idempotency_dlq_base_delay = base_delay
+    queue = dlq_for(app)
+    try:
+        assert queue.base_delay == float(base_delay)  # type: ignore[arg-type]
+    finally:
+        queue.dispose()
