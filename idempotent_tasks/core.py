@@ -132,6 +132,8 @@ class Attempt:
     #: When this attempt last asked for its claim (:func:`lease_clock`): its lease runs from no
     #: earlier.
     asked_at: float = 0.0
+    #: What this attempt's completion did, once the store answered it.
+    completion: CompleteOutcome | None = None
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
@@ -215,6 +217,7 @@ class Attempt:
             self.log.warning("%s; completing key %r without it", exc, self.request.key)
             self.side_write_refused = True
             outcome = self.store.complete(self.request, self.token, encoded)
+        self.completion = outcome
         self.result_cached = outcome is not CompleteOutcome.STALE and encoded is not None
         if outcome is CompleteOutcome.STALE:
             self.log.warning(
@@ -301,6 +304,32 @@ class Attempt:
         if record is None or record.status is not Status.COMPLETED or not record.result_cached:
             return own_value
         return self.cached_value(record)
+
+    def settle_owed_message(self) -> bool:
+        """Whether this attempt, its completion stored, publishes the message its claim owes
+        (:attr:`owed_task_id`) now: the store clears the debt as it says so, so the message goes
+        out once, from here or from the pickup guard (which takes it when the owner is slow).
+
+        A completion that wrote the record anew owes on no record (the guard's copy went with
+        the old one): the message is this attempt's to publish. A store that cannot say is
+        taken as a yes (logged): a message sent twice is answered twice from the cache, one
+        never sent leaves its callbacks waiting."""
+        if self.owed_task_id is None or self.taken_over_envelope is None:
+            return False
+        if self.completion is CompleteOutcome.RECOVERED:
+            return True
+        if self.completion is not CompleteOutcome.STORED:
+            return False
+        try:
+            return self.store.settle_owed_message(self.request, self.token)
+        except (StoreUnavailable, CorruptRecord) as exc:
+            self.log.warning(
+                "could not ask whether key %r still owes the message of %s (%s); publishing it",
+                self.request.key,
+                self.owed_task_id,
+                exc,
+            )
+            return True
 
     def release_quietly(self, pickup: Pickup | None = None) -> None:
         """Release, logging (not raising) a store error: the lease frees the key anyway."""

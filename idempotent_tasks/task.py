@@ -690,6 +690,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         if call_expired(lost):
             return  # a worker would drop it unrun (REVOKED): its stored result stands
+        if not attempt.settle_owed_message():
+            return  # the guard published it meanwhile (this call was slow past its lease)
         republish_taken(self.app, attempt.store, lost)
 
     def _requeued(self, ended: Exception) -> bool:

@@ -121,6 +121,17 @@ class Store(Protocol):
         """
         ...
 
+    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+        """Whether the completed claim of ``request.owner`` with ``token`` still owes the
+        message it took over (:attr:`~idempotent_tasks.records.ClaimResult.owed_task_id`),
+        clearing that debt in the same atomic step: the caller then publishes it, once.
+
+        ``False`` when the pickup guard took that message meanwhile (the owner was slow past
+        its lease and a re-publication timeout, and the guard published it), when the claim
+        owes none, or when the key is no longer that completed claim's.
+        """
+        ...
+
     def result_byte_limit(self) -> int | None:
         """The largest encoded result :meth:`complete` can write, or ``None`` when the store
         has no limit of its own (only ``idempotency_result_max_bytes`` applies)."""

@@ -283,6 +283,21 @@ class MemoryStore:
             )
             return outcome
 
+    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+        with self._lock:
+            found = self._live(request.storage_key, self._clock())
+            taken = self._taken.get(request.storage_key)
+            if (
+                found is None
+                or found.status is not Status.COMPLETED
+                or (found.owner, found.token) != (request.owner, token)
+                or taken is None
+                or not taken.owes_message
+            ):
+                return False
+            taken.owes_message = False
+            return True
+
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         with self._lock:
             if not self._held(request, token):

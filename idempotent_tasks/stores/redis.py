@@ -59,6 +59,7 @@ _SCRIPTS = (
     "cancel",
     "make_due",
     "drop",
+    "settle",
     "due",
     "take",
     "claim",
@@ -197,6 +198,10 @@ class RedisStore:
         record, _, index = self.names(storage_key)
         count = "" if republished is None else republished
         return bool(self._run("make_due", [record, index], [task_id, storage_key, count]))
+
+    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+        record, _, _ = self.names(request.storage_key)
+        return bool(self._run("settle", [record], [request.owner, str(token)]))
 
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         record, _, index = self.names(storage_key)

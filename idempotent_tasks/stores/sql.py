@@ -93,6 +93,7 @@ from .sql_statements import (
     select_owed_pickup,
     select_pickup,
     select_processing,
+    settle_owed,
     update_held,
     upsert_pickup,
 )
@@ -447,6 +448,13 @@ class SqlStore:
         raise StoreUnavailable(
             f"completion of {request.storage_key!r} kept losing races; try again"
         )
+
+    @run_again_after_deadlock
+    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+        claim_id = self.claim_id(request.storage_key)
+        now = self._clock()
+        with self._begin() as connection:
+            return _count(connection, settle_owed(claim_id, request.owner, token, now)) == 1
 
     @run_again_after_deadlock
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:

@@ -84,6 +84,23 @@ def update_held(
     )
 
 
+def settle_owed(claim_id: str, owner: str, token: int, now: float) -> Update:
+    """Clear the debt of a live ``completed`` row of ``owner`` with ``token`` that owes the
+    message it took over (one row updated: it did)."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.owner == owner,
+            claims.c.token == token,
+            claims.c.status == COMPLETED,
+            claims.c.expires_at > now,
+            claims.c.owes_message.is_(True),
+        )
+        .values(owes_message=False)
+    )
+
+
 def forget_claim(claim_id: str, now: float) -> Update:
     """Release a row whatever its state, keeping its token (the key's fencing counter)."""
     return claims.update().where(claims.c.id == claim_id).values(status=RELEASED, updated_at=now)

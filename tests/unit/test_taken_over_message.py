@@ -23,10 +23,14 @@ def _envelope(expires: str | None = None) -> bytes:
     return json.dumps({"args": ["a"], "kwargs": {}, "options": options}).encode()
 
 
-def _republish_as_the_taker(charge: Any, envelope: bytes, *, cached: bool) -> None:
+def _republish_as_the_taker(
+    charge: Any, envelope: bytes, *, cached: bool, still_owed: bool = True
+) -> None:
     """Run the taker's re-publication of call "lost-call"'s message (key ``taken.charge:k``)
-    once its own completion was (or was not) stored with its value cached."""
+    once its own completion was (or was not) stored with its value cached, and the store says
+    the claim still owes the message (or not: the pickup guard published it)."""
     attempt = SimpleNamespace(
+        settle_owed_message=lambda: still_owed,
         taken_over_envelope=envelope,
         taken_from_task_id="lost-call",
         owed_task_id="lost-call",
@@ -54,13 +58,15 @@ def charge() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("cached", "expires", "published"),
+    ("cached", "expires", "still_owed", "published"),
     [
-        (True, None, True),
-        (True, "future", True),
-        (True, "past", False),  # a worker would drop it unrun, REVOKED
+        (True, None, True, True),
+        (True, "future", True, True),
+        (True, "past", True, False),  # a worker would drop it unrun, REVOKED
         # not stored (the copy would run the key again), or not cached (it would answer None)
-        (False, None, False),
+        (False, None, True, False),
+        # the pickup guard published it while this call was slow past its lease
+        (True, None, False, False),
     ],
 )
 def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_can_answer(
@@ -68,6 +74,7 @@ def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_
     monkeypatch: pytest.MonkeyPatch,
     cached: bool,
     expires: str | None,
+    still_owed: bool,
     published: bool,
 ) -> None:
     sent: list[DuePickup] = []
@@ -78,6 +85,7 @@ def test_a_taken_over_message_goes_out_again_only_once_the_key_holds_a_value_it_
         charge,
         _envelope(expires and moment[expires].isoformat()),
         cached=cached,
+        still_owed=still_owed,
     )
     assert [(due.task_id, due.storage_key) for due in sent] == (
         [("lost-call", "taken.charge:k")] if published else []
