@@ -210,13 +210,16 @@ class Attempt:
             signals.result_not_cached.send(
                 task_name=self.request.task_name, key=self.request.key, reason=reason
             )
+        owes = self._owes_message()
         try:
-            outcome = self.store.complete(self.request, self.token, encoded, side_write)
+            outcome = self.store.complete(
+                self.request, self.token, encoded, side_write, owes_message=owes
+            )
             self.side_written = side_write is not None and outcome is CompleteOutcome.STORED
         except SideWriteRefused as exc:  # raised only when given a side write
             self.log.warning("%s; completing key %r without it", exc, self.request.key)
             self.side_write_refused = True
-            outcome = self.store.complete(self.request, self.token, encoded)
+            outcome = self.store.complete(self.request, self.token, encoded, owes_message=owes)
         self.completion = outcome
         self.result_cached = outcome is not CompleteOutcome.STALE and encoded is not None
         if outcome is CompleteOutcome.STALE:
@@ -310,18 +313,14 @@ class Attempt:
         (:attr:`owed_task_id`) now: the store clears the debt as it says so, so the message goes
         out once, from here or from the pickup guard (which takes it when the owner is slow).
 
-        A completion that wrote the record anew owes on no record (the guard's copy went with
-        the old one): the message is this attempt's to publish. A store that cannot say is
-        taken as a yes (logged): a message sent twice is answered twice from the cache, one
-        never sent leaves its callbacks waiting."""
-        if self.owed_task_id is None or self.taken_over_envelope is None:
-            return False
-        if self.completion is CompleteOutcome.RECOVERED:
-            return True
-        if self.completion is not CompleteOutcome.STORED:
+        A completion that wrote the record anew (the store had lost it) wrote the debt with it.
+        A store that cannot say is taken as a yes (logged): a message sent twice is answered
+        twice from the cache, one never sent leaves its callbacks waiting."""
+        stored = self.completion in (CompleteOutcome.STORED, CompleteOutcome.RECOVERED)
+        if not (stored and self._owes_message()):
             return False
         try:
-            return self.store.settle_owed_message(self.request, self.token)
+            return self.store.settle_owed_message(self.request)
         except (StoreUnavailable, CorruptRecord) as exc:
             self.log.warning(
                 "could not ask whether key %r still owes the message of %s (%s); publishing it",
@@ -330,6 +329,9 @@ class Attempt:
                 exc,
             )
             return True
+
+    def _owes_message(self) -> bool:
+        return self.owed_task_id is not None and self.taken_over_envelope is not None
 
     def release_quietly(self, pickup: Pickup | None = None) -> None:
         """Release, logging (not raising) a store error: the lease frees the key anyway."""

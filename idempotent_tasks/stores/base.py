@@ -104,6 +104,8 @@ class Store(Protocol):
         token: int,
         result: EncodedResult | None,
         side_write: SideWrite | None = None,
+        *,
+        owes_message: bool = False,
     ) -> CompleteOutcome:
         """Mark the key ``completed`` with ``result`` for ``request.ttl_seconds``.
 
@@ -113,6 +115,9 @@ class Store(Protocol):
         (tokens never go back). Completing again what this owner completed returns ``STORED``.
         ``result=None`` records that the result was not cached (duplicates get ``None``).
 
+        ``owes_message``: this claim owes the message it took over (its claim said so); a
+        record written anew keeps that debt, for :meth:`settle_owed_message`.
+
         ``side_write`` is written (and published) in the same atomic step when the outcome is
         ``STORED``, never otherwise. Only the Redis store takes one (see
         ``RedisStore.shares_database_with``), and raises ``SideWriteRefused`` when Redis refuses
@@ -121,8 +126,8 @@ class Store(Protocol):
         """
         ...
 
-    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
-        """Whether the completed claim of ``request.owner`` with ``token`` still owes the
+    def settle_owed_message(self, request: ClaimRequest) -> bool:
+        """Whether the completed claim of ``request.owner`` (one execution attempt) still owes the
         message it took over (:attr:`~idempotent_tasks.records.ClaimResult.owed_task_id`),
         clearing that debt in the same atomic step: the caller then publishes it, once.
 
@@ -140,10 +145,13 @@ class Store(Protocol):
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         """Give up a ``processing`` claim held by ``request.owner`` with ``token``.
 
-        Without ``pickup`` the record is deleted; with one (a retry is being published) it
-        becomes ``queued`` for ``request.task_id`` with that pickup, as :meth:`reserve` writes
-        it. Returns whether the claim was held; the fencing counter is kept, so tokens keep
-        growing.
+        Without ``pickup`` the record is deleted, unless it keeps the message of the call this
+        claim took the key from (see :attr:`~idempotent_tasks.records.ClaimResult.owed_task_id`):
+        the key then goes back to that call, ``queued`` for its message and due now, so the
+        pickup guard publishes it again rather than lose it. With a pickup (a retry is being
+        published) it becomes ``queued`` for ``request.task_id`` with that pickup, as
+        :meth:`reserve` writes it. Returns whether the claim was held; the fencing counter is
+        kept, so tokens keep growing.
         """
         ...
 

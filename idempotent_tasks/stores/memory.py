@@ -104,6 +104,10 @@ class MemoryStore:
                 )
             elif found.status is not Status.PROCESSING or found.lease_expires_at > now:
                 return False  # completed, or its owner alive
+            elif pending.task_id != found.task_id and (taken := self._taken.get(storage_key)):
+                # Another call's message, which the guard could not publish: the owner owes
+                # it again, should it complete before the guard's next try (see make_due.lua).
+                taken.owes_message = True
             pending.due_at = now
             if republished is not None:
                 pending.republished = republished
@@ -255,6 +259,8 @@ class MemoryStore:
         token: int,
         result: EncodedResult | None,
         side_write: SideWrite | None = None,
+        *,
+        owes_message: bool = False,
     ) -> CompleteOutcome:
         refuse_side_write(self, side_write)
         with self._lock:
@@ -268,6 +274,9 @@ class MemoryStore:
                 token = max(token, self._fences.get(request.storage_key, 0))
                 self._fences[request.storage_key] = token
                 found = self._new_record(request, token, now, created_at=now)
+                self._taken.pop(request.storage_key, None)
+                if owes_message:  # the debt of the claim the store lost
+                    self._taken[request.storage_key] = _Taken("", owes_message=True)
             elif found.status is Status.COMPLETED and found.owner == request.owner:
                 return CompleteOutcome.STORED  # a repeated completion
             elif found.owner != request.owner or found.token != token:
@@ -283,14 +292,14 @@ class MemoryStore:
             )
             return outcome
 
-    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+    def settle_owed_message(self, request: ClaimRequest) -> bool:
         with self._lock:
             found = self._live(request.storage_key, self._clock())
             taken = self._taken.get(request.storage_key)
             if (
                 found is None
                 or found.status is not Status.COMPLETED
-                or (found.owner, found.token) != (request.owner, token)
+                or found.owner != request.owner
                 or taken is None
                 or not taken.owes_message
             ):
@@ -303,7 +312,8 @@ class MemoryStore:
             if not self._held(request, token):
                 return False
             if pickup is None:
-                self._drop(request.storage_key)
+                if not self._hand_back(request, self._clock()):
+                    self._drop(request.storage_key)
                 return True
             found = self._records[request.storage_key]
             # The key keeps the arguments it stands for (a retry may run with others).
@@ -376,6 +386,26 @@ class MemoryStore:
         ]:
             del self._fences_until[storage_key]
             self._fences.pop(storage_key, None)
+
+    def _hand_back(self, request: ClaimRequest, now: float) -> bool:
+        """Queue a released key for the message of another call it keeps (the call its claim
+        took the key from: see claim.lua), due now; whether it kept one."""
+        pending = self._pending.get(request.storage_key)
+        if pending is None or pending.task_id == request.task_id:
+            return False
+        found = self._records[request.storage_key]
+        self._records[request.storage_key] = dataclasses.replace(
+            found,
+            status=Status.QUEUED,
+            owner="",
+            task_id=pending.task_id,
+            lease_expires_at=now,
+            updated_at=now,
+            expires_at=now + request.claim_ttl,
+        )
+        pending.due_at = now
+        self._taken.pop(request.storage_key, None)
+        return True
 
     def _drop(self, storage_key: str) -> None:
         found = self._records.pop(storage_key, None)

@@ -199,9 +199,9 @@ class RedisStore:
         count = "" if republished is None else republished
         return bool(self._run("make_due", [record, index], [task_id, storage_key, count]))
 
-    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+    def settle_owed_message(self, request: ClaimRequest) -> bool:
         record, _, _ = self.names(request.storage_key)
-        return bool(self._run("settle", [record], [request.owner, str(token)]))
+        return bool(self._run("settle", [record], [request.owner]))
 
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         record, _, index = self.names(storage_key)
@@ -290,9 +290,11 @@ class RedisStore:
         token: int,
         result: EncodedResult | None,
         side_write: SideWrite | None = None,
+        *,
+        owes_message: bool = False,
     ) -> CompleteOutcome:
         try:
-            return self._complete(request, token, result, side_write)
+            return self._complete(request, token, result, side_write, owes_message)
         except (StoreUnavailable, CorruptRecord) as exc:
             refusal = exc.__cause__
             if side_write is None or not is_refusal(refusal):
@@ -307,6 +309,7 @@ class RedisStore:
         token: int,
         result: EncodedResult | None,
         side_write: SideWrite | None,
+        owes_message: bool,
     ) -> CompleteOutcome:
         keys: list[Any] = self.names(request.storage_key)
         side: list[Any] = []
@@ -330,6 +333,7 @@ class RedisStore:
                 request.key,
                 request.task_name,
                 request.storage_key,
+                "1" if owes_message else "0",
                 *side,
             ],
         )
@@ -345,7 +349,7 @@ class RedisStore:
         keys = [record, index, fence]
         args: list[Any] = [request.owner, token]
         if pickup is None:
-            args += ["", "", "", "", "", ""]
+            args += ["", "", _ms(request.claim_ttl), "", request.task_id, request.storage_key]
         else:
             args += [
                 _ms(pickup.due_in),

@@ -82,6 +82,7 @@ from .sql_statements import (
     delete_pickup_of_processing,
     forget_claim,
     insert_if_absent,
+    owe_again,
     postpone_pickup,
     release_queued,
     replace_if_unchanged,
@@ -90,6 +91,7 @@ from .sql_statements import (
     select_abandoned,
     select_claim,
     select_due,
+    select_kept_message_of,
     select_owed_pickup,
     select_pickup,
     select_processing,
@@ -192,6 +194,10 @@ class SqlStore:
             if _count(connection, retime_pickup(claim_id, now, republished, task_id)) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
                 return False
+            if not queued:
+                # Another call's message, which the guard could not publish: the owner owes
+                # it again, should it complete before the guard's next try (see make_due.lua).
+                connection.execute(owe_again(claim_id, task_id))
             return True
 
     @run_again_after_deadlock
@@ -404,6 +410,8 @@ class SqlStore:
         token: int,
         result: EncodedResult | None,
         side_write: SideWrite | None = None,
+        *,
+        owes_message: bool = False,
     ) -> CompleteOutcome:
         refuse_side_write(self, side_write)
         claim_id = self.claim_id(request.storage_key)
@@ -435,6 +443,7 @@ class SqlStore:
             # row is the key's fencing counter: its token never goes back.
             highest = token if found is None else max(token, int(found["token"]))
             row = {**self._processing_row(request, now, token=highest, takeover=False), **done}
+            row["owes_message"] = owes_message  # the debt of the claim the store lost
             with self._begin() as connection:
                 if found is None:
                     written = _count(connection, insert_if_absent(self.dialect, row))
@@ -450,19 +459,29 @@ class SqlStore:
         )
 
     @run_again_after_deadlock
-    def settle_owed_message(self, request: ClaimRequest, token: int) -> bool:
+    def settle_owed_message(self, request: ClaimRequest) -> bool:
         claim_id = self.claim_id(request.storage_key)
         now = self._clock()
         with self._begin() as connection:
-            return _count(connection, settle_owed(claim_id, request.owner, token, now)) == 1
+            return _count(connection, settle_owed(claim_id, request.owner, now)) == 1
 
     @run_again_after_deadlock
     def release(self, request: ClaimRequest, token: int, pickup: Pickup | None = None) -> bool:
         now = self._clock()
         claim_id = self.claim_id(request.storage_key)
         if pickup is None:
-            values = {"status": RELEASED, "updated_at": now}
             with self._begin() as connection:
+                kept_of = connection.execute(select_kept_message_of(claim_id)).scalar()
+                if kept_of is not None and kept_of != request.task_id:
+                    # Another call's message (the call this claim took the key from): the key
+                    # goes back to it, queued and due now, for the guard to publish it again.
+                    values = self._handed_back_values(request, kept_of, now)
+                    held = update_held(claim_id, request.owner, token, now, values)
+                    if _count(connection, held) != 1:
+                        return False
+                    connection.execute(retime_pickup(claim_id, now, None, kept_of))
+                    return True
+                values = {"status": RELEASED, "updated_at": now}
                 held = update_held(claim_id, request.owner, token, now, values)
                 if _count(connection, held) != 1:
                     return False
@@ -611,6 +630,22 @@ class SqlStore:
             "content_type": None,
             "content_encoding": None,
             "result": None,
+            "taken_from": None,
+            "owes_message": False,
+        }
+
+    @staticmethod
+    def _handed_back_values(request: ClaimRequest, task_id: str, now: float) -> dict[str, Any]:
+        """A released claim row made ``queued`` for the message of call ``task_id``, due now
+        (the key keeps its arguments, token and creation time)."""
+        return {
+            "status": QUEUED,
+            "owner": "",
+            "takeover": False,
+            "task_id": task_id,
+            "lease_expires_at": now,
+            "updated_at": now,
+            "expires_at": now + request.claim_ttl,
             "taken_from": None,
             "owes_message": False,
         }

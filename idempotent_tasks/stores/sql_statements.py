@@ -84,20 +84,33 @@ def update_held(
     )
 
 
-def settle_owed(claim_id: str, owner: str, token: int, now: float) -> Update:
-    """Clear the debt of a live ``completed`` row of ``owner`` with ``token`` that owes the
-    message it took over (one row updated: it did)."""
+def settle_owed(claim_id: str, owner: str, now: float) -> Update:
+    """Clear the debt of a live ``completed`` row of ``owner`` that owes the message it took
+    over (one row updated: it did)."""
     return (
         claims.update()
         .where(
             claims.c.id == claim_id,
             claims.c.owner == owner,
-            claims.c.token == token,
             claims.c.status == COMPLETED,
             claims.c.expires_at > now,
             claims.c.owes_message.is_(True),
         )
         .values(owes_message=False)
+    )
+
+
+def owe_again(claim_id: str, task_id: str) -> Update:
+    """Mark the ``processing`` row of a key as owing the message of call ``task_id`` it keeps,
+    when that call is not the row's own."""
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.status == PROCESSING,
+            claims.c.task_id != task_id,
+        )
+        .values(owes_message=True)
     )
 
 
@@ -210,6 +223,11 @@ def select_owed_pickup(claim_id: str) -> Select[Any]:
     """The pickup row of one claim, while the claim row owes its message (one statement)."""
     owed = select(claims.c.id).where(claims.c.id == claim_id, claims.c.owes_message.is_(True))
     return select(pickups).where(pickups.c.id == claim_id, owed.exists())
+
+
+def select_kept_message_of(claim_id: str) -> Select[Any]:
+    """The task id of the message a key's pickup row keeps (no row: none)."""
+    return select(pickups.c.task_id).where(pickups.c.id == claim_id)
 
 
 def select_pickup(claim_id: str) -> Select[Any]:

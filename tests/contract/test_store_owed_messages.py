@@ -10,7 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
+from idempotent_tasks.records import (
+    ClaimRequest,
+    CompleteOutcome,
+    EncodedResult,
+    Outcome,
+    Pickup,
+    Status,
+)
 from idempotent_tasks.stores import Store
 
 Make = Callable[..., ClaimRequest]
@@ -42,12 +49,12 @@ def test_a_completed_owing_claim_settles_its_debt_once(store: Store, make_reques
     # Given a claim owing a lost call's message, still running
     taker, token = owing_claim(store, make_request)
     # Then it settles nothing before it completes
-    assert store.settle_owed_message(taker, token) is False
+    assert store.settle_owed_message(taker) is False
     # When it completes
-    assert store.complete(taker, token, RESULT) is CompleteOutcome.STORED
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
     # Then it owes the message once: the first to ask publishes it, no one else
-    assert store.settle_owed_message(taker, token) is True
-    assert store.settle_owed_message(taker, token) is False
+    assert store.settle_owed_message(taker) is True
+    assert store.settle_owed_message(taker) is False
     # and the guard never publishes it either
     time.sleep(TIMEOUT + 0.15)
     assert store.take_due(10) == []
@@ -62,25 +69,105 @@ def test_a_slow_owner_owes_nothing_once_the_guard_published_the_message(
     time.sleep(0.2 + TIMEOUT + 0.15)
     assert [(due.task_id, due.envelope) for due in store.take_due(10)] == [("t-lost", ENVELOPE)]
     # When the owner wakes and completes (no other claim came in between)
-    assert store.complete(taker, token, RESULT) is CompleteOutcome.STORED
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
     # Then it does not publish the message a second time
-    assert store.settle_owed_message(taker, token) is False
+    assert store.settle_owed_message(taker) is False
 
 
 def test_a_claim_owing_nothing_settles_nothing(store: Store, make_request: Make) -> None:
     request = make_request()
     token = store.claim(request).token
     assert store.complete(request, token, RESULT) is CompleteOutcome.STORED
-    assert store.settle_owed_message(request, token) is False
+    assert store.settle_owed_message(request) is False
 
 
-def test_only_the_completed_owner_with_its_token_settles(store: Store, make_request: Make) -> None:
+def test_only_the_completed_owner_settles(store: Store, make_request: Make) -> None:
     # Given a completed claim owing a lost call's message
     taker, token = owing_claim(store, make_request)
-    assert store.complete(taker, token, RESULT) is CompleteOutcome.STORED
-    # Then another owner, or the same one with another token, settles nothing
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
+    # Then another owner settles nothing
     stranger = make_request(task_id="t-taker")
-    assert store.settle_owed_message(stranger, token) is False
-    assert store.settle_owed_message(taker, token + 1) is False
+    assert store.settle_owed_message(stranger) is False
     # and the debt is still the owner's to settle
-    assert store.settle_owed_message(taker, token) is True
+    assert store.settle_owed_message(taker) is True
+
+
+def test_a_completion_writing_a_lost_record_anew_keeps_its_debt(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim owing a lost call's message, whose record the store then lost
+    taker, token = owing_claim(store, make_request)
+    assert store.forget(taker.storage_key) is True
+    # When it completes, writing the record anew, and completes again (its reply was lost)
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.RECOVERED
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
+    # Then it still owes the message, once
+    assert store.settle_owed_message(taker) is True
+    assert store.settle_owed_message(taker) is False
+
+
+def test_a_message_the_guard_could_not_publish_is_owed_again(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim owing a lost call's message, whose owner stalled past its lease and the
+    # re-publication timeout, and whose message the guard took but could not publish
+    taker, token = owing_claim(store, make_request, lease_seconds=0.2)
+    time.sleep(0.2 + TIMEOUT + 0.15)
+    [taken] = store.take_due(10)
+    assert store.make_reservation_due(taker.storage_key, taken.task_id) is True
+    # When the owner completes before the guard's next try
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
+    # Then the owner publishes the message itself
+    assert store.settle_owed_message(taker) is True
+
+
+# -- a claim given up for good ------------------------------------------------------------
+
+
+def test_a_claim_given_up_hands_the_key_back_to_the_call_it_took_it_from(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim that took the key from a lost call's message, and failed for good
+    taker, token = owing_claim(store, make_request)
+    # When it gives the key up (no retry to queue it for)
+    assert store.release(taker, token) is True
+    # Then the key is queued again for the lost call's message, and due now
+    record = store.get(taker.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id, record.owner) == (Status.QUEUED, "t-lost", "")
+    time.sleep(0.01)
+    # so the guard publishes that message again, under its own task id, once
+    assert [(due.task_id, due.envelope) for due in store.take_due(10)] == [("t-lost", ENVELOPE)]
+    assert store.take_due(10) == []
+    # and that message, delivered, runs the key, owing no one
+    again = store.claim(make_request(task_id="t-lost"))
+    assert (again.outcome, again.owed_task_id, again.taken_over_envelope) == (
+        Outcome.ACQUIRED,
+        None,
+        None,
+    )
+
+
+def test_a_claim_given_up_by_a_stranger_hands_nothing_back(
+    store: Store, make_request: Make
+) -> None:
+    taker, token = owing_claim(store, make_request)
+    stranger = make_request(task_id="t-taker")
+    assert store.release(stranger, token) is False
+    record = store.get(taker.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.PROCESSING, "t-taker")
+
+
+def test_a_claim_on_its_own_message_given_up_frees_the_key(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key reserved for call "t-own", claimed by its own message, which failed for good
+    own = make_request(task_id="t-own")
+    assert store.reserve(own, Pickup(envelope=ENVELOPE, due_in=0.0, timeout=TIMEOUT)) is None
+    token = store.claim(own).token
+    assert store.release(own, token) is True
+    # Then nothing is kept: its message is not published again
+    assert store.get(own.storage_key) is None
+    time.sleep(0.05)
+    assert store.take_due(10) == []

@@ -79,27 +79,39 @@ def test_an_attempt_whose_store_cannot_say_publishes(
     attempt = _owing_attempt(store, clock)
     attempt.finish("value", patience_seconds=1)
 
-    def unreachable(request: ClaimRequest, token: int) -> bool:
+    def unreachable(request: ClaimRequest) -> bool:
         raise StoreUnavailable("restarting")
 
     monkeypatch.setattr(store, "settle_owed_message", unreachable)
     assert attempt.settle_owed_message() is True
 
 
-def test_an_attempt_whose_record_vanished_publishes_without_asking(
-    store: MemoryStore, clock: list[float], monkeypatch: pytest.MonkeyPatch
+def test_an_attempt_whose_record_vanished_still_publishes_once(
+    store: MemoryStore, clock: list[float]
 ) -> None:
     # Given an owing attempt whose record the store lost (its completion writes it anew)
     attempt = _owing_attempt(store, clock)
     assert store.forget(attempt.request.storage_key) is True
-
-    def never_asked(request: ClaimRequest, token: int) -> bool:
-        raise AssertionError("a record written anew owes nothing on the store")
-
-    monkeypatch.setattr(store, "settle_owed_message", never_asked)
     attempt.finish("value", patience_seconds=1)
-    # Then only it still knows the message: it publishes it
+    # Then the debt went with the record written anew: it publishes the message, once
     assert attempt.settle_owed_message() is True
+    assert attempt.settle_owed_message() is False
+
+
+def test_an_attempt_that_did_not_complete_publishes_nothing(
+    store: MemoryStore, clock: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an owing attempt whose store stayed down past its patience as it completed
+    attempt = _owing_attempt(store, clock)
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("down")
+
+    monkeypatch.setattr(store, "complete", unreachable)
+    monkeypatch.setattr(store, "settle_owed_message", unreachable)
+    attempt.finish("value", patience_seconds=0)
+    # Then the message is not sent: the key is not completed, and the copy would run it again
+    assert attempt.settle_owed_message() is False
 
 
 def test_a_refused_completion_publishes_nothing(store: MemoryStore, clock: list[float]) -> None:

@@ -10,7 +10,9 @@
 -- ARGV[8]  fingerprint   ARGV[9]  task id   ARGV[10]  key   ARGV[11]  task name
 --          (ARGV[8..11] rebuild the record if it vanished)
 -- ARGV[12] storage key (index member)
--- KEYS[4], ARGV[13], ARGV[14]  optional side write: a key, its value and ttl in ms (0: none),
+-- ARGV[13] "1" if this claim owes the message it took over (see claim.lua): a record written
+--          anew keeps that debt, for settle.lua; else "0"
+-- KEYS[4], ARGV[14], ARGV[15]  optional side write: a key, its value and ttl in ms (0: none),
 --          set and published on that key when the outcome is "stored", never otherwise
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
 local clock = redis.call('TIME')
@@ -19,13 +21,13 @@ local ttl = tonumber(ARGV[3])
 
 local function stored()
   if KEYS[4] then
-    local side_ttl = tonumber(ARGV[14])
+    local side_ttl = tonumber(ARGV[15])
     if side_ttl > 0 then
-      redis.call('SET', KEYS[4], ARGV[13], 'PX', ARGV[14])
+      redis.call('SET', KEYS[4], ARGV[14], 'PX', ARGV[15])
     else
-      redis.call('SET', KEYS[4], ARGV[13])
+      redis.call('SET', KEYS[4], ARGV[14])
     end
-    redis.call('PUBLISH', KEYS[4], ARGV[13])
+    redis.call('PUBLISH', KEYS[4], ARGV[14])
   end
   return 'stored'
 end
@@ -45,6 +47,9 @@ if not found[1] or found[1] == 'queued' then
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'fingerprint', ARGV[8],
     'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', int(now),
     'lease_expires_at', int(now))
+  if ARGV[13] == '1' then
+    redis.call('HSET', KEYS[1], 'owes_message', '1')
+  end
 elseif found[1] == 'completed' and found[2] == ARGV[1] then
   return stored()  -- a repeated completion
 elseif found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then

@@ -2,7 +2,9 @@
 -- published, and the pickup guard is to publish it when it next looks. A processing record
 -- keeping this task id's message (a dead owner's, taken for that lost message) has only its
 -- pickup made due: its owner's lease still decides, in take.lua, when the message counts as
--- lost.
+-- lost. When that message is another call's (the one the owner took the key from), the owner
+-- owes it again (take.lua cleared that debt as the guard took it): should the owner complete
+-- before the guard's next try, it publishes the message itself (settle.lua).
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  task id           ARGV[2]  storage key (index member)
 -- ARGV[3]  count of re-publications to set back to ("" to leave it)
@@ -22,6 +24,8 @@ end
 redis.call('HSET', KEYS[1], 'due_at', now, 'updated_at', now)
 if found[1] == 'queued' then
   redis.call('HSET', KEYS[1], 'lease_expires_at', now)
+elseif found[5] then
+  redis.call('HSET', KEYS[1], 'owes_message', '1')
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'republished', ARGV[3])
