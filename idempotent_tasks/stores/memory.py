@@ -102,12 +102,16 @@ class MemoryStore:
                 self._records[storage_key] = dataclasses.replace(
                     found, lease_expires_at=now, updated_at=now
                 )
-            elif found.status is not Status.PROCESSING or found.lease_expires_at > now:
-                return False  # completed, or its owner alive
-            elif pending.task_id != found.task_id and (taken := self._taken.get(storage_key)):
-                # Another call's message, which the guard could not publish: the owner owes
-                # it again, should it complete before the guard's next try (see make_due.lua).
-                taken.owes_message = True
+            elif found.status is not Status.PROCESSING:
+                return False  # completed
+            else:
+                taken = self._taken.get(storage_key)
+                if pending.task_id != found.task_id and taken is not None:
+                    # Another call's message, which the guard could not publish: the owner
+                    # owes it again, alive or not (see make_due.lua).
+                    taken.owes_message = True
+                if found.lease_expires_at > now:
+                    return False  # its owner is alive (it renewed its lease since)
             pending.due_at = now
             if republished is not None:
                 pending.republished = republished
@@ -121,6 +125,8 @@ class MemoryStore:
             pending = self._pending.get(storage_key)
             if pending is not None and pending.task_id == task_id:
                 del self._pending[storage_key]
+                if (taken := self._taken.get(storage_key)) is not None:
+                    taken.owes_message = False  # its message is gone (see drop.lua)
                 return True
             return found.task_id == task_id
 

@@ -83,6 +83,7 @@ from .sql_statements import (
     forget_claim,
     insert_if_absent,
     owe_again,
+    owe_nothing,
     postpone_pickup,
     release_queued,
     replace_if_unchanged,
@@ -187,6 +188,10 @@ class SqlStore:
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
             queued = _count(connection, retime_queued(claim_id, task_id, now, now)) == 1
+            if not queued:
+                # A claimed key keeping another call's message, which the guard could not
+                # publish: the owner owes it again, alive or not (see make_due.lua).
+                connection.execute(owe_again(claim_id, task_id))
             # Else a dead owner's key: the pickup of task_id's message it keeps is due; the
             # owner's lease still decides when the message counts as lost.
             if not queued and connection.execute(select_abandoned(claim_id, now)).first() is None:
@@ -194,10 +199,6 @@ class SqlStore:
             if _count(connection, retime_pickup(claim_id, now, republished, task_id)) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
                 return False
-            if not queued:
-                # Another call's message, which the guard could not publish: the owner owes
-                # it again, should it complete before the guard's next try (see make_due.lua).
-                connection.execute(owe_again(claim_id, task_id))
             return True
 
     @run_again_after_deadlock
@@ -206,6 +207,8 @@ class SqlStore:
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
             if _count(connection, delete_pickup_of_processing(claim_id, task_id, now)) > 0:
+                # Another call's message gone with it: the owner owes it no more (drop.lua).
+                connection.execute(owe_nothing(claim_id, task_id))
                 return True
             # Claimed without a reservation, or its pickup dropped already: there was such a
             # record all the same (as the Redis and memory stores answer).
@@ -479,7 +482,10 @@ class SqlStore:
                     held = update_held(claim_id, request.owner, token, now, values)
                     if _count(connection, held) != 1:
                         return False
-                    connection.execute(retime_pickup(claim_id, now, None, kept_of))
+                    if _count(connection, retime_pickup(claim_id, now, None, kept_of)) == 1:
+                        return True
+                    # Its pickup dropped meanwhile (that call revoked): nothing to hand back.
+                    connection.execute(forget_claim(claim_id, now))
                     return True
                 values = {"status": RELEASED, "updated_at": now}
                 held = update_held(claim_id, request.owner, token, now, values)

@@ -101,8 +101,24 @@ def settle_owed(claim_id: str, owner: str, now: float) -> Update:
 
 
 def owe_again(claim_id: str, task_id: str) -> Update:
-    """Mark the ``processing`` row of a key as owing the message of call ``task_id`` it keeps,
-    when that call is not the row's own."""
+    """Mark the ``processing`` row of a key as owing the message of call ``task_id``, when the
+    key's pickup row keeps that message and that call is not the row's own."""
+    kept = select(pickups.c.id).where(pickups.c.id == claim_id, pickups.c.task_id == task_id)
+    return (
+        claims.update()
+        .where(
+            claims.c.id == claim_id,
+            claims.c.status == PROCESSING,
+            claims.c.task_id != task_id,
+            kept.exists(),
+        )
+        .values(owes_message=True)
+    )
+
+
+def owe_nothing(claim_id: str, task_id: str) -> Update:
+    """Clear the debt of a key's ``processing`` row for the message of call ``task_id``, when
+    that call is not the row's own."""
     return (
         claims.update()
         .where(
@@ -110,7 +126,7 @@ def owe_again(claim_id: str, task_id: str) -> Update:
             claims.c.status == PROCESSING,
             claims.c.task_id != task_id,
         )
-        .values(owes_message=True)
+        .values(owes_message=False)
     )
 
 

@@ -7,8 +7,11 @@ message first because the owner was slow past its lease and a re-publication tim
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
+
+import pytest
 
 from idempotent_tasks.records import (
     ClaimRequest,
@@ -74,6 +77,16 @@ def test_a_slow_owner_owes_nothing_once_the_guard_published_the_message(
     assert store.settle_owed_message(taker) is False
 
 
+def test_a_revoked_calls_message_is_owed_no_more(store: Store, make_request: Make) -> None:
+    # Given a claim owing a lost call's message, and that call then revoked (its kept message
+    # dropped, so that nothing publishes it again)
+    taker, token = owing_claim(store, make_request)
+    assert store.drop_pickup(taker.storage_key, "t-lost") is True
+    # When the claim completes, then it does not publish that message either
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
+    assert store.settle_owed_message(taker) is False
+
+
 def test_a_claim_owing_nothing_settles_nothing(store: Store, make_request: Make) -> None:
     request = make_request()
     token = store.claim(request).token
@@ -106,15 +119,19 @@ def test_a_completion_writing_a_lost_record_anew_keeps_its_debt(
     assert store.settle_owed_message(taker) is False
 
 
+@pytest.mark.parametrize("owner", ["still stalled", "renewed its lease meanwhile"])
 def test_a_message_the_guard_could_not_publish_is_owed_again(
-    store: Store, make_request: Make
+    store: Store, make_request: Make, owner: str
 ) -> None:
     # Given a claim owing a lost call's message, whose owner stalled past its lease and the
     # re-publication timeout, and whose message the guard took but could not publish
     taker, token = owing_claim(store, make_request, lease_seconds=0.2)
     time.sleep(0.2 + TIMEOUT + 0.15)
     [taken] = store.take_due(10)
-    assert store.make_reservation_due(taker.storage_key, taken.task_id) is True
+    if owner == "renewed its lease meanwhile":
+        assert store.extend(dataclasses.replace(taker, lease_seconds=30.0), token) is True
+    made_due = store.make_reservation_due(taker.storage_key, taken.task_id)
+    assert made_due is (owner == "still stalled")  # a live owner's lease decides
     # When the owner completes before the guard's next try
     assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
     # Then the owner publishes the message itself
