@@ -206,9 +206,10 @@ class SqlStore:
         claim_id = self.claim_id(storage_key)
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
+            # Another call's message about to go: the owner owes it no more (see drop.lua).
+            # The claim row first, as release and take lock them (no deadlock between them).
+            connection.execute(owe_nothing(claim_id, task_id, now))
             if _count(connection, delete_pickup_of_processing(claim_id, task_id, now)) > 0:
-                # Another call's message gone with it: the owner owes it no more (drop.lua).
-                connection.execute(owe_nothing(claim_id, task_id))
                 return True
             # Claimed without a reservation, or its pickup dropped already: there was such a
             # record all the same (as the Redis and memory stores answer).

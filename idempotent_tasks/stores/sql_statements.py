@@ -116,16 +116,14 @@ def owe_again(claim_id: str, task_id: str) -> Update:
     )
 
 
-def owe_nothing(claim_id: str, task_id: str) -> Update:
-    """Clear the debt of a key's ``processing`` row for the message of call ``task_id``, when
-    that call is not the row's own."""
+def owe_nothing(claim_id: str, task_id: str, now: float) -> Update:
+    """Clear the debt of a key's live ``processing`` row for the message of call ``task_id``
+    its pickup row keeps, when that call is not the row's own (that pickup row is the one
+    :func:`delete_pickup_of_processing` deletes next, under the same conditions)."""
+    kept = select(pickups.c.id).where(pickups.c.id == claim_id, pickups.c.task_id == task_id)
     return (
         claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.status == PROCESSING,
-            claims.c.task_id != task_id,
-        )
+        .where(_processing(claim_id, now), claims.c.task_id != task_id, kept.exists())
         .values(owes_message=False)
     )
 
