@@ -597,58 +597,58 @@ def test_a_batch_of_rows_it_cannot_read_does_not_end_the_take(
     assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 2
 
 
+@pytest.fixture
+def sqlite_dlq(tmp_path: Path, clock: Clock) -> Iterator[DeadLetterQueue]:
+    """A queue on a fresh SQLite file (which keeps what the server databases refuse)."""
+    dlq = DeadLetterQueue(
+        f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}", clock=clock, rng=random.Random(SEED)
+    )
+    yield dlq
+    dlq.dispose()
+
+
 def test_a_row_whose_json_does_not_parse_is_left_out_and_given_up_on(
-    tmp_path: Path, clock: Clock
+    sqlite_dlq: DeadLetterQueue, clock: Clock
 ) -> None:
     # Given two due rows on SQLite (which keeps any text in a JSON column; PostgreSQL and
     # MariaDB refuse it), one edited by hand into JSON that does not parse
-    dlq = DeadLetterQueue(
-        f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}", clock=clock, rng=random.Random(SEED)
-    )
-    try:
-        readable = _add_at(dlq, clock, T0)
-        edited = _add_at(dlq, clock, T0, error_message="warehouse down")
-        with dlq.engine.begin() as connection:
-            connection.execute(
-                sa.text(f"UPDATE {dead_letters.name} SET kwargs = '{{not json' WHERE id = :id"),
-                {"id": edited.id},
-            )
-        # Then a listing reads the other row, and names the edited one
-        reported: list[CorruptRecord] = []
-        assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
-        assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
-        with pytest.raises(CorruptRecord, match="kwargs holds unreadable JSON"):
-            dlq.get(edited.id)
-        # And a sweep takes the other row, and gives the edited one up
-        clock.now = T0 + timedelta(hours=1)
-        assert _ids(dlq.take_due(limit=10)) == {readable.id}
-        assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
-    finally:
-        dlq.dispose()
+    dlq = sqlite_dlq
+    readable = _add_at(dlq, clock, T0)
+    edited = _add_at(dlq, clock, T0, error_message="warehouse down")
+    with dlq.engine.begin() as connection:
+        connection.execute(
+            sa.text(f"UPDATE {dead_letters.name} SET kwargs = '{{not json' WHERE id = :id"),
+            {"id": edited.id},
+        )
+    # Then a listing reads the other row, and names the edited one
+    reported: list[CorruptRecord] = []
+    assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
+    assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
+    with pytest.raises(CorruptRecord, match="kwargs holds unreadable JSON"):
+        dlq.get(edited.id)
+    # And a sweep takes the other row, and gives the edited one up
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(dlq.take_due(limit=10)) == {readable.id}
+    assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
 
 
 def test_a_text_column_holding_bytes_is_left_out_and_given_up_on(
-    tmp_path: Path, clock: Clock
+    sqlite_dlq: DeadLetterQueue, clock: Clock
 ) -> None:
     # Given two due rows on SQLite (which keeps a BLOB in any column), one whose error type an
     # operator's client overwrote with bytes
-    dlq = DeadLetterQueue(
-        f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}", clock=clock, rng=random.Random(SEED)
-    )
-    try:
-        readable = _add_at(dlq, clock, T0)
-        edited = _add_at(dlq, clock, T0)
-        _edit_row(dlq, edited.id, error_type=b"\xffRuntimeError")
-        # Then a listing reads the other row, and names the edited one
-        reported: list[CorruptRecord] = []
-        assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
-        assert ["error_type is not text" in str(error) for error in reported] == [True]
-        # And a sweep takes the other row, and gives the edited one up
-        clock.now = T0 + timedelta(hours=1)
-        assert _ids(dlq.take_due(limit=10)) == {readable.id}
-        assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
-    finally:
-        dlq.dispose()
+    dlq = sqlite_dlq
+    readable = _add_at(dlq, clock, T0)
+    edited = _add_at(dlq, clock, T0)
+    _edit_row(dlq, edited.id, error_type=b"\xffRuntimeError")
+    # Then a listing reads the other row, and names the edited one
+    reported: list[CorruptRecord] = []
+    assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
+    assert ["error_type is not text" in str(error) for error in reported] == [True]
+    # And a sweep takes the other row, and gives the edited one up
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(dlq.take_due(limit=10)) == {readable.id}
+    assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
 
 
 def test_a_failure_id_whose_bytes_are_not_utf8_is_read_and_its_row_swept(clock: Clock) -> None:
