@@ -233,12 +233,13 @@ def test_release_frees_the_key_and_tokens_keep_growing(store: Store, make_reques
 def test_tokens_keep_growing_past_a_retry_whose_queued_record_outlives_the_claim(
     store: Store, make_request: Make
 ) -> None:
-    # Given a short claim released for a retry due well after the claim would have ended
-    first = make_request(lease_seconds=0.1, ttl_seconds=0.1)
+    # Given a short claim (its record ends 0.8 s on: time for its release on a busy machine)
+    # released for a retry due well after the claim would have ended
+    first = make_request(lease_seconds=0.4, ttl_seconds=0.4)
     token = store.claim(first).token
     pickup = Pickup(envelope=b"{}", due_in=5.0, timeout=5.0)
     assert store.release(first, token, pickup) is True
-    time.sleep(1.5)
+    time.sleep(2.0)  # past the claim's end, and its counter's with it (Redis: 1 s later)
     # When the retry claims the key, then its token is still the next one
     again = store.claim(first)
     assert again.outcome is Outcome.ACQUIRED
@@ -265,11 +266,14 @@ def test_release_does_not_undo_a_completion(store: Store, make_request: Make) ->
 
 
 def test_extend_keeps_a_live_owner_from_being_taken_over(store: Store, make_request: Make) -> None:
-    owner = make_request(lease_seconds=0.3)
+    # Given an owner with a 1 s lease that renews it every 0.25 s, on past its first lease's end
+    # (each renewal 0.75 s before its lease would end: room for a busy machine)
+    owner = make_request(lease_seconds=1.0)
     token = store.claim(owner).token
     for _ in range(5):
-        time.sleep(0.1)
+        time.sleep(0.25)
         assert store.extend(owner, token) is True
+    # When another call claims the key, then it waits: the renewed lease lives (1 s to go)
     other = store.claim(make_request(storage_key=owner.storage_key))
     assert other.outcome is Outcome.IN_PROGRESS
 
@@ -293,17 +297,21 @@ def test_complete_after_the_record_vanished_recovers(store: Store, make_request:
 def test_a_recovering_completion_never_hands_a_token_out_again(
     store: Store, make_request: Make
 ) -> None:
-    # Given an owner taken over (token 1, then 2), and the key's record expired since
-    first = make_request(lease_seconds=0.1, ttl_seconds=0.1)
+    # Given an owner taken over (token 1, then 2), and the key's record expired since (a
+    # claim's record ends 0.2 s on; a completed one is kept 0.8 s: time for the steps after
+    # the completion on a busy machine)
+    first = make_request(lease_seconds=0.1, ttl_seconds=0.8, claim_ttl_seconds=0.1)
     assert store.claim(first).token == 1
     second = make_request(
         storage_key=first.storage_key,
         previous_owner=first.owner,
         lease_seconds=0.1,
-        ttl_seconds=0.1,
+        ttl_seconds=0.8,
+        claim_ttl_seconds=0.1,
     )
     assert store.claim(second).token == 2
-    time.sleep(0.5)  # past the record's expiry; Redis keeps its counter a second longer
+    # past the record's expiry; Redis keeps its counter a second longer (0.8 s still to go)
+    time.sleep(0.4)
     # When the first owner finishes, its result is written anew under the highest token
     assert store.complete(first, 1, RESULT) is CompleteOutcome.RECOVERED
     record = store.get(first.storage_key)
@@ -311,8 +319,9 @@ def test_a_recovering_completion_never_hands_a_token_out_again(
     assert (record.status, record.owner, record.token) == (Status.COMPLETED, first.owner, 2)
     # and completing again is harmless
     assert store.complete(first, 1, RESULT) is CompleteOutcome.STORED
-    # Then once that record expired too, the next claim gets a token never given before
-    time.sleep(0.3)
+    # Then once that record expired too (Redis keeps its counter a second longer), the next
+    # claim gets a token never given before
+    time.sleep(0.8 + 0.15)
     assert store.claim(make_request(storage_key=first.storage_key)).token == 3
 
 
