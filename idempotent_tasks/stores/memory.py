@@ -252,8 +252,8 @@ class MemoryStore:
         if taken is None:
             return acquired
         told = dataclasses.replace(acquired, taken_from_task_id=taken.task_id)
-        pending = self._pending.get(request.storage_key)
-        if not taken.owes_message or pending is None or pending.task_id == request.task_id:
+        pending = self._others_message(request)
+        if not taken.owes_message or pending is None:
             return told
         return dataclasses.replace(
             told, owed_task_id=pending.task_id, taken_over_envelope=pending.pickup.envelope
@@ -393,11 +393,16 @@ class MemoryStore:
             del self._fences_until[storage_key]
             self._fences.pop(storage_key, None)
 
+    def _others_message(self, request: ClaimRequest) -> _Pending | None:
+        """The key's pickup, when it keeps the message of another call than ``request``'s."""
+        pending = self._pending.get(request.storage_key)
+        return None if pending is None or pending.task_id == request.task_id else pending
+
     def _hand_back(self, request: ClaimRequest, now: float) -> bool:
         """Queue a released key for the message of another call it keeps (the call its claim
         took the key from: see claim.lua), due now; whether it kept one."""
-        pending = self._pending.get(request.storage_key)
-        if pending is None or pending.task_id == request.task_id:
+        pending = self._others_message(request)
+        if pending is None:
             return False
         found = self._records[request.storage_key]
         self._records[request.storage_key] = dataclasses.replace(

@@ -82,8 +82,6 @@ from .sql_statements import (
     delete_pickup_of_processing,
     forget_claim,
     insert_if_absent,
-    owe_again,
-    owe_nothing,
     postpone_pickup,
     release_queued,
     replace_if_unchanged,
@@ -96,6 +94,7 @@ from .sql_statements import (
     select_owed_pickup,
     select_pickup,
     select_processing,
+    set_debt,
     settle_owed,
     update_held,
     upsert_pickup,
@@ -153,7 +152,7 @@ class SqlStore:
                 "id": claim_id,
                 "token": 0,
                 "created_at": now,
-                **self._queued_values(request, pickup, now),
+                **self._queued_values(request, pickup.due_in, now),
             }
             if self._write_queued(insert_if_absent(self.dialect, fresh), request, pickup, now):
                 return None
@@ -191,7 +190,7 @@ class SqlStore:
             if not queued:
                 # A claimed key keeping another call's message, which the guard could not
                 # publish: the owner owes it again, alive or not (see make_due.lua).
-                connection.execute(owe_again(claim_id, task_id))
+                connection.execute(set_debt(claim_id, task_id, now, owes=True))
             # Else a dead owner's key: the pickup of task_id's message it keeps is due; the
             # owner's lease still decides when the message counts as lost.
             if not queued and connection.execute(select_abandoned(claim_id, now)).first() is None:
@@ -208,7 +207,7 @@ class SqlStore:
         with self._begin() as connection:
             # Another call's message about to go: the owner owes it no more (see drop.lua).
             # The claim row first, as release and take lock them (no deadlock between them).
-            connection.execute(owe_nothing(claim_id, task_id, now))
+            connection.execute(set_debt(claim_id, task_id, now, owes=False))
             if _count(connection, delete_pickup_of_processing(claim_id, task_id, now)) > 0:
                 return True
             # Claimed without a reservation, or its pickup dropped already: there was such a
@@ -479,7 +478,9 @@ class SqlStore:
                 if kept_of is not None and kept_of != request.task_id:
                     # Another call's message (the call this claim took the key from): the key
                     # goes back to it, queued and due now, for the guard to publish it again.
-                    values = self._handed_back_values(request, kept_of, now)
+                    # (It keeps its arguments, token and creation time.)
+                    values = {**self._queued_values(request, 0.0, now), "task_id": kept_of}
+                    del values["fingerprint"]
                     held = update_held(claim_id, request.owner, token, now, values)
                     if _count(connection, held) != 1:
                         return False
@@ -494,7 +495,7 @@ class SqlStore:
                     return False
                 connection.execute(delete_pickup(claim_id))  # nothing is left to publish
                 return True
-        values = self._queued_values(request, pickup, now)
+        values = self._queued_values(request, pickup.due_in, now)
         del values["fingerprint"]  # the key keeps the arguments it stands for (see claim)
         return self._write_queued(
             update_held(claim_id, request.owner, token, now, values), request, pickup, now
@@ -588,8 +589,8 @@ class SqlStore:
 
     def _kept_for(self, claim_id: str, task_id: str) -> bool:
         """Whether the message the key keeps is ``task_id``'s own."""
-        pickup = _readable_or_none(self._one(select_pickup(claim_id)))
-        return pickup is not None and pickup["task_id"] == task_id
+        kept = self._one(select_kept_message_of(claim_id))
+        return kept is not None and kept["task_id"] == task_id
 
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
         """The key's pickup row, when its claim owes the message (else ``None``): read with the
@@ -620,8 +621,9 @@ class SqlStore:
             return True
 
     @staticmethod
-    def _queued_values(request: ClaimRequest, pickup: Pickup, now: float) -> dict[str, Any]:
-        """A ``queued`` claim row but for its id, token and creation time."""
+    def _queued_values(request: ClaimRequest, due_in: float, now: float) -> dict[str, Any]:
+        """A ``queued`` claim row, due ``due_in`` seconds on, but for its id, token and
+        creation time."""
         return {
             "key": _shown_key(request.key),
             "task_name": request.task_name,
@@ -630,29 +632,13 @@ class SqlStore:
             "takeover": False,
             "task_id": request.task_id,
             "fingerprint": request.fingerprint,
-            "lease_expires_at": now + pickup.due_in,
+            "lease_expires_at": now + due_in,
             "updated_at": now,
-            "expires_at": now + pickup.due_in + request.claim_ttl,
+            "expires_at": now + due_in + request.claim_ttl,
             "result_cached": False,
             "content_type": None,
             "content_encoding": None,
             "result": None,
-            "taken_from": None,
-            "owes_message": False,
-        }
-
-    @staticmethod
-    def _handed_back_values(request: ClaimRequest, task_id: str, now: float) -> dict[str, Any]:
-        """A released claim row made ``queued`` for the message of call ``task_id``, due now
-        (the key keeps its arguments, token and creation time)."""
-        return {
-            "status": QUEUED,
-            "owner": "",
-            "takeover": False,
-            "task_id": task_id,
-            "lease_expires_at": now,
-            "updated_at": now,
-            "expires_at": now + request.claim_ttl,
             "taken_from": None,
             "owes_message": False,
         }

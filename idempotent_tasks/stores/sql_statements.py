@@ -71,61 +71,23 @@ def update_held(
     claim_id: str, owner: str, token: int, now: float, values: dict[str, Any]
 ) -> Update:
     """Update a live ``processing`` row held by ``owner`` with ``token``."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.owner == owner,
-            claims.c.token == token,
-            claims.c.status == PROCESSING,
-            claims.c.expires_at > now,
-        )
-        .values(**values)
-    )
+    held = _owned_row(claim_id, PROCESSING, owner, now) & (claims.c.token == token)
+    return claims.update().where(held).values(**values)
 
 
 def settle_owed(claim_id: str, owner: str, now: float) -> Update:
     """Clear the debt of a live ``completed`` row of ``owner`` that owes the message it took
     over (one row updated: it did)."""
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.owner == owner,
-            claims.c.status == COMPLETED,
-            claims.c.expires_at > now,
-            claims.c.owes_message.is_(True),
-        )
-        .values(owes_message=False)
-    )
+    owing = _owned_row(claim_id, COMPLETED, owner, now) & claims.c.owes_message.is_(True)
+    return claims.update().where(owing).values(owes_message=False)
 
 
-def owe_again(claim_id: str, task_id: str) -> Update:
-    """Mark the ``processing`` row of a key as owing the message of call ``task_id``, when the
-    key's pickup row keeps that message and that call is not the row's own."""
-    kept = select(pickups.c.id).where(pickups.c.id == claim_id, pickups.c.task_id == task_id)
-    return (
-        claims.update()
-        .where(
-            claims.c.id == claim_id,
-            claims.c.status == PROCESSING,
-            claims.c.task_id != task_id,
-            kept.exists(),
-        )
-        .values(owes_message=True)
-    )
-
-
-def owe_nothing(claim_id: str, task_id: str, now: float) -> Update:
-    """Clear the debt of a key's live ``processing`` row for the message of call ``task_id``
-    its pickup row keeps, when that call is not the row's own (that pickup row is the one
-    :func:`delete_pickup_of_processing` deletes next, under the same conditions)."""
-    kept = select(pickups.c.id).where(pickups.c.id == claim_id, pickups.c.task_id == task_id)
-    return (
-        claims.update()
-        .where(_processing(claim_id, now), claims.c.task_id != task_id, kept.exists())
-        .values(owes_message=False)
-    )
+def set_debt(claim_id: str, task_id: str, now: float, *, owes: bool) -> Update:
+    """Set whether a key's live ``processing`` row owes the message of call ``task_id``, when
+    its pickup row keeps that message and that call is not the row's own."""
+    kept = select(pickups.c.id).where(_keeps_message_of(claim_id, task_id)).exists()
+    others = _processing(claim_id, now) & (claims.c.task_id != task_id) & kept
+    return claims.update().where(others).values(owes_message=owes)
 
 
 def forget_claim(claim_id: str, now: float) -> Update:
@@ -151,6 +113,21 @@ def delete_orphan_pickups(before: float) -> Delete:
     """
     claimed = select(claims.c.id).where(claims.c.id == pickups.c.id).exists()
     return delete(pickups).where((pickups.c.due_at < before) & ~claimed)
+
+
+def _owned_row(claim_id: str, status: str, owner: str, now: float) -> Any:
+    """The key's claim row, live, in ``status`` for the execution attempt ``owner``."""
+    return (
+        (claims.c.id == claim_id)
+        & (claims.c.status == status)
+        & (claims.c.owner == owner)
+        & (claims.c.expires_at > now)
+    )
+
+
+def _keeps_message_of(claim_id: str, task_id: str) -> Any:
+    """The key's pickup row, keeping the message of call ``task_id``."""
+    return (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
 
 
 def _processing(claim_id: str, now: float) -> Any:
@@ -185,7 +162,7 @@ def delete_pickup_of_processing(claim_id: str, task_id: str, now: float) -> Dele
     ``processing`` (for that call, or another one that took the key over; one statement:
     nothing can land between the check and the delete)."""
     held = select(claims.c.id).where(_processing(claim_id, now)).exists()
-    return delete(pickups).where((pickups.c.id == claim_id) & (pickups.c.task_id == task_id) & held)
+    return delete(pickups).where(_keeps_message_of(claim_id, task_id) & held)
 
 
 def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
@@ -202,7 +179,7 @@ def select_abandoned(claim_id: str, now: float) -> Select[Any]:
 def retime_pickup(claim_id: str, due_at: float, republished: int | None, task_id: str) -> Update:
     """Move the due time of a key's pickup row of ``task_id``'s message, and set its count of
     re-publications, when given."""
-    mine = (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
+    mine = _keeps_message_of(claim_id, task_id)
     values: dict[str, Any] = {"due_at": due_at}
     if republished is not None:
         values["republished"] = republished
