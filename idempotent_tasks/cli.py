@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -127,6 +128,19 @@ def _store(ctx: click.Context) -> tuple[Store, str]:
     return store, url
 
 
+def _on_a_terminal() -> bool:
+    """Whether someone at a terminal can answer a question (stdin is one)."""
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _confirm(question: str, yes: bool) -> None:
+    """Ask ``question`` before a change there is no undo for, unless ``--yes`` was given or
+    no one can answer: a script, a cron job or a test that runs the command means it (as one
+    running ``rm`` does); its prompt could only end it. "No" ends the command with exit 1."""
+    if not yes and _on_a_terminal():
+        click.confirm(question, abort=True)
+
+
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -196,7 +210,9 @@ def dlq_show(ctx: click.Context, item_id: str, as_json: bool) -> None:
 
 @dlq.command(name="retry")
 @click.argument("item_id", metavar="ID")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask before retrying a succeeded item.")
+@click.option(
+    "--yes", "-y", is_flag=True, help="Do not ask (on a terminal) before retrying a succeeded item."
+)
 @click.pass_context
 def dlq_retry(ctx: click.Context, item_id: str, yes: bool) -> None:
     """Make a dead letter due now: the next sweep re-publishes its task.
@@ -218,11 +234,11 @@ def dlq_retry(ctx: click.Context, item_id: str, yes: bool) -> None:
                 f"dead letter {item.id} keeps its task's arguments as text only: it cannot be "
                 "sent again (call its task again by hand, or purge it)"
             )
-        if item.status is DeadLetterStatus.SUCCEEDED and not yes:
-            click.confirm(
+        if item.status is DeadLetterStatus.SUCCEEDED:
+            _confirm(
                 f"Dead letter {item.id} ({item.task_name}) succeeded already: retrying it runs "
                 "its task again (a call without a key runs its body again). Retry it?",
-                abort=True,
+                yes,
             )
         if not queue.retry_now(item_id):
             # Between the read and the write, a sweep took it or someone purged it.
@@ -256,8 +272,8 @@ def _being_retried(item_id: str) -> str:
     metavar="DURATION",
     help="Only items not updated for this long: 7d, 12h, 30m, 3600s.",
 )
-@click.option("--all", "purge_all", is_flag=True, help="Delete every item (no filter).")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--all", "purge_all", is_flag=True, help="Every item (the same as no filter).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask first (on a terminal).")
 @click.pass_context
 def dlq_purge(
     ctx: click.Context,
@@ -266,24 +282,21 @@ def dlq_purge(
     purge_all: bool,
     yes: bool,
 ) -> None:
-    """Delete dead letters by status and/or age.
+    """Delete dead letters by status and/or age; with neither, every one.
 
-    --all deletes every one. Asks for confirmation unless --yes is given. There is no undo.
+    On a terminal, asks first unless --yes is given. There is no undo.
     """
     filtered = status is not None or older_than is not None
     if filtered and purge_all:
         raise click.UsageError("--all deletes every item: give it without --status/--older-than")
-    if not filtered and not purge_all:
-        raise click.UsageError("give --status and/or --older-than, or --all to delete every item")
     queue = _queue(ctx)
-    if purge_all:
+    if not filtered:
         what = "every dead letter"
     else:
         what = "the dead letters" + (f" with status {status}" if status else "")
         if older_than is not None:
             what += f" not updated for {cli_format.span(older_than.total_seconds())}"
-    if not yes:
-        click.confirm(f"Delete {what} in {shown_url(queue.url)}?", abort=True)
+    _confirm(f"Delete {what} in {shown_url(queue.url)}?", yes)
     with _reaching("dead-letter database", queue.url):
         deleted = queue.purge(status=status, older_than=older_than)
     click.echo(f"Deleted {_plural(deleted, 'dead letter')}.")
@@ -342,12 +355,12 @@ def key_show(ctx: click.Context, idempotency_key: str, task_name: str, as_json: 
 @key.command(name="forget")
 @click.argument("idempotency_key", metavar="KEY")
 @TASK_OPTION
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask first (on a terminal).")
 @click.pass_context
 def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bool) -> None:
     """Delete a key's record, so its next call runs the task again.
 
-    Asks for confirmation unless --yes is given.
+    On a terminal, asks first unless --yes is given.
     """
     store, url = _store(ctx)
     _task(_app(ctx), task_name)  # warns about a misspelt task name
@@ -357,20 +370,16 @@ def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bo
     except CorruptRecord as exc:
         record, unreadable = None, exc  # forgetting an unreadable record is the way out of it
     state = record.status.value if record is not None else "unreadable"
-    if not yes:
-        running = ""
-        if record is None:
-            running = f" Its record cannot be read ({unreadable})."
-        elif record.status is Status.PROCESSING:
-            running = (
-                f" It is processing (task {record.task_id}): a duplicate could then run beside it."
-            )
-        elif record.status is Status.QUEUED:
-            running = f" Task {record.task_id} is queued: a lost message is then not sent again."
-        click.confirm(
-            f"Forget key {idempotency_key!r} of task {task_name} ({state})?{running}",
-            abort=True,
+    running = ""
+    if record is None:
+        running = f" Its record cannot be read ({unreadable})."
+    elif record.status is Status.PROCESSING:
+        running = (
+            f" It is processing (task {record.task_id}): a duplicate could then run beside it."
         )
+    elif record.status is Status.QUEUED:
+        running = f" Task {record.task_id} is queued: a lost message is then not sent again."
+    _confirm(f"Forget key {idempotency_key!r} of task {task_name} ({state})?{running}", yes)
     with _reaching("claim store", url):
         if not store.forget(storage_key(task_name, idempotency_key)):
             raise click.ClickException(f"key {idempotency_key!r} of task {task_name} just vanished")

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from celery.bin.celery import celery
 from click.testing import CliRunner, Result
 
+from idempotent_tasks import cli
 from idempotent_tasks.codec import ResultCodec
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.dlq.schema import dead_letters
@@ -93,6 +94,13 @@ def store(store_url: str) -> Iterator[RedisStore]:
     opened = RedisStore.from_url(store_url, prefix=cli_app.KEY_PREFIX)
     yield opened
     opened.close()
+
+
+@pytest.fixture
+def terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commands run as if someone sat at a terminal: they ask before they delete (the runner's
+    input answers)."""
+    monkeypatch.setattr(cli, "_on_a_terminal", lambda: True)
 
 
 @pytest.fixture
@@ -355,7 +363,7 @@ def test_retry_makes_a_given_up_item_pending_and_due_now(
 
 
 def test_retry_of_a_succeeded_item_asks_first_as_its_task_runs_again(
-    run: Run, queue: DeadLetterQueue
+    run: Run, queue: DeadLetterQueue, terminal: None
 ) -> None:
     # Given an item whose retry succeeded
     item = queue.add(failure(21))
@@ -419,7 +427,7 @@ def test_retry_of_an_unknown_id_fails_clearly(run: Run, queue: DeadLetterQueue) 
 
 
 def test_purge_asks_first_and_deletes_on_yes(
-    run: Run, queue: DeadLetterQueue, clock: Clock
+    run: Run, queue: DeadLetterQueue, clock: Clock, terminal: None
 ) -> None:
     seed_three(queue, clock)
 
@@ -460,34 +468,73 @@ def test_purge_older_than_keeps_recent_items(
     assert [item.id for item in queue.items()] == [recent.id]
 
 
-def test_purge_asks_with_the_age_in_words(run: Run, queue: DeadLetterQueue) -> None:
+def test_purge_asks_with_the_age_in_words(run: Run, queue: DeadLetterQueue, terminal: None) -> None:
     result = run("dlq", "purge", "--older-than", "3600s", input="n\n")
 
     assert "Delete the dead letters not updated for 1h in postgresql" in result.output
 
 
-def test_purge_needs_a_filter_or_all(run: Run, queue: DeadLetterQueue, clock: Clock) -> None:
+def test_purge_refuses_bad_filters_and_without_one_deletes_everything(
+    run: Run, queue: DeadLetterQueue, clock: Clock
+) -> None:
     seed_three(queue, clock)
 
-    bare = run("dlq", "purge", "--yes")
     mixed = run("dlq", "purge", "--all", "--status", "pending", "--yes")
     bad_age = run("dlq", "purge", "--older-than", "a week", "--yes")
     too_old = [run("dlq", "purge", "--older-than", age) for age in ("800000d", "99999999999w")]
     assert queue.stats()["total"] == 3
-    everything = run("dlq", "purge", "--all", "--yes")
+    everything = run("dlq", "purge")
 
-    assert bare.exit_code == 2
-    assert "give --status and/or --older-than, or --all" in bare.stderr
     assert mixed.exit_code == 2 and "--all deletes every item" in mixed.stderr
     assert bad_age.exit_code == 2
     assert "'a week' is not a duration like 7d, 12h, 30m or 3600s" in bad_age.stderr
-    # Ages no date can reach are refused at once: no traceback, no question asked first
+    # Ages no date can reach are refused at once: no traceback, nothing deleted
     for refused in too_old:
         assert refused.exit_code == 2, refused.stderr
         assert "is longer than 365000 days" in refused.stderr
         assert "Delete" not in refused.stdout
     assert everything.exit_code == 0 and everything.stdout == "Deleted 3 dead letters.\n"
     assert queue.stats()["total"] == 0
+
+
+def test_purge_all_asks_on_a_terminal_and_yes_skips_the_question(
+    run: Run, queue: DeadLetterQueue, clock: Clock, terminal: None
+) -> None:
+    seed_three(queue, clock)
+
+    declined = run("dlq", "purge", "--all", input="n\n")
+    assert declined.exit_code == 1 and "Delete every dead letter in postgresql" in declined.output
+    assert queue.stats()["total"] == 3
+    forced = run("dlq", "purge", "--yes")
+
+    assert forced.exit_code == 0 and forced.output == "Deleted 3 dead letters.\n"
+    assert queue.stats()["total"] == 0
+
+
+def test_commands_run_by_a_script_do_not_ask(
+    run: Run, queue: DeadLetterQueue, store: RedisStore, clock: Clock
+) -> None:
+    # Given no terminal (a script, cron, a test runner): no one could answer a question
+    item = queue.add(failure(21))
+    assert queue.retry_now(item.id)
+    [taken] = queue.take_due()
+    queue.mark_succeeded(taken.id)
+    seed_three(queue, clock)
+    complete(store, "shop.charge", "order-42", 1, "json")
+
+    retried = run("dlq", "retry", item.id)
+    purged = run("dlq", "purge", "--status", "permanent_failure")
+    forgot = run("key", "forget", "order-42", "--task", "shop.charge")
+
+    # Then each does what it was told, and says so
+    for result in (retried, purged, forgot):
+        assert result.exit_code == 0, result.output
+        assert "[y/N]" not in result.output
+    now = queue.get(item.id)
+    assert now is not None and now.status is DeadLetterStatus.PENDING
+    assert purged.stdout == "Deleted 1 dead letter.\n"
+    assert forgot.stdout == "Forgot key 'order-42' of task shop.charge (it was completed).\n"
+    assert store.get(storage_key("shop.charge", "order-42")) is None
 
 
 # -- dlq stats ------------------------------------------------------------------------------
@@ -717,7 +764,7 @@ def test_key_show_with_a_default_store_folder_that_cannot_be_made_fails_clearly(
 # -- key forget -----------------------------------------------------------------------------
 
 
-def test_key_forget_asks_first_then_deletes(run: Run, store: RedisStore) -> None:
+def test_key_forget_asks_first_then_deletes(run: Run, store: RedisStore, terminal: None) -> None:
     complete(store, "shop.charge", "order-42", 1, "json")
     name = storage_key("shop.charge", "order-42")
 
@@ -736,7 +783,7 @@ def test_key_forget_asks_first_then_deletes(run: Run, store: RedisStore) -> None
 
 
 def test_key_forget_of_a_running_key_says_so_and_yes_skips_the_question(
-    run: Run, store: RedisStore
+    run: Run, store: RedisStore, terminal: None
 ) -> None:
     claim(store, "shop.charge", "order-7")
 
@@ -749,7 +796,7 @@ def test_key_forget_of_a_running_key_says_so_and_yes_skips_the_question(
 
 
 def test_key_forget_deletes_an_unreadable_record(
-    run: Run, store: RedisStore, store_url: str
+    run: Run, store: RedisStore, store_url: str, terminal: None
 ) -> None:
     # Given a key whose record cannot be read (calls of it are dead-lettered until it goes)
     name = storage_key("shop.charge", "order-9")
