@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass
 
+from .text_enum import TextEnum
 
-class Status(str, enum.Enum):
+
+class Status(TextEnum):
     """State of a key's record."""
 
     #: A message for the key was published and no worker has claimed it yet.
@@ -16,7 +17,7 @@ class Status(str, enum.Enum):
     COMPLETED = "completed"
 
 
-class Outcome(str, enum.Enum):
+class Outcome(TextEnum):
     """What an atomic claim found, and so what the worker must do."""
 
     ACQUIRED = "acquired"
@@ -25,7 +26,7 @@ class Outcome(str, enum.Enum):
     MISMATCH = "mismatch"
 
 
-class CompleteOutcome(str, enum.Enum):
+class CompleteOutcome(TextEnum):
     """What a completion write did."""
 
     STORED = "stored"

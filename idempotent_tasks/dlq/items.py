@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import enum
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from ..text_enum import TextEnum
+
 #: Item option: the arguments JSON could not hold are kept as their ``repr``, for display only.
 ARGS_LOSSY = "args_lossy"
 
 
-class DeadLetterStatus(str, enum.Enum):
+class DeadLetterStatus(TextEnum):
     """Where a dead letter is in its life."""
 
     PENDING = "pending"
