@@ -6,6 +6,7 @@ from . import (
     metrics,  # noqa: F401  (its in-process counters listen from the first call)
     sent_by_name,  # noqa: F401  (keys of calls sent by name go into the headers)
 )
+from .dead_letters import retry_dead_letters
 from .errors import (
     CorruptRecord,
     DeadLettered,
@@ -29,4 +30,5 @@ __all__ = [
     "SchemaVersionError",
     "StoreUnavailable",
     "__version__",
+    "retry_dead_letters",
 ]

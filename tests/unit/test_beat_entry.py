@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, current_app
 
 import idempotent_tasks  # noqa: F401 - registers the sweep task and its beat entry
 from idempotent_tasks.dead_letters import SWEEP_TASK, routing_options
@@ -17,6 +17,19 @@ def _finalized(**conf: object) -> Celery:
 
 def test_sweep_task_is_registered() -> None:
     assert SWEEP_TASK in _finalized().tasks
+
+
+def test_the_sweep_is_importable_by_its_task_name() -> None:
+    # ``idempotent_tasks.retry_dead_letters`` is both the task's name and where it lives
+    from idempotent_tasks import retry_dead_letters
+
+    previous = current_app._get_current_object()
+    app = Celery("t", set_as_current=True, broker="memory://")
+    try:
+        assert retry_dead_letters.name == SWEEP_TASK
+        assert app.tasks[SWEEP_TASK] is retry_dead_letters._get_current_object()
+    finally:
+        previous.set_current()
 
 
 def test_beat_entry_defaults_to_every_30_seconds() -> None:
