@@ -39,6 +39,21 @@ def store_url(app: Any) -> str:
     return default_sqlite_url("claims.sqlite3")
 
 
+def host_local_defaults(app: Any) -> dict[str, str]:
+    """What ``app`` keeps in a local SQLite file because no URL names a shared database: the
+    claim store (no ``idempotency_store_url`` and a result backend other than Redis) and the
+    dead-letter table (no ``idempotency_dlq_url``), each with its URL. Only processes on this
+    host see those files."""
+    local: dict[str, str] = {}
+    if not app_setting(app.conf, "idempotency_store_url") and not _is_redis_backend(
+        str(app.conf.result_backend or "")
+    ):
+        local["claim store"] = store_url(app)
+    if not app_setting(app.conf, "idempotency_dlq_url"):
+        local["dead-letter table"] = default_sqlite_url()
+    return local
+
+
 def _is_redis_backend(url: str) -> bool:
     """Whether a result backend URL is Celery's Redis backend: ``redis://``, ``rediss://``,
     ``redis+socket://`` or ``sentinel://`` (Redis behind Sentinel)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from celery.signals import worker_init
 
-from .app_store import dlq_for, store_for
+from .app_store import dlq_for, host_local_defaults, store_for
 from .errors import SchemaVersionError, StoreUnavailable
 from .setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
 
@@ -58,6 +58,32 @@ def warn_of_green_leases(sender: Any = None, **_: Any) -> None:
         "idempotency_lease longer than that",
         lease,
     )
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def warn_of_host_local_files(sender: Any = None, **_: Any) -> None:
+    """Say, as a worker starts, which of its app's databases are SQLite files of this host
+    because no URL is set: workers and producers on other hosts would claim keys (or keep
+    dead letters) in files of their own, and run a duplicate this host has already run."""
+    from .task import IdempotentTask
+
+    app = getattr(sender, "app", None)
+    if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+        return
+    local = host_local_defaults(app)
+    if local:
+        logger.warning(
+            "idempotent_tasks: the %s %s on this host (%s): fine for one host; with "
+            "workers or producers on several, set %s to a database they all reach",
+            " and the ".join(local),
+            "are SQLite files" if len(local) > 1 else "is an SQLite file",
+            ", ".join(url.removeprefix("sqlite:///") for url in local.values()),
+            " and ".join(_SETTINGS[what] for what in local),
+        )
+
+
+#: The setting naming each database.
+_SETTINGS = {"claim store": "idempotency_store_url", "dead-letter table": "idempotency_dlq_url"}
 
 
 def green_threads() -> bool:
