@@ -143,11 +143,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     Use it as ``@app.task(base=IdempotentTask)`` and call with
     ``apply_async(..., idempotency_key="...")`` or ``sig.set(idempotency_key="...")``. Calls
-    without a key (per call or per task) run as plain Celery tasks.
+    without a key (per call or per task) are not deduplicated; like keyed ones, a final
+    failure of theirs is written to the dead-letter table, whose sweep runs them again (set
+    ``dlq = False`` on a task that must not run again).
 
-    Messages are acknowledged after the task runs (``acks_late``) and re-queued if the worker
-    process dies (``reject_on_worker_lost``), so a crash never loses a keyed task; override
-    either per task if you must.
+    Messages are acknowledged after the task runs (``acks_late``). A worker process that dies
+    under a call fails it with ``WorkerLostError``, which Celery retries
+    (``retry_on_worker_lost``) within ``max_retries``; after those it is dead-lettered, so a
+    crash never loses a keyed task. Override these per task if you must.
     """
 
     #: Per-task key when a call gives none: a template over the call's arguments
