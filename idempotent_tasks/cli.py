@@ -130,15 +130,21 @@ def _store(ctx: click.Context) -> tuple[Store, str]:
 
 def _on_a_terminal() -> bool:
     """Whether someone at a terminal can answer a question (stdin is one)."""
-    return sys.stdin is not None and sys.stdin.isatty()
+    try:
+        return bool(sys.stdin is not None and sys.stdin.isatty())
+    except (AttributeError, ValueError, OSError):  # closed, or replaced by a stand-in
+        return False
 
 
-def _confirm(question: str, yes: bool) -> None:
-    """Ask ``question`` before a change there is no undo for, unless ``--yes`` was given or
-    no one can answer: a script, a cron job or a test that runs the command means it (as one
-    running ``rm`` does); its prompt could only end it. "No" ends the command with exit 1."""
-    if not yes and _on_a_terminal():
-        click.confirm(question, abort=True)
+def _confirm(question: str, yes: bool) -> bool:
+    """Ask ``question`` (on stderr) before a change there is no undo for, unless ``--yes`` was
+    given or no one can answer: a script, a cron job or a test that names what to change
+    means it (as one running ``rm`` does), and its prompt could only end it. "No" ends the
+    command with exit 1. Returns whether it asked."""
+    if yes or not _on_a_terminal():
+        return False
+    click.confirm(question, abort=True, err=True)
+    return True
 
 
 def _plural(count: int, noun: str) -> str:
@@ -284,11 +290,18 @@ def dlq_purge(
 ) -> None:
     """Delete dead letters by status and/or age; with neither, every one.
 
-    On a terminal, asks first unless --yes is given. There is no undo.
+    On a terminal, asks first unless --yes is given; elsewhere, deleting every item takes
+    --all (or --yes). There is no undo.
     """
     filtered = status is not None or older_than is not None
     if filtered and purge_all:
         raise click.UsageError("--all deletes every item: give it without --status/--older-than")
+    if not (filtered or purge_all or yes or _on_a_terminal()):
+        # Where no one is asked (ssh or kubectl exec without a terminal, a cron line whose
+        # filter came out empty), deleting every item takes saying so.
+        raise click.UsageError(
+            "not on a terminal: give --status and/or --older-than, or --all to delete every item"
+        )
     queue = _queue(ctx)
     if not filtered:
         what = "every dead letter"
@@ -379,7 +392,9 @@ def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bo
         )
     elif record.status is Status.QUEUED:
         running = f" Task {record.task_id} is queued: a lost message is then not sent again."
-    _confirm(f"Forget key {idempotency_key!r} of task {task_name} ({state})?{running}", yes)
+    asked = _confirm(f"Forget key {idempotency_key!r} of task {task_name} ({state})?{running}", yes)
+    if running and not asked:
+        click.echo(f"Warning:{running}", err=True)
     with _reaching("claim store", url):
         if not store.forget(storage_key(task_name, idempotency_key)):
             raise click.ClickException(f"key {idempotency_key!r} of task {task_name} just vanished")

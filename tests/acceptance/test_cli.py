@@ -474,7 +474,7 @@ def test_purge_asks_with_the_age_in_words(run: Run, queue: DeadLetterQueue, term
     assert "Delete the dead letters not updated for 1h in postgresql" in result.output
 
 
-def test_purge_refuses_bad_filters_and_without_one_deletes_everything(
+def test_purge_refuses_bad_filters_and_off_a_terminal_deletes_everything_only_with_all(
     run: Run, queue: DeadLetterQueue, clock: Clock
 ) -> None:
     seed_three(queue, clock)
@@ -482,8 +482,11 @@ def test_purge_refuses_bad_filters_and_without_one_deletes_everything(
     mixed = run("dlq", "purge", "--all", "--status", "pending", "--yes")
     bad_age = run("dlq", "purge", "--older-than", "a week", "--yes")
     too_old = [run("dlq", "purge", "--older-than", age) for age in ("800000d", "99999999999w")]
+    # No filter where no one is asked (ssh without a terminal, a cron line whose filter came
+    # out empty): refused, as deleting everything takes saying so
+    bare = run("dlq", "purge")
     assert queue.stats()["total"] == 3
-    everything = run("dlq", "purge")
+    everything = run("dlq", "purge", "--all")
 
     assert mixed.exit_code == 2 and "--all deletes every item" in mixed.stderr
     assert bad_age.exit_code == 2
@@ -493,18 +496,25 @@ def test_purge_refuses_bad_filters_and_without_one_deletes_everything(
         assert refused.exit_code == 2, refused.stderr
         assert "is longer than 365000 days" in refused.stderr
         assert "Delete" not in refused.stdout
+    assert bare.exit_code == 2
+    assert "not on a terminal: give --status and/or --older-than, or --all" in bare.stderr
     assert everything.exit_code == 0 and everything.stdout == "Deleted 3 dead letters.\n"
     assert queue.stats()["total"] == 0
 
 
-def test_purge_all_asks_on_a_terminal_and_yes_skips_the_question(
+def test_purge_without_a_filter_asks_on_a_terminal_and_yes_skips_the_question(
     run: Run, queue: DeadLetterQueue, clock: Clock, terminal: None
 ) -> None:
     seed_three(queue, clock)
 
     declined = run("dlq", "purge", "--all", input="n\n")
-    assert declined.exit_code == 1 and "Delete every dead letter in postgresql" in declined.output
+    assert declined.exit_code == 1 and "Aborted" in declined.stderr
+    assert "Delete every dead letter in postgresql" in declined.stderr
     assert queue.stats()["total"] == 3
+    confirmed = run("dlq", "purge", input="y\n")
+    assert confirmed.exit_code == 0 and confirmed.stdout == "Deleted 3 dead letters.\n"
+    assert "Delete every dead letter in postgresql" in confirmed.stderr
+    seed_three(queue, clock)
     forced = run("dlq", "purge", "--yes")
 
     assert forced.exit_code == 0 and forced.output == "Deleted 3 dead letters.\n"
@@ -522,19 +532,48 @@ def test_commands_run_by_a_script_do_not_ask(
     seed_three(queue, clock)
     complete(store, "shop.charge", "order-42", 1, "json")
 
+    claim(store, "shop.charge", "order-7")
+
     retried = run("dlq", "retry", item.id)
     purged = run("dlq", "purge", "--status", "permanent_failure")
     forgot = run("key", "forget", "order-42", "--task", "shop.charge")
+    forgot_running = run("key", "forget", "order-7", "--task", "shop.charge")
 
-    # Then each does what it was told, and says so
-    for result in (retried, purged, forgot):
+    # Then each does what it was told, and says so; what a question would have said of a
+    # running key is said anyway
+    for result in (retried, purged, forgot, forgot_running):
         assert result.exit_code == 0, result.output
         assert "[y/N]" not in result.output
     now = queue.get(item.id)
     assert now is not None and now.status is DeadLetterStatus.PENDING
     assert purged.stdout == "Deleted 1 dead letter.\n"
-    assert forgot.stdout == "Forgot key 'order-42' of task shop.charge (it was completed).\n"
+    assert forgot.output == "Forgot key 'order-42' of task shop.charge (it was completed).\n"
     assert store.get(storage_key("shop.charge", "order-42")) is None
+    assert forgot_running.stderr.startswith("Warning: It is processing (task id-of-order-7)")
+    assert store.get(storage_key("shop.charge", "order-7")) is None
+
+
+class _Stdin:
+    def __init__(self, tty: bool | None) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        if self.tty is None:
+            raise ValueError("I/O operation on closed file")
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("stdin", "asks"),
+    [(_Stdin(True), True), (_Stdin(False), False), (_Stdin(None), False), (None, False)],
+    ids=["terminal", "pipe", "closed", "none"],
+)
+def test_a_question_is_asked_only_of_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, stdin: _Stdin | None, asks: bool
+) -> None:
+    monkeypatch.setattr(sys, "stdin", stdin)
+
+    assert cli._on_a_terminal() is asks
 
 
 # -- dlq stats ------------------------------------------------------------------------------
