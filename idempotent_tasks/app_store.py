@@ -13,7 +13,7 @@ from celery.signals import worker_init, worker_process_init
 
 from . import defaults
 from .dlq import DeadLetterQueue
-from .dlq.engine import default_sqlite_url
+from .dlq.engine import DEAD_LETTERS_FILE, default_sqlite_path, default_sqlite_url
 from .prometheus import enable_if_installed
 from .settings import app_setting
 from .setup_errors import open_dead_letter_queue
@@ -25,6 +25,8 @@ _T = TypeVar("_T")
 _lock = threading.Lock()
 _STORE = "_idempotent_tasks_store"
 _DLQ = "_idempotent_tasks_dlq"
+#: The claim store's default SQLite file, in the data folder.
+CLAIMS_FILE = "claims.sqlite3"
 
 
 def store_url(app: Any) -> str:
@@ -36,21 +38,25 @@ def store_url(app: Any) -> str:
     backend = str(app.conf.result_backend or "")
     if _is_redis_backend(backend):
         return backend
-    return default_sqlite_url("claims.sqlite3")
+    return default_sqlite_url(CLAIMS_FILE)
 
 
 def host_local_defaults(app: Any) -> dict[str, str]:
     """What ``app`` keeps in a local SQLite file because no URL names a shared database: the
     claim store (no ``idempotency_store_url`` and a result backend other than Redis) and the
-    dead-letter table (no ``idempotency_dlq_url``), each with its URL. Only processes on this
-    host see those files."""
+    dead-letter table (no ``idempotency_dlq_url``), each with its file's path (nothing made).
+    Only processes on this host see those files.
+
+    Raises:
+        OSError: no folder for them can be found (see ``default_sqlite_path``).
+    """
     local: dict[str, str] = {}
     if not app_setting(app.conf, "idempotency_store_url") and not _is_redis_backend(
         str(app.conf.result_backend or "")
     ):
-        local["claim store"] = store_url(app)
+        local["claim store"] = str(default_sqlite_path(CLAIMS_FILE))
     if not app_setting(app.conf, "idempotency_dlq_url"):
-        local["dead-letter table"] = default_sqlite_url()
+        local["dead-letter table"] = str(default_sqlite_path(DEAD_LETTERS_FILE))
     return local
 
 

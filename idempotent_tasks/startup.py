@@ -12,6 +12,7 @@ from celery.signals import worker_init
 
 from .app_store import dlq_for, host_local_defaults, store_for
 from .errors import SchemaVersionError, StoreUnavailable
+from .settings import app_setting
 from .setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
 
 logger = logging.getLogger(__name__)
@@ -61,29 +62,50 @@ def warn_of_green_leases(sender: Any = None, **_: Any) -> None:
 
 
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
-def warn_of_host_local_files(sender: Any = None, **_: Any) -> None:
-    """Say, as a worker starts, which of its app's databases are SQLite files of this host
-    because no URL is set: workers and producers on other hosts would claim keys (or keep
-    dead letters) in files of their own, and run a duplicate this host has already run."""
+def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
+    """Say, as a worker starts, which of its app's stores its other processes or hosts do not
+    share: the claim store and dead-letter table in SQLite files of this host because no URL
+    is set (workers and producers on other hosts would keep files of their own), and a
+    ``memory://`` store under a pool of processes (each keeps its own). Duplicates there run
+    again."""
     from .task import IdempotentTask
 
     app = getattr(sender, "app", None)
     if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
         return
-    local = host_local_defaults(app)
+    try:
+        local = host_local_defaults(app)
+    except OSError:
+        return  # no folder for them: refuse_newer_schemas says so, and stops the worker
     if local:
         logger.warning(
             "idempotent_tasks: the %s %s on this host (%s): fine for one host; with "
             "workers or producers on several, set %s to a database they all reach",
             " and the ".join(local),
             "are SQLite files" if len(local) > 1 else "is an SQLite file",
-            ", ".join(url.removeprefix("sqlite:///") for url in local.values()),
+            ", ".join(local.values()),
             " and ".join(_SETTINGS[what] for what in local),
+        )
+    store = str(app_setting(app.conf, "idempotency_store_url") or "")
+    if store.startswith("memory://") and _forks_pool_processes(sender):
+        logger.warning(
+            "idempotent_tasks: the claim store is memory://, which each process keeps for "
+            "itself: this worker's pool processes, and the processes that publish, each see "
+            "only their own keys, so duplicates run again; use it with a solo or threads pool "
+            "(tests, one process), else set idempotency_store_url to Redis or SQL"
         )
 
 
 #: The setting naming each database.
 _SETTINGS = {"claim store": "idempotency_store_url", "dead-letter table": "idempotency_dlq_url"}
+
+
+def _forks_pool_processes(worker: Any) -> bool:
+    """Whether a worker (at ``worker_init``, its pool not yet resolved) runs tasks in pool
+    processes of its own: prefork, Celery's default."""
+    pool = getattr(worker, "pool_cls", None) or "prefork"
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    return name.split(":")[0].rsplit(".", 1)[-1] in ("prefork", "processes")
 
 
 def green_threads() -> bool:

@@ -26,20 +26,41 @@ _LIBPQ_DRIVERS = frozenset({"psycopg", "psycopg2", "psycopg2cffi"})
 _DRIVER_EXTRAS = {"postgresql": "sql", "mysql": "sql", "mariadb": "sql"}
 
 
-def default_sqlite_url(filename: str = "dead_letters.sqlite3") -> str:
-    """A local SQLite file, used where no URL is set.
+#: The dead-letter table's default SQLite file, in the data folder.
+DEAD_LETTERS_FILE = "dead_letters.sqlite3"
+
+
+def default_sqlite_url(filename: str = DEAD_LETTERS_FILE) -> str:
+    """A local SQLite file, used where no URL is set (its folder made if missing).
 
     ``$IDEMPOTENT_TASKS_DATA_DIR/<filename>``, else ``$XDG_DATA_HOME/idempotent_tasks/<filename>``
     (``~/.local/share/idempotent_tasks/<filename>``).
     """
+    path = default_sqlite_path(filename)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def default_sqlite_path(filename: str) -> Path:
+    """Where :func:`default_sqlite_url` keeps ``filename`` (nothing made).
+
+    Raises:
+        OSError: no ``IDEMPOTENT_TASKS_DATA_DIR`` or ``XDG_DATA_HOME``, and no home folder to
+            find (a container's user without one).
+    """
     base = os.environ.get("IDEMPOTENT_TASKS_DATA_DIR")
     if base:
-        folder = Path(base)
-    else:
-        data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-        folder = Path(data_home) / "idempotent_tasks"
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / filename}"
+        return Path(base) / filename
+    data_home = os.environ.get("XDG_DATA_HOME")
+    if not data_home:
+        try:
+            data_home = str(Path.home() / ".local" / "share")
+        except RuntimeError as exc:  # no HOME, and no passwd entry for this user
+            raise OSError(
+                f"no folder for the default SQLite files ({exc}): set "
+                "IDEMPOTENT_TASKS_DATA_DIR, or the URLs of the store and dead-letter table"
+            ) from exc
+    return Path(data_home) / "idempotent_tasks" / filename
 
 
 def create_dlq_engine(url: str) -> Engine:
