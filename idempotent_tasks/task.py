@@ -149,8 +149,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     Messages are acknowledged after the task runs (``acks_late``). A worker process that dies
     under a call fails it with ``WorkerLostError``, which Celery retries
-    (``retry_on_worker_lost``) within ``max_retries``; after those it is dead-lettered, so a
-    crash never loses a keyed task. Override these per task if you must.
+    (``retry_on_worker_lost``) within ``max_retries`` (for ever when that is ``None``); after
+    those it is dead-lettered, so a crash never loses a keyed task. Where Celery cannot send
+    that retry, the message goes back to the broker (``reject_on_worker_lost``). Override
+    these per task if you must.
     """
 
     #: Per-task key when a call gives none: a template over the call's arguments

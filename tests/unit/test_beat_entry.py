@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery import Celery, current_app
+from celery import Celery, _state
 
 import idempotent_tasks  # noqa: F401 - registers the sweep task and its beat entry
 from idempotent_tasks.dead_letters import SWEEP_TASK, routing_options
@@ -23,13 +23,13 @@ def test_the_sweep_is_importable_by_its_task_name() -> None:
     # ``idempotent_tasks.retry_dead_letters`` is both the task's name and where it lives
     from idempotent_tasks import retry_dead_letters
 
-    previous = current_app._get_current_object()
+    previous = _state._tls.current_app  # None when no app was made current: left so
     app = Celery("t", set_as_current=True, broker="memory://")
     try:
         assert retry_dead_letters.name == SWEEP_TASK
         assert app.tasks[SWEEP_TASK] is retry_dead_letters._get_current_object()
     finally:
-        previous.set_current()
+        _state._set_current_app(previous)
 
 
 def test_beat_entry_defaults_to_every_30_seconds() -> None:
