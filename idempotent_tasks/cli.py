@@ -278,7 +278,9 @@ def _being_retried(item_id: str) -> str:
     metavar="DURATION",
     help="Only items not updated for this long: 7d, 12h, 30m, 3600s.",
 )
-@click.option("--all", "purge_all", is_flag=True, help="Every item (the same as no filter).")
+@click.option(
+    "--all", "purge_all", is_flag=True, help="Every item (needed off a terminal to delete all)."
+)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask first (on a terminal).")
 @click.pass_context
 def dlq_purge(
@@ -288,17 +290,17 @@ def dlq_purge(
     purge_all: bool,
     yes: bool,
 ) -> None:
-    """Delete dead letters by status and/or age; with neither, every one.
+    """Delete dead letters by status and/or age, or every one (--all).
 
-    On a terminal, asks first unless --yes is given; elsewhere, deleting every item takes
-    --all (or --yes). There is no undo.
+    On a terminal, asks first unless --yes is given, and no filter means every item;
+    elsewhere, deleting every item takes --all. There is no undo.
     """
     filtered = status is not None or older_than is not None
     if filtered and purge_all:
         raise click.UsageError("--all deletes every item: give it without --status/--older-than")
-    if not (filtered or purge_all or yes or _on_a_terminal()):
+    if not (filtered or purge_all or _on_a_terminal()):
         # Where no one is asked (ssh or kubectl exec without a terminal, a cron line whose
-        # filter came out empty), deleting every item takes saying so.
+        # filter came out empty, --yes or not), deleting every item takes saying so.
         raise click.UsageError(
             "not on a terminal: give --status and/or --older-than, or --all to delete every item"
         )
@@ -383,18 +385,21 @@ def key_forget(ctx: click.Context, idempotency_key: str, task_name: str, yes: bo
     except CorruptRecord as exc:
         record, unreadable = None, exc  # forgetting an unreadable record is the way out of it
     state = record.status.value if record is not None else "unreadable"
-    running = ""
+    running, risk = "", ""
     if record is None:
         running = f" Its record cannot be read ({unreadable})."
+        risk = f"its record could not be read ({unreadable})"
     elif record.status is Status.PROCESSING:
         running = (
             f" It is processing (task {record.task_id}): a duplicate could then run beside it."
         )
+        risk = f"it was processing (task {record.task_id}): a duplicate may run beside it"
     elif record.status is Status.QUEUED:
         running = f" Task {record.task_id} is queued: a lost message is then not sent again."
+        risk = f"task {record.task_id} was queued: a lost message of it is not sent again"
     asked = _confirm(f"Forget key {idempotency_key!r} of task {task_name} ({state})?{running}", yes)
-    if running and not asked:
-        click.echo(f"Warning:{running}", err=True)
+    if risk and not asked:
+        click.echo(f"Warning: key {idempotency_key!r} of task {task_name}: {risk}.", err=True)
     with _reaching("claim store", url):
         if not store.forget(storage_key(task_name, idempotency_key)):
             raise click.ClickException(f"key {idempotency_key!r} of task {task_name} just vanished")

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery.signals import worker_init
 
@@ -75,8 +76,10 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
         return
     try:
         local = host_local_defaults(app)
-    except OSError:
-        return  # no folder for them: refuse_newer_schemas says so, and stops the worker
+    except (OSError, ValueError):
+        # No folder for them, a result backend URL that does not parse: refuse_newer_schemas
+        # says so, and stops the worker.
+        return
     if local:
         logger.warning(
             "idempotent_tasks: the %s %s on this host (%s): fine for one host; with "
@@ -86,8 +89,7 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
             ", ".join(local.values()),
             " and ".join(_SETTINGS[what] for what in local),
         )
-    store = str(app_setting(app.conf, "idempotency_store_url") or "")
-    if store.startswith("memory://") and _forks_pool_processes(sender):
+    if _is_memory_store(app) and _forks_pool_processes(sender):
         logger.warning(
             "idempotent_tasks: the claim store is memory://, which each process keeps for "
             "itself: this worker's pool processes, and the processes that publish, each see "
@@ -100,12 +102,26 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
 _SETTINGS = {"claim store": "idempotency_store_url", "dead-letter table": "idempotency_dlq_url"}
 
 
+def _is_memory_store(app: Any) -> bool:
+    """Whether the app's claim store is ``memory://`` (in any case, as stores take it)."""
+    try:
+        scheme = urlsplit(str(app_setting(app.conf, "idempotency_store_url") or "")).scheme
+    except ValueError:
+        return False  # no store takes it: refuse_newer_schemas says so
+    return scheme.lower() == "memory"
+
+
 def _forks_pool_processes(worker: Any) -> bool:
     """Whether a worker (at ``worker_init``, its pool not yet resolved) runs tasks in pool
-    processes of its own: prefork, Celery's default."""
+    processes of its own: prefork, Celery's default. A pool named by text is not imported to
+    tell (gevent's or eventlet's would be, before they patch): its alias or module says."""
     pool = getattr(worker, "pool_cls", None) or "prefork"
-    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
-    return name.split(":")[0].rsplit(".", 1)[-1] in ("prefork", "processes")
+    if isinstance(pool, type):
+        from celery.concurrency.prefork import TaskPool
+
+        return issubclass(pool, TaskPool)
+    module = str(pool).split(":")[0]
+    return module in ("prefork", "processes") or module.startswith("celery.concurrency.prefork")
 
 
 def green_threads() -> bool:

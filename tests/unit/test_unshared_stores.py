@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.concurrency import prefork, thread
 from celery.signals import worker_init
 
 from idempotent_tasks import IdempotentTask
@@ -74,6 +75,7 @@ def test_both_defaults_are_named_with_their_files_and_settings(
 ) -> None:
     [warning] = _start(_app(), caplog)
 
+    assert not data_dir.exists()  # nothing made: the schema check makes what it uses
     assert "the claim store and the dead-letter table are SQLite files on this host" in warning
     assert f"({data_dir / 'claims.sqlite3'}, {data_dir / 'dead_letters.sqlite3'})" in warning
     assert "set idempotency_store_url and idempotency_dlq_url to a database" in warning
@@ -114,19 +116,24 @@ def test_databases_named_by_url_are_not_warned_of(
 
 
 @pytest.mark.parametrize(
-    ("pool", "warned"),
+    ("pool", "store", "warned"),
     [
-        ("prefork", True),
-        ("celery.concurrency.prefork:TaskPool", True),
-        (None, True),  # Celery's default pool
-        ("threads", False),
-        ("solo", False),
+        ("prefork", "memory://", True),
+        ("processes", "memory://", True),
+        ("celery.concurrency.prefork:TaskPool", "MEMORY://", True),
+        (prefork.TaskPool, "memory://", True),  # what `celery worker` hands it: a class
+        (None, "memory:", True),  # Celery's default pool
+        ("threads", "memory://", False),
+        ("solo", "memory://", False),
+        (thread.TaskPool, "memory://", False),
+        ("prefork", "redis://r:6379/2", False),
     ],
+    ids=str,
 )
 def test_a_memory_store_is_warned_of_under_a_pool_of_processes(
-    pool: Any, warned: bool, caplog: pytest.LogCaptureFixture
+    pool: Any, store: str, warned: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    app = _app(idempotency_store_url="memory://", idempotency_dlq_url="sqlite:///d.db")
+    app = _app(idempotency_store_url=store, idempotency_dlq_url="sqlite:///d.db")
 
     warnings = _start(app, caplog, pool)
 
