@@ -1,4 +1,6 @@
-"""A worker refuses to start on databases whose schema is newer than this code."""
+"""What a worker checks and says as it starts: it refuses databases whose schema is newer than
+this code (or that cannot be set up), and warns of stores its other processes or hosts do not
+share and of leases renewed by a green thread."""
 
 from __future__ import annotations
 
@@ -69,10 +71,8 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
     is set (workers and producers on other hosts would keep files of their own), and a
     ``memory://`` store under a pool of processes (each keeps its own). Duplicates there run
     again."""
-    from .task import IdempotentTask
-
-    app = getattr(sender, "app", None)
-    if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+    app = _keyed_app(sender)
+    if app is None:
         return
     try:
         local = host_local_defaults(app)
@@ -96,6 +96,16 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
             "only their own keys, so duplicates run again; use it with a solo or threads pool "
             "(tests, one process), else set idempotency_store_url to Redis or SQL"
         )
+
+
+def _keyed_app(worker: Any) -> Any:
+    """The app of a starting worker when it has ``IdempotentTask`` tasks, else ``None``."""
+    from .task import IdempotentTask
+
+    app = getattr(worker, "app", None)
+    if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+        return None
+    return app
 
 
 #: The setting naming each database.
@@ -143,10 +153,8 @@ def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
     URL no store takes). A database that is down does not: it may be back before a task needs
     it.
     """
-    from .task import IdempotentTask
-
-    app = getattr(sender, "app", None)
-    if app is None or not any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+    app = _keyed_app(sender)
+    if app is None:
         return
     try:
         dlq, store = dlq_for(app), store_for(app)
