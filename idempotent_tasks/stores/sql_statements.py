@@ -10,7 +10,18 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from sqlalchemy import Delete, Insert, Select, Update, delete, func, insert, literal_column, select
+from sqlalchemy import (
+    Delete,
+    Insert,
+    Select,
+    Update,
+    and_,
+    delete,
+    func,
+    insert,
+    literal_column,
+    select,
+)
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from ..dlq.schema import claims, pickups
@@ -71,14 +82,16 @@ def update_held(
     claim_id: str, owner: str, token: int, now: float, values: dict[str, Any]
 ) -> Update:
     """Update a live ``processing`` row held by ``owner`` with ``token``."""
-    held = _owned_row(claim_id, PROCESSING, owner, now) & (claims.c.token == token)
+    held = _live_row(claim_id, PROCESSING, now, claims.c.owner == owner, claims.c.token == token)
     return claims.update().where(held).values(**values)
 
 
 def settle_owed(claim_id: str, owner: str, now: float) -> Update:
     """Clear the debt of a live ``completed`` row of ``owner`` that owes the message it took
     over (one row updated: it did)."""
-    owing = _owned_row(claim_id, COMPLETED, owner, now) & claims.c.owes_message.is_(True)
+    owing = _live_row(
+        claim_id, COMPLETED, now, claims.c.owner == owner, claims.c.owes_message.is_(True)
+    )
     return claims.update().where(owing).values(owes_message=False)
 
 
@@ -86,7 +99,7 @@ def set_debt(claim_id: str, task_id: str, now: float, *, owes: bool) -> Update:
     """Set whether a key's live ``processing`` row owes the message of call ``task_id``, when
     its pickup row keeps that message and that call is not the row's own."""
     kept = select(pickups.c.id).where(_keeps_message_of(claim_id, task_id)).exists()
-    others = _processing(claim_id, now) & (claims.c.task_id != task_id) & kept
+    others = _live_row(claim_id, PROCESSING, now, claims.c.task_id != task_id, kept)
     return claims.update().where(others).values(owes_message=owes)
 
 
@@ -115,13 +128,11 @@ def delete_orphan_pickups(before: float) -> Delete:
     return delete(pickups).where((pickups.c.due_at < before) & ~claimed)
 
 
-def _owned_row(claim_id: str, status: str, owner: str, now: float) -> Any:
-    """The key's claim row, live, in ``status`` for the execution attempt ``owner``."""
-    return (
-        (claims.c.id == claim_id)
-        & (claims.c.status == status)
-        & (claims.c.owner == owner)
-        & (claims.c.expires_at > now)
+def _live_row(claim_id: str, status: str, now: float, *also: Any) -> Any:
+    """The key's claim row, live and in ``status``, meeting the conditions ``also`` (the
+    execution attempt or the call it is for, say)."""
+    return and_(
+        claims.c.id == claim_id, claims.c.status == status, claims.c.expires_at > now, *also
     )
 
 
@@ -130,30 +141,15 @@ def _keeps_message_of(claim_id: str, task_id: str) -> Any:
     return (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
 
 
-def _processing(claim_id: str, now: float) -> Any:
-    """The key's claim row, live and ``processing`` (for any call)."""
-    return (claims.c.id == claim_id) & (claims.c.status == PROCESSING) & (claims.c.expires_at > now)
-
-
-def _live_row(claim_id: str, status: str, task_id: str, now: float) -> Any:
-    """The key's claim row, live, in ``status`` for ``task_id``."""
-    return (
-        (claims.c.id == claim_id)
-        & (claims.c.status == status)
-        & (claims.c.task_id == task_id)
-        & (claims.c.expires_at > now)
-    )
-
-
 def release_queued(claim_id: str, task_id: str, now: float) -> Update:
     """Release a live ``queued`` row reserved for ``task_id``."""
-    live = _live_row(claim_id, QUEUED, task_id, now)
+    live = _live_row(claim_id, QUEUED, now, claims.c.task_id == task_id)
     return claims.update().where(live).values(status=RELEASED, updated_at=now)
 
 
 def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
     """Move the due time of a live ``queued`` row reserved for ``task_id``."""
-    live = _live_row(claim_id, QUEUED, task_id, now)
+    live = _live_row(claim_id, QUEUED, now, claims.c.task_id == task_id)
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
@@ -161,18 +157,20 @@ def delete_pickup_of_processing(claim_id: str, task_id: str, now: float) -> Dele
     """Delete a key's pickup row of ``task_id``'s message while its live claim row is
     ``processing`` (for that call, or another one that took the key over; one statement:
     nothing can land between the check and the delete)."""
-    held = select(claims.c.id).where(_processing(claim_id, now)).exists()
+    held = select(claims.c.id).where(_live_row(claim_id, PROCESSING, now)).exists()
     return delete(pickups).where(_keeps_message_of(claim_id, task_id) & held)
 
 
 def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
     """The live ``processing`` row of ``task_id``, if there is one."""
-    return select(claims.c.id).where(_live_row(claim_id, PROCESSING, task_id, now))
+    return select(claims.c.id).where(
+        _live_row(claim_id, PROCESSING, now, claims.c.task_id == task_id)
+    )
 
 
 def select_abandoned(claim_id: str, now: float) -> Select[Any]:
     """The key's live ``processing`` row whose owner's lease ended, if there is one."""
-    abandoned = _processing(claim_id, now) & (claims.c.lease_expires_at <= now)
+    abandoned = _live_row(claim_id, PROCESSING, now, claims.c.lease_expires_at <= now)
     return select(claims.c.id).where(abandoned)
 
 
