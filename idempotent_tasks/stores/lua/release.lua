@@ -14,42 +14,40 @@ local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'envelope
 if found[1] ~= 'processing' or found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
   return 0
 end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local ttl = tonumber(ARGV[5])
-
-local function keep_fence(record_ttl)
-  local fence_ttl = redis.call('PTTL', KEYS[3])
-  if fence_ttl >= 0 and fence_ttl < record_ttl + 1000 then
-    redis.call('PEXPIRE', KEYS[3], int(record_ttl + 1000))
-  end
-end
-
-if ARGV[3] == '' then
-  local kept_of = found[4]
-  if kept_of and kept_of ~= ARGV[7] and redis.call('HEXISTS', KEYS[1], 'envelope') == 1 then
-    redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', kept_of,
-      'lease_expires_at', int(now), 'updated_at', int(now), 'expires_at', int(now + ttl),
-      'due_at', int(now))
-    redis.call('HDEL', KEYS[1], 'envelope_of', 'taken_from', 'owes_message')
-    redis.call('PEXPIRE', KEYS[1], int(ttl))
-    keep_fence(ttl)
-    redis.call('ZADD', KEYS[2], int(now), ARGV[8])
-    return 1
-  end
+-- Without a pickup, and no other call's message kept: the claim goes, before any more work.
+local kept_of = found[4]
+local hand_back = ARGV[3] == '' and kept_of and kept_of ~= ARGV[7]
+  and redis.call('HEXISTS', KEYS[1], 'envelope') == 1
+if ARGV[3] == '' and not hand_back then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], ARGV[8])
   return 1
 end
-local due_in = tonumber(ARGV[3])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ttl = tonumber(ARGV[5])
+-- Queued for the retry's message (its envelope now the key's own), or handed back to the call
+-- whose message the key keeps, due now. Either way the call this claim took the key from is
+-- no longer its to answer (a retry's message names it).
+local task_id, due_in = ARGV[7], tonumber(ARGV[3])
+if hand_back then
+  task_id, due_in = kept_of, 0
+end
 local due_at = int(now + due_in)
-redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'task_id', ARGV[7],
-  'lease_expires_at', due_at, 'updated_at', int(now), 'expires_at', int(now + due_in + ttl),
-  'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', '0', 'due_at', due_at)
--- The envelope is this call's own now, and the call it took the key from is its retry's to
--- answer (the retry's message names it).
+local fields = {'status', 'queued', 'owner', '', 'task_id', task_id, 'lease_expires_at', due_at,
+  'updated_at', int(now), 'expires_at', int(now + due_in + ttl), 'due_at', due_at}
+if not hand_back then
+  for _, item in ipairs({'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', '0'}) do
+    fields[#fields + 1] = item
+  end
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('HDEL', KEYS[1], 'envelope_of', 'taken_from', 'owes_message')
 redis.call('PEXPIRE', KEYS[1], int(due_in + ttl))
-keep_fence(due_in + ttl)
+-- The fence lives at least as long as the queued record, so tokens only grow.
+local fence_ttl = redis.call('PTTL', KEYS[3])
+if fence_ttl >= 0 and fence_ttl < due_in + ttl + 1000 then
+  redis.call('PEXPIRE', KEYS[3], int(due_in + ttl + 1000))
+end
 redis.call('ZADD', KEYS[2], due_at, ARGV[8])
 return 1
