@@ -153,6 +153,7 @@ class SqlStore:
                 "token": 0,
                 "created_at": now,
                 **self._queued_values(request, pickup.due_in, now),
+                "fingerprint": request.fingerprint,
             }
             if self._write_queued(insert_if_absent(self.dialect, fresh), request, pickup, now):
                 return None
@@ -479,8 +480,7 @@ class SqlStore:
                     # Another call's message (the call this claim took the key from): the key
                     # goes back to it, queued and due now, for the guard to publish it again.
                     # (It keeps its arguments, token and creation time.)
-                    values = {**self._queued_values(request, 0.0, now), "task_id": kept_of}
-                    del values["fingerprint"]
+                    values = self._queued_values(request, 0.0, now, task_id=kept_of)
                     held = update_held(claim_id, request.owner, token, now, values)
                     if _count(connection, held) != 1:
                         return False
@@ -495,8 +495,8 @@ class SqlStore:
                     return False
                 connection.execute(delete_pickup(claim_id))  # nothing is left to publish
                 return True
+        # The key keeps the arguments it stands for (see claim): no fingerprint written.
         values = self._queued_values(request, pickup.due_in, now)
-        del values["fingerprint"]  # the key keeps the arguments it stands for (see claim)
         return self._write_queued(
             update_held(claim_id, request.owner, token, now, values), request, pickup, now
         )
@@ -621,17 +621,18 @@ class SqlStore:
             return True
 
     @staticmethod
-    def _queued_values(request: ClaimRequest, due_in: float, now: float) -> dict[str, Any]:
-        """A ``queued`` claim row, due ``due_in`` seconds on, but for its id, token and
-        creation time."""
+    def _queued_values(
+        request: ClaimRequest, due_in: float, now: float, task_id: str | None = None
+    ) -> dict[str, Any]:
+        """A ``queued`` claim row for ``task_id`` (default: the request's), due ``due_in``
+        seconds on, but for its id, token, creation time and fingerprint."""
         return {
             "key": _shown_key(request.key),
             "task_name": request.task_name,
             "status": QUEUED,
             "owner": "",
             "takeover": False,
-            "task_id": request.task_id,
-            "fingerprint": request.fingerprint,
+            "task_id": task_id or request.task_id,
             "lease_expires_at": now + due_in,
             "updated_at": now,
             "expires_at": now + due_in + request.claim_ttl,
