@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 from celery.signals import worker_init, worker_process_init
@@ -35,28 +35,51 @@ def store_url(app: Any) -> str:
     url = app_setting(app.conf, "idempotency_store_url")
     if url:
         return str(url)
-    backend = str(app.conf.result_backend or "")
-    if _is_redis_backend(backend):
-        return backend
+    if _store_on_backend(app):
+        return str(app.conf.result_backend)
     return default_sqlite_url(CLAIMS_FILE)
 
 
-def host_local_defaults(app: Any) -> dict[str, str]:
+def _store_on_backend(app: Any) -> bool:
+    """Whether an app's store is its result backend's Redis: no ``idempotency_store_url``
+    set, and a Redis result backend."""
+    return not app_setting(app.conf, "idempotency_store_url") and _is_redis_backend(
+        str(app.conf.result_backend or "")
+    )
+
+
+class HostLocalFile(NamedTuple):
+    """A database kept in an SQLite file of this host because no URL names a shared one."""
+
+    what: str
+    setting: str
+    path: str
+
+
+def host_local_defaults(app: Any) -> list[HostLocalFile]:
     """What ``app`` keeps in a local SQLite file because no URL names a shared database: the
     claim store (no ``idempotency_store_url`` and a result backend other than Redis) and the
-    dead-letter table (no ``idempotency_dlq_url``), each with its file's path (nothing made).
+    dead-letter table (no ``idempotency_dlq_url``), with their files' paths (nothing made).
     Only processes on this host see those files.
 
     Raises:
         OSError: no folder for them can be found (see ``default_sqlite_path``).
     """
-    local: dict[str, str] = {}
-    if not app_setting(app.conf, "idempotency_store_url") and not _is_redis_backend(
-        str(app.conf.result_backend or "")
-    ):
-        local["claim store"] = str(default_sqlite_path(CLAIMS_FILE))
+    local = []
+    if not app_setting(app.conf, "idempotency_store_url") and not _store_on_backend(app):
+        local.append(
+            HostLocalFile(
+                "claim store", "idempotency_store_url", str(default_sqlite_path(CLAIMS_FILE))
+            )
+        )
     if not app_setting(app.conf, "idempotency_dlq_url"):
-        local["dead-letter table"] = str(default_sqlite_path(DEAD_LETTERS_FILE))
+        local.append(
+            HostLocalFile(
+                "dead-letter table",
+                "idempotency_dlq_url",
+                str(default_sqlite_path(DEAD_LETTERS_FILE)),
+            )
+        )
     return local
 
 
@@ -74,9 +97,7 @@ def store_for(app: Any) -> Store:
         # calls) counts into Prometheus' default registry when prometheus_client is installed.
         enable_if_installed()
         prefix = app_setting(app.conf, "idempotency_key_prefix") or defaults.KEY_PREFIX
-        if not app_setting(app.conf, "idempotency_store_url") and _is_redis_backend(
-            str(app.conf.result_backend or "")
-        ):
+        if _store_on_backend(app):
             store = _backend_store(app.backend, prefix)
             if store is not None:
                 return store

@@ -84,10 +84,10 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
         logger.warning(
             "idempotent_tasks: the %s %s on this host (%s): fine for one host; with "
             "workers or producers on several, set %s to a database they all reach",
-            " and the ".join(local),
+            " and the ".join(file.what for file in local),
             "are SQLite files" if len(local) > 1 else "is an SQLite file",
-            ", ".join(local.values()),
-            " and ".join(_SETTINGS[what] for what in local),
+            ", ".join(file.path for file in local),
+            " and ".join(file.setting for file in local),
         )
     if _is_memory_store(app) and _forks_pool_processes(sender):
         logger.warning(
@@ -108,10 +108,6 @@ def _keyed_app(worker: Any) -> Any:
     return app
 
 
-#: The setting naming each database.
-_SETTINGS = {"claim store": "idempotency_store_url", "dead-letter table": "idempotency_dlq_url"}
-
-
 def _is_memory_store(app: Any) -> bool:
     """Whether the app's claim store is ``memory://`` (in any case, as stores take it)."""
     try:
@@ -124,14 +120,17 @@ def _is_memory_store(app: Any) -> bool:
 def _forks_pool_processes(worker: Any) -> bool:
     """Whether a worker (at ``worker_init``, its pool not yet resolved) runs tasks in pool
     processes of its own: prefork, Celery's default. A pool named by text is not imported to
-    tell (gevent's or eventlet's would be, before they patch): its alias or module says."""
+    tell (gevent's or eventlet's would be, before they patch): Celery's aliases, or the
+    module, say."""
+    from celery.concurrency import ALIASES
+
     pool = getattr(worker, "pool_cls", None) or "prefork"
     if isinstance(pool, type):
         from celery.concurrency.prefork import TaskPool
 
         return issubclass(pool, TaskPool)
-    module = str(pool).split(":")[0]
-    return module in ("prefork", "processes") or module.startswith("celery.concurrency.prefork")
+    target = ALIASES.get(str(pool)) or str(pool)
+    return target.split(":")[0].startswith("celery.concurrency.prefork")
 
 
 def green_threads() -> bool:
