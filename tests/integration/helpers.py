@@ -30,6 +30,12 @@ def ledger_events(name: str, event: str) -> int:
     return sum(1 for entry in entries if entry.decode().startswith(f"{event}:"))
 
 
+def ledger_sequence(name: str) -> list[str]:
+    """The events the ledger of ``name`` recorded, in the order they happened."""
+    entries = worker_app.ledger.lrange(f"ledger:{name}", 0, -1)
+    return [entry.decode().split(":", 1)[0] for entry in entries]
+
+
 def queue_length(queue: str) -> int:
     """Messages waiting in a broker queue."""
     broker = redis.Redis.from_url(worker_app.app.conf.broker_url)

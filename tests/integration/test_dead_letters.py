@@ -14,7 +14,7 @@ from idempotent_tasks import IdempotencyKeyMismatch
 from idempotent_tasks.app_store import dlq_for
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from tests.integration import worker_app
-from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.helpers import fresh, ledger_events, ledger_sequence, wait_until
 from tests.integration.workers import BeatProcess, WorkerProcess
 
 app = worker_app.app
@@ -141,8 +141,6 @@ class TestWithBeat:
         )
         with pytest.raises(TimeoutError):
             called.get(timeout=30)
-        wait_until(lambda: ledger_events(name, "start") == 2, 30, "the chain's first step")
-        assert ledger_events(name, "callback") == ledger_events(linked, "callback") == 0
         # When beat's sweep re-publishes them and they succeed
         for task_id in (chained.parent.id, called.id):
             wait_until(
@@ -156,8 +154,8 @@ class TestWithBeat:
         wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the chain's next step")
         wait_until(lambda: ledger_events(linked, "callback") == 1, 30, "the callback")
         time.sleep(0.5)
-        assert ledger_events(name, "callback") == ledger_events(linked, "callback") == 1
-        assert ledger_events(name, "start") == ledger_events(linked, "start") == 3
+        # (the failed runs called nothing: every callback comes after the run that succeeded)
+        assert ledger_sequence(name) == ledger_sequence(linked) == ["start"] * 3 + ["callback"]
 
     def test_a_dead_letter_keeps_datetimes_and_decimals_and_is_retried_with_them(self) -> None:
         # Given a task called with values JSON has no type for, that fails on its first run
