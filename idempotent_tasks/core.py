@@ -379,9 +379,9 @@ class Attempt:
         try:
             return self.store.extend(self.request, self.token)
         except StoreUnavailable as exc:
-            # The lease keeper's thread: no task runs there, for a task logger to name.
-            logger.warning("could not renew the lease of key %r: %s", self.request.key, exc)
-            return True  # unknown: keep trying until the store answers
+            # Unknown: raised, for the lease keeper to try again within seconds (not at the
+            # next interval, a third of the lease on, when the lease may have run out).
+            raise StoreUnavailable(f"lease of key {self.request.key!r}: {exc}") from exc
 
     def _on_lease_lost(self) -> None:
         if self.given_up:

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-#: Renew each lease this many times per lease period, so two renewals may fail before it lapses.
+#: Renew each lease this many times per lease period. A renewal that fails (the store down) is
+#: tried again every RETRY_AFTER_ERROR seconds, so a lease lapses only when the store stays out
+#: of reach for about two thirds of it.
 RENEWALS_PER_LEASE = 3
 #: Never renew more often than this (seconds), however short the lease.
 MIN_INTERVAL = 0.05

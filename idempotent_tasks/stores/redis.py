@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,7 +202,8 @@ class RedisStore:
 
     def settle_owed_message(self, request: ClaimRequest) -> bool:
         record, _, _ = self.names(request.storage_key)
-        return bool(self._run("settle", [record], [request.owner]))
+        # A settlement of its own id: redis-py sends the script again when its reply is lost.
+        return bool(self._run("settle", [record], [request.owner, uuid.uuid4().hex]))
 
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         record, _, index = self.names(storage_key)
@@ -224,7 +226,11 @@ class RedisStore:
                     # One index holding something else must not stop the guard for every shard.
                     logger.error("skipping due index %r in the sweep: %s", index, exc)
                     continue
-            members.extend(_text(member) for member in found)
+            for member in found:
+                try:
+                    members.append(_text(member))
+                except CorruptRecord as exc:
+                    logger.error("skipping a member of due index %r in the sweep: %s", index, exc)
         taken: list[DuePickup] = []
         for storage_key in members:
             try:
@@ -245,7 +251,10 @@ class RedisStore:
 
     def take(self, storage_key: str) -> DuePickup | None:
         record, _, index = self.names(storage_key)
-        reply = self._run("take", [record, index], [storage_key, _ms(defaults.PICKUP_TIMEOUT)])
+        # A take of its own id: redis-py sends the script again when its reply is lost.
+        reply = self._run(
+            "take", [record, index], [storage_key, _ms(defaults.PICKUP_TIMEOUT), uuid.uuid4().hex]
+        )
         if not reply:
             return None
         return DuePickup(
@@ -578,7 +587,14 @@ def _ms(seconds: float) -> int:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    """A reply's text; bytes that are not UTF-8 (a record written by something else) make a
+    :class:`CorruptRecord`."""
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptRecord(f"the store holds bytes that are not UTF-8: {value[:40]!r}") from exc
 
 
 def _bytes(value: bytes | str) -> bytes:
@@ -599,7 +615,7 @@ def _pairs(flat: list[bytes]) -> dict[str, bytes]:
 def _field(fields: dict[str, bytes], name: str, convert: Callable[[str], _T]) -> _T:
     try:
         return convert(_text(fields[name]))
-    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+    except (KeyError, ValueError, CorruptRecord) as exc:
         raise CorruptRecord(f"record field {name!r} is missing or unreadable") from exc
 
 

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from idempotent_tasks.records import (
 )
 from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
 from tests.contract.conftest import CONTRACT_REDIS_DB
+from tests.contract.test_store_owed_messages import RESULT, owing_claim
 from tests.integration.redis_server import RedisServer, free_port
 from tests.services import answers
 
@@ -144,6 +145,23 @@ def test_a_pickup_without_its_task_id_or_name_leaves_the_sweep_to_the_others(
     time.sleep(0.05)
     # When the sweep takes the due keys, then it takes the other one (no error stops it)
     assert [due.storage_key for due in store.take_due(10)] == ["after"]
+
+
+@pytest.mark.parametrize("field", ["task_id", "task_name"])
+def test_a_pickup_whose_task_id_or_name_is_not_text_leaves_the_sweep_to_the_others(
+    url: str, field: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a queued key past its due time whose task id or name holds bytes that are not
+    # UTF-8 (written by something else), and another one
+    store = RedisStore.from_url(url, prefix="not-utf8-pickup")
+    for key in ("k", "after"):
+        assert store.reserve(_request(key), Pickup(envelope=b"m", due_in=0.01, timeout=30)) is None
+    redis.Redis.from_url(url).hset(store.names("k")[0], field, b"\xff\xfe")
+    time.sleep(0.05)
+    # When the sweep takes the due keys, then it takes the other one (no error stops it)
+    assert [due.storage_key for due in store.take_due(10)] == ["after"]
+    # and says why it left the unreadable key
+    assert "skipping key 'k' in the sweep: the store holds bytes that are not UTF-8" in caplog.text
 
 
 @pytest.mark.parametrize("field", ["pickup_timeout", "republished", "due_at", "lease_expires_at"])
@@ -369,6 +387,58 @@ def test_a_round_trip_cut_short_leaves_no_reply_for_the_next_command(
     # When another owner claims the same key, it reads its own reply, not the unread one
     # (which said "acquired")
     assert store.claim(_request("k")).outcome is Outcome.IN_PROGRESS
+
+
+def _lose_next_reply(monkeypatch: pytest.MonkeyPatch, connection_class: type) -> None:
+    """The next reply read is lost after Redis ran the command (a read that timed out, as
+    on a slow network): redis-py reconnects and sends the command again."""
+    real_read = connection_class.read_response
+    lost = [False]
+
+    def read_once_lost(self: object, *args: object, **kwargs: object) -> object:
+        reply = real_read(self, *args, **kwargs)
+        if not lost[0]:
+            lost[0] = True
+            raise redis.TimeoutError("Timeout reading from socket")
+        return reply
+
+    monkeypatch.setattr(connection_class, "read_response", read_once_lost)
+
+
+def test_a_settlement_whose_reply_was_lost_still_settles_the_debt(
+    url: str, make_request: Callable[..., ClaimRequest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a completed claim owing another call's lost message
+    store, connection_class = _used_store(url, prefix="settle-lost")
+    taker, token = owing_claim(store, make_request)
+    assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
+    # When its settlement runs, but its reply is lost and redis-py sends it again
+    _lose_next_reply(monkeypatch, connection_class)
+    settled = store.settle_owed_message(taker)
+    monkeypatch.undo()
+    # Then the second run answers as the first did: the message is owed, and goes out
+    assert settled is True
+    # and it is settled once all the same
+    assert store.settle_owed_message(taker) is False
+
+
+def test_a_take_whose_reply_was_lost_still_hands_the_message_out(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a queued key past its due time
+    store, connection_class = _used_store(url, prefix="take-lost")
+    assert store.reserve(_request("k"), Pickup(envelope=b"m", due_in=0.01, timeout=30)) is None
+    time.sleep(0.05)
+    # When the sweep takes it, but the reply is lost and redis-py sends the script again
+    _lose_next_reply(monkeypatch, connection_class)
+    taken = store.take("k")
+    monkeypatch.undo()
+    # Then the second run hands out the message the first one took (its due time moved on
+    # once), not nothing
+    assert taken is not None
+    assert (taken.task_id, taken.envelope, taken.republished) == ("x", b"m", 1)
+    # and another take finds it not due
+    assert store.take("k") is None
 
 
 def test_scripts_run_again_after_redis_dropped_the_connection(url: str) -> None:

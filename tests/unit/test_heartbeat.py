@@ -211,3 +211,52 @@ class _FastClock:
 
     def skip(self, seconds: float) -> None:
         self._skipped += seconds
+
+
+class _StoreDownForRenewals(MemoryStore):
+    """A memory store whose first ``failures`` renewals find it out of reach."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.renewals: list[float] = []
+
+    def extend(self, request: ClaimRequest, token: int) -> bool:
+        self.renewals.append(time.monotonic())
+        if len(self.renewals) <= self.failures:
+            raise StoreUnavailable("connection refused")
+        return super().extend(request, token)
+
+
+def test_an_attempts_renewal_that_meets_a_store_down_is_tried_again_soon(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a running attempt with a 6 s lease (renewed every 2 s) whose store is out of
+    # reach for its first two renewals
+    monkeypatch.setattr(heartbeat, "RETRY_AFTER_ERROR", 0.05)
+    store = _StoreDownForRenewals(failures=2)
+    request = ClaimRequest(
+        storage_key="t:k",
+        key="k",
+        task_name="t",
+        task_id="task-1",
+        owner="owner-1",
+        fingerprint="fp",
+        lease_seconds=6.0,
+        ttl_seconds=60.0,
+    )
+    attempt = Attempt(
+        store=store, request=request, codec=ResultCodec(serializer="json", max_bytes=1024)
+    )
+    assert attempt.claim().outcome is Outcome.ACQUIRED
+    with attempt.heartbeat():
+        deadline = time.monotonic() + 10
+        while len(store.renewals) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    # Then each failed renewal was tried again RETRY_AFTER_ERROR later, not a third of the
+    # lease later (when two failures would have let the lease run out)
+    first, second, third = store.renewals[:3]
+    assert second - first < 1.0
+    assert third - second < 1.0
+    assert "lease of key 'k': connection refused" in caplog.text
+    assert attempt.lost is False
