@@ -299,6 +299,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         batch=batch,
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
         unreachable=broker_cannot_take,
+        interrupted=(SoftTimeLimitExceeded,),
     )
     _count_rows(queue)
     return published

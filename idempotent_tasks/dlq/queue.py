@@ -35,7 +35,7 @@ from .schema import (
     COMPONENT,
     DEAD_LETTER_MIGRATIONS,
     SCHEMA_VERSION,
-    UnreadableJSON,
+    Unreadable,
     dead_letters,
 )
 from .schema_setup import ensure_component
@@ -357,6 +357,7 @@ class DeadLetterQueue:
         ``reason`` added to its message; only while the sweep ``sweep_id`` holds it, when
         given. Whether it was so held."""
         note = _storable(f"[not sent again: {reason}]")
+        now = self._db(self._clock())  # before the transaction: see the class's docstring
         with self._begin() as connection:
             found = connection.execute(queries.select_by_id(item_id)).one_or_none()
             if found is None:
@@ -364,7 +365,6 @@ class DeadLetterQueue:
             message = found._mapping["error_message"] or ""
             if note not in message:
                 message = f"{message}\n{note}" if message else note
-            now = self._db(self._clock())
             result = connection.execute(queries.give_up(item_id, message, now, sweep_id))
         return bool(result.rowcount)
 
@@ -668,8 +668,8 @@ def _read_item(row: Any) -> DeadLetter:
     for column in TEXT_COLUMNS:
         if not isinstance(row[column], str):
             raise TypeError(f"{column} is not text: {row[column]!r:.80}")
-    for column in ("args", "kwargs", "options"):
-        if isinstance(row[column], UnreadableJSON):
+    for column in ("args", "kwargs", "options", "next_retry_at", "created_at", "updated_at"):
+        if isinstance(row[column], Unreadable):
             raise ValueError(f"{column} holds {row[column]!r}")
     if not isinstance(row["args"], list):
         raise TypeError(f"args is not a JSON array: {row['args']!r:.80}")

@@ -40,8 +40,6 @@ COMPONENT = "dead_letters"
 
 metadata = MetaData()
 
-# MySQL/MariaDB DATETIME keeps no fractions of a second unless told to.
-Timestamp = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 # MySQL/MariaDB BLOB holds only 64 KiB.
 LongBlob = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
@@ -85,36 +83,59 @@ class ExactText(TypeDecorator[str]):
 
 
 @dataclass(frozen=True)
-class UnreadableJSON:
-    """What a JSON column holds that does not parse (SQLite keeps any text): read as this
-    marker, so that the other rows of the same query are read all the same."""
+class Unreadable:
+    """What a column holds that its type cannot read (SQLite keeps any text in any column):
+    read as this marker, so that the other rows of the same query are read all the same."""
 
+    kind: str
     text: Any
     error: str
 
     def __repr__(self) -> str:
-        return f"unreadable JSON ({self.error}): {self.text!r:.80}"
+        return f"unreadable {self.kind} ({self.error}): {self.text!r:.80}"
 
 
-class TolerantJSON(TypeDecorator[Any]):
-    """JSON whose rows are read even where one holds text that does not parse: that value
-    reads as :class:`UnreadableJSON` instead of failing the whole fetch."""
+class _Tolerant(TypeDecorator[Any]):
+    """A type whose values that do not parse read as :class:`Unreadable` instead of failing
+    the whole fetch."""
 
-    impl = JSON
     cache_ok = True
+    #: What the marker calls the value.
+    kind = "value"
 
     def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
         parse = super().result_processor(dialect, coltype)
         if parse is None:
-            return None  # the driver parses JSON itself, and its database only keeps JSON
+            return None  # the driver parses the value itself, and its database checks it
 
         def tolerant(value: Any) -> Any:
             try:
                 return parse(value)
-            except (ValueError, RecursionError) as exc:  # nested too deep for json
-                return UnreadableJSON(value, str(exc))
+            except (ValueError, TypeError, RecursionError) as exc:  # JSON nested too deep
+                return Unreadable(self.kind, value, str(exc))
 
         return tolerant
+
+
+class TolerantJSON(_Tolerant):
+    """JSON that reads text that does not parse as :class:`Unreadable`."""
+
+    impl = JSON
+    kind = "JSON"
+    cache_ok = True  # SQLAlchemy reads it from each class itself
+
+
+class TolerantTimestamp(_Tolerant):
+    """A moment that reads text that is not one (an SQLite row edited by hand) as
+    :class:`Unreadable`."""
+
+    impl = DateTime(timezone=True)
+    kind = "timestamp"
+    cache_ok = True
+
+
+# MySQL/MariaDB DATETIME keeps no fractions of a second unless told to.
+Timestamp = TolerantTimestamp().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 
 
 dead_letters = Table(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from enum import Enum
 
+from ..errors import StoreUnavailable
 from .items import DeadLetter
 from .queue import DeadLetterQueue
 
@@ -35,6 +37,7 @@ def resend_due(
     batch: int,
     retry_delay: float,
     unreachable: Callable[[BaseException], bool] = lambda _error: False,
+    interrupted: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
 
@@ -49,6 +52,11 @@ def resend_due(
     gives up at its limit, rather than be sent every ``retry_delay`` for ever.
     An item is tried once per sweep, however short its backoff: a batch that comes round to
     items tried already is the sweep's last.
+
+    An ``interrupted`` error (the sweep's own time limit) is no item's failure: the item it
+    lands on and the rest of the batch are handed back due, no retry used, and it is raised.
+    When the database fails to record how one item went, that item waits for
+    :meth:`~DeadLetterQueue.recover_stuck`, and the sweep goes on with the others.
     """
     sent = 0
     tried: set[str] = set()
@@ -61,37 +69,84 @@ def resend_due(
         tried.update(item.id for item in items)
         for index, item in enumerate(items):
             try:
-                resend(item)
-            except ResendLater as exc:
+                outcome = _resend_one(queue, item, resend, retry_delay, unreachable, interrupted)
+            except interrupted as exc:
                 logger.warning(
-                    "dead letter %s not sent again now (due again in %ss): %s",
+                    "dead-letter sweep interrupted (%s): %d taken dead letters handed back",
+                    type(exc).__name__,
+                    len(items) - index,
+                )
+                _hand_back(queue, items[index:], delay=0.0)
+                raise
+            except StoreUnavailable as exc:
+                logger.error(
+                    "dead letter %s: could not record how its retry went (%s); it is taken up "
+                    "again once it has been retrying for the retrying timeout",
                     item.id,
-                    retry_delay,
                     exc,
                 )
-                queue.unclaim(item.id, delay=retry_delay)
-            except AlreadySucceeded:
-                logger.warning("dead letter %s had succeeded: marked so, not sent again", item.id)
-                queue.mark_succeeded(item.id)
-            except CannotResend as exc:
-                # No retry would do better; the failure it records stays as it was.
-                logger.error("dead letter %s cannot be sent again (given up): %s", item.id, exc)
-                queue.give_up(item.id, str(exc), item.sweep_id)
-            except Exception as exc:
-                if unreachable(exc):
-                    logger.error(
-                        "could not send dead letters again (due again in %ss): %s",
-                        retry_delay,
-                        exc,
-                    )
-                    for untried in items[index:]:
-                        queue.unclaim(untried.id, delay=retry_delay)
-                    return sent
-                # Not the broker's absence: most likely the same error at every try (a router,
-                # a serializer, a queue's key of the wrong type), so it uses a retry.
-                logger.error("could not send dead letter %s again (a retry used): %r", item.id, exc)
-                queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
-            else:
+                continue
+            if outcome is _Outcome.UNREACHABLE:
+                _hand_back(queue, items[index:], delay=retry_delay)
+                return sent
+            if outcome is _Outcome.SENT:
                 sent += 1
         if len(items) < batch:  # the last batch, or one that came round to items tried
             return sent
+
+
+class _Outcome(Enum):
+    SENT = "sent"
+    HANDLED = "handled"  # put off, marked, given up, or a retry used
+    UNREACHABLE = "unreachable"
+
+
+def _resend_one(
+    queue: DeadLetterQueue,
+    item: DeadLetter,
+    resend: Callable[[DeadLetter], None],
+    retry_delay: float,
+    unreachable: Callable[[BaseException], bool],
+    interrupted: tuple[type[BaseException], ...],
+) -> _Outcome:
+    """Send one taken item again, and record what became of it (see :func:`resend_due`)."""
+    try:
+        resend(item)
+    except ResendLater as exc:
+        logger.warning(
+            "dead letter %s not sent again now (due again in %ss): %s", item.id, retry_delay, exc
+        )
+        queue.unclaim(item.id, delay=retry_delay)
+    except AlreadySucceeded:
+        logger.warning("dead letter %s had succeeded: marked so, not sent again", item.id)
+        queue.mark_succeeded(item.id)
+    except CannotResend as exc:
+        # No retry would do better; the failure it records stays as it was.
+        logger.error("dead letter %s cannot be sent again (given up): %s", item.id, exc)
+        queue.give_up(item.id, str(exc), item.sweep_id)
+    except interrupted:
+        raise
+    except Exception as exc:
+        if unreachable(exc):
+            logger.error(
+                "could not send dead letters again (due again in %ss): %s", retry_delay, exc
+            )
+            return _Outcome.UNREACHABLE
+        # Not the broker's absence: most likely the same error at every try (a router, a
+        # serializer, a queue's key of the wrong type), so it uses a retry.
+        logger.error("could not send dead letter %s again (a retry used): %r", item.id, exc)
+        queue.record_retry_failure(item.id, type(exc).__name__, str(exc), None)
+    else:
+        return _Outcome.SENT
+    return _Outcome.HANDLED
+
+
+def _hand_back(queue: DeadLetterQueue, items: list[DeadLetter], delay: float) -> None:
+    """Make taken items due again ``delay`` seconds on, untried, as far as the database lets
+    (those it does not wait for :meth:`~DeadLetterQueue.recover_stuck`)."""
+    for item in items:
+        try:
+            queue.unclaim(item.id, delay=delay)
+        except StoreUnavailable as exc:
+            logger.error("could not hand dead letters back (%s): they wait to be recovered", exc)
+            return

@@ -30,6 +30,7 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus, get_current_job
 from rq.queue import Queue
 from rq.serializers import resolve_serializer
+from rq.timeouts import JobTimeoutException
 
 from .. import defaults
 from ..dlq import DeadLetter, DeadLetterQueue
@@ -115,6 +116,7 @@ def _sweep(
         batch=batch,
         retry_delay=defaults.DLQ_POLL_INTERVAL,
         unreachable=is_unavailable,
+        interrupted=(JobTimeoutException,),
     )
 
 

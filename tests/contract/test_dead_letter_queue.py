@@ -28,6 +28,7 @@ from idempotent_tasks.dlq.schema import (
     metadata,
     schema_versions,
 )
+from idempotent_tasks.dlq.sweep import resend_due
 from idempotent_tasks.errors import (
     CorruptRecord,
     IdempotencyError,
@@ -625,6 +626,31 @@ def test_a_row_whose_json_does_not_parse_is_left_out_and_given_up_on(
     assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
     assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
     with pytest.raises(CorruptRecord, match="kwargs holds unreadable JSON"):
+        dlq.get(edited.id)
+    # And a sweep takes the other row, and gives the edited one up
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(dlq.take_due(limit=10)) == {readable.id}
+    assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
+
+
+def test_a_row_whose_timestamp_does_not_parse_is_left_out_and_given_up_on(
+    sqlite_dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given two due rows on SQLite (which keeps any text in a DATETIME column), one edited by
+    # hand into a moment that is no moment
+    dlq = sqlite_dlq
+    readable = _add_at(dlq, clock, T0)
+    edited = _add_at(dlq, clock, T0, error_message="warehouse down")
+    with dlq.engine.begin() as connection:
+        connection.execute(
+            sa.text(f"UPDATE {dead_letters.name} SET created_at = 'last tuesday' WHERE id = :id"),
+            {"id": edited.id},
+        )
+    # Then a listing reads the other row, and names the edited one
+    reported: list[CorruptRecord] = []
+    assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
+    assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
+    with pytest.raises(CorruptRecord, match="created_at holds unreadable timestamp"):
         dlq.get(edited.id)
     # And a sweep takes the other row, and gives the edited one up
     clock.now = T0 + timedelta(hours=1)
@@ -1533,3 +1559,78 @@ def test_a_version_one_table_is_brought_to_exact_failure_ids_keeping_its_rows(
             dlq.dispose()
     finally:
         engine.dispose()
+
+
+# -- one sweep over the due items (resend_due) --------------------------------------------------
+
+
+class _TimeLimit(BaseException):
+    """Stands for a sweep's own time limit (Celery's soft one, RQ's job timeout), raised
+    wherever the sweep is."""
+
+
+def test_a_sweep_interrupted_by_its_time_limit_hands_its_batch_back_with_no_retry_used(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given three due items
+    items = [_add_at(dlq, clock, T0 + timedelta(seconds=n)) for n in range(3)]
+    clock.now = T0 + timedelta(hours=1)
+    sent: list[str] = []
+
+    def resend(item: DeadLetter) -> None:
+        if len(sent) == 1:
+            raise _TimeLimit()  # the time limit fires while the second one is sent
+        sent.append(item.id)
+
+    # When the sweep's time limit interrupts it on the second item
+    with pytest.raises(_TimeLimit):
+        resend_due(
+            dlq, resend, framework="celery", batch=10, retry_delay=60, interrupted=(_TimeLimit,)
+        )
+    # Then the one that went stays taken, and the other two are due again at once, their
+    # failure and retry count as they were: the interruption was no failure of theirs
+    went = dlq.get(sent[0])
+    assert went is not None and went.status is Statuses.RETRYING
+    handed_back = _ids(items) - {went.id}
+    for item_id in handed_back:
+        found = dlq.get(item_id)
+        assert found is not None
+        assert (found.status, found.retry_count, found.error_type) == (
+            Statuses.PENDING,
+            0,
+            "RuntimeError",
+        )
+    assert _ids(dlq.take_due(limit=10)) == handed_back
+
+
+class _QueueThatCannotRecord(DeadLetterQueue):
+    """A queue whose database fails as the sweep records a failed retry."""
+
+    def record_retry_failure(self, *args: Any, **kwargs: Any) -> DeadLetter | None:
+        raise StoreUnavailable("database went away")
+
+
+def test_a_sweep_that_cannot_record_one_items_retry_goes_on_with_the_others(
+    dlq_url: str, clock: Clock
+) -> None:
+    # Given three due items, the first of which fails to be sent, and a database that fails
+    # as the sweep records that
+    dlq = _QueueThatCannotRecord(dlq_url, clock=clock, rng=random.Random(SEED))
+    try:
+        items = [_add_at(dlq, clock, T0 + timedelta(seconds=n)) for n in range(3)]
+        clock.now = T0 + timedelta(hours=1)
+        sent: list[str] = []
+
+        def resend(item: DeadLetter) -> None:
+            if item.id == items[0].id:
+                raise ValueError("a router that raises")
+            sent.append(item.id)
+
+        # When the sweep runs, then it sends the other two all the same
+        assert resend_due(dlq, resend, framework="celery", batch=10, retry_delay=60) == 2
+        assert set(sent) == _ids(items[1:])
+        # and the first stays taken, for recover_stuck to make due again after its timeout
+        first = dlq.get(items[0].id)
+        assert first is not None and first.status is Statuses.RETRYING
+    finally:
+        dlq.dispose()
