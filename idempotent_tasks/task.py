@@ -36,7 +36,7 @@ from . import (
     unknown_tasks,  # noqa: F401  (connects the receiver of Celery's task_unknown)
 )
 from .app_store import store_for
-from .canvas_keys import check_following_keys
+from .canvas_keys import check_following_keys, required_key_error
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec, serializer_installed
 from .core import Attempt, despite_time_limit, new_owner, wait_delay, wait_for_owner
@@ -158,7 +158,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: Per-task key when a call gives none: a template over the call's arguments
     #: (``"order:{order_id}"``) or a callable ``(args, kwargs) -> str``.
     idempotency_key: ClassVar[KeySource | None] = None
-    #: Refuse (``ValueError`` at ``apply_async``) calls that have no key.
+    #: Refuse calls that have no key: ``ValueError`` at ``apply_async``, and at the worker for
+    #: one sent by other means (by name, by beat, ``apply()``), which runs nothing.
     idempotency_key_required: ClassVar[bool] = False
     #: Seconds a completed key answers duplicates (default: ``app.conf.idempotency_ttl``).
     idempotency_ttl: ClassVar[float | None] = None
@@ -1091,14 +1092,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Raises:
             ValueError: the message's key is not one ``apply_async`` would take (a message
-                sent by other means, with a key of another type, say): the call fails at
-                once, as a mismatch does, running nothing.
+                sent by other means, with a key of another type, say), or the task requires
+                a key and a first delivery came without one (sent by name, by beat, by a
+                client in another language): the call fails at once, as a mismatch does,
+                running nothing. A retry or a dead letter's retry without one runs as before.
         """
         key = request_header(request, KEY_HEADER)
         if key is not None:
             return validate_key(key)
         if self.idempotency_key is not None:
             return derive_key(self.idempotency_key, self._signature, args, kwargs)
+        if self.idempotency_key_required and _first_delivery(request):
+            raise required_key_error(self.name)
         return None
 
     def _delivered_key(
@@ -1561,6 +1566,15 @@ def _routing_of(signature: Any) -> dict[str, Any]:
         routing.setdefault("exchange", None)
         routing.setdefault("routing_key", None)
     return routing
+
+
+def _first_delivery(request: Any) -> bool:
+    """Whether a delivered call is its caller's first message: not a retry of it, nor a dead
+    letter's retry, nor a re-publish to write its dead letter."""
+    return not request.retries and all(
+        request_header(request, header) is None
+        for header in (DEAD_LETTER_HEADER, UNWRITTEN_FAILURE_HEADER)
+    )
 
 
 def _current_attempt(request: Any) -> Attempt | None:

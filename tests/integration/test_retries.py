@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from idempotent_tasks.app_store import dlq_for
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
@@ -124,11 +125,25 @@ def test_waiting_duplicate_spends_none_of_its_retries() -> None:
     assert ledger_events(name, "start") == 1
 
 
-def test_a_message_sent_without_the_key_its_task_requires_still_retries() -> None:
+def test_a_message_sent_without_the_key_its_task_requires_fails_and_runs_nothing() -> None:
     # Given a task that requires a key, sent by other means than apply_async, without one
     name = fresh("keyless")
     task = worker_app.must_have_key_flaky
     result = worker_app.app.send_task(task.name, (name,))
-    # Then it runs as a plain task, and its failure is retried as Celery retries it
-    assert result.get(timeout=30) == 1
+    # Then it fails at the worker, as apply_async would have refused it, and runs nothing
+    with pytest.raises(ValueError, match="requires an idempotency key"):
+        result.get(timeout=30)
+    assert ledger_events(name, "start") == 0
+    # and it is no dead letter: no retry of it could run with a key either
+    assert not [item for item in dlq_for(worker_app.app).items() if item.task_id == result.id]
+
+
+def test_a_retry_sent_without_the_key_its_task_requires_still_runs_and_retries() -> None:
+    # Given a retry of a call without a key (a message from before its task required one)
+    name = fresh("keyless")
+    task = worker_app.must_have_key_flaky
+    result = worker_app.app.send_task(task.name, (name,), retries=1)
+    # Then it runs as a plain task, and its failure is retried as Celery retries it (its
+    # retry is refused neither at its publish nor at the worker)
+    assert result.get(timeout=30) == 2
     assert ledger_events(name, "start") == 2

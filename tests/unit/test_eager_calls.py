@@ -248,3 +248,28 @@ def test_a_keyed_call_sent_with_a_task_id_no_store_holds_fails_running_nothing()
     result = charge.apply(("o-1",), task_id="t-\x00-1", headers={KEY_HEADER: "order-1"})
     assert isinstance(result.result, ValueError) and "NUL" in str(result.result)
     assert runs == []
+
+
+def test_an_eager_call_without_the_key_its_task_requires_fails_and_runs_nothing(
+    published: list[Any],
+) -> None:
+    app = Celery("eager-required", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, shared=False, idempotency_key_required=True)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return order
+
+    # When a task that requires a key is applied here without one
+    result = charge.apply(("o-1",))
+    # Then it fails as apply_async would have refused it, and runs nothing
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, ValueError)
+    assert "requires an idempotency key" in str(result.result)
+    assert runs == []
+    assert published == []
+    # With a key it runs
+    assert charge.apply(("o-1",), idempotency_key="k").get() == "o-1"
+    assert runs == ["o-1"]
