@@ -68,7 +68,12 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
         exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
-        if isinstance(exc, Terminated):
+        if isinstance(exc, TimeLimitExceeded):
+            # Billiard fails a call at its hard time limit (Celery then acknowledges its
+            # message) before it calls on_timeout: the call is ended first, its dead letter
+            # written before its message goes.
+            self._end_killed_call(exc)
+        elif isinstance(exc, Terminated):
             # Billiard reports a terminated call once its process is gone. One that ended
             # without running Python (SIGKILL) took its token along: its claim would stay
             # until its lease ends, a new call of the key answered with this revoked one.
@@ -136,27 +141,35 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         )
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._end_killed_call(TimeLimitExceeded(timeout))  # if on_failure did not
+        super().on_timeout(soft, timeout)
+
+    _idempotency_killed_ended = False
+
+    def _end_killed_call(self, exc: TimeLimitExceeded) -> None:
+        """End a call killed at its hard time limit (once): dead-lettered, its key released."""
         # A cold shutdown kills running tasks through this path too: their messages are
         # redelivered, so they have not failed.
-        if not soft and not worker_state.should_terminate:
-            end_killed_call: Any = getattr(self.task, "end_killed_call", None)
-            if end_killed_call is not None:
-                # Billiard terminates the process only after this handler: make sure the body
-                # is gone before its key is released, or a duplicate could run beside it.
-                # (Only a pool process of ours: a green pool's worker_pid is a greenlet's id.)
-                try:
-                    if self.worker_pid in {child.pid for child in active_children()}:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(self.worker_pid, signal.SIGKILL)
-                    # The message body's callbacks, errbacks and chain join the request dict
-                    # only once Celery builds its context: a re-published message needs them.
-                    _ = self._context
-                    end_killed_call(self.request_dict, TimeLimitExceeded(timeout))
-                except Exception:
-                    logger.exception(
-                        "could not end %s[%s] after its time limit", self.name, self.id
-                    )
-        super().on_timeout(soft, timeout)
+        if self._idempotency_killed_ended or worker_state.should_terminate:
+            return
+        self._idempotency_killed_ended = True
+        end_killed_call: Any = getattr(self.task, "end_killed_call", None)
+        if end_killed_call is None:
+            return
+        # Billiard terminates the process only after on_timeout: make sure the body is gone
+        # before its key is released, or a duplicate could run beside it. (Only a pool
+        # process of ours: a green pool's worker_pid is a greenlet's id.)
+        try:
+            if self.worker_pid in {child.pid for child in active_children()}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.worker_pid, signal.SIGKILL)
+            # The message body's callbacks, errbacks and chain join the request dict only
+            # once Celery builds its context: a re-published message needs them.
+            _ = self._context
+            end_killed_call(self.request_dict, exc)
+        except Exception:
+            logger.exception("could not end %s[%s] after its time limit", self.name, self.id)
 
 
 def issued_owner(request: Any) -> str | None:

@@ -8,9 +8,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from billiard.einfo import ExceptionInfo
 from celery import Celery
 from celery.app.task import Context
 from celery.contrib.testing.mocks import TaskMessage
+from celery.exceptions import TimeLimitExceeded
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks import task as task_module
@@ -198,3 +200,38 @@ def test_a_dead_letters_retry_carries_its_row_and_sweep_through_republishes() ->
     request = _request(**{DEAD_LETTER_HEADER: "row-1", DEAD_LETTER_SWEEP_HEADER: "sweep-1"})
     headers = charge.signature_from_request(request).options["headers"]
     assert (headers[DEAD_LETTER_HEADER], headers[DEAD_LETTER_SWEEP_HEADER]) == ("row-1", "sweep-1")
+
+
+def test_a_call_killed_at_its_hard_time_limit_is_ended_before_its_message_is_acknowledged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a delivery of a task whose message Celery acknowledges when its hard time limit
+    # kills it (the default)
+    app = Celery("acks", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+
+    @app.task(base=IdempotentTask, acks_late=True)
+    def overruns(name: str) -> str:
+        return name
+
+    happened: list[str] = []
+    request = IdempotentRequest(
+        TaskMessage(overruns.name, args=("n",), idempotency_key="k"),
+        app=app,
+        task=overruns,
+        on_ack=lambda logger, errors: happened.append("acknowledged"),
+    )
+    monkeypatch.setattr(
+        overruns,
+        "end_killed_call",
+        lambda request_dict, exc: happened.append(f"ended: {type(exc).__name__}"),
+    )
+    # When billiard fails the call at its hard time limit, then calls the timeout handler
+    # (its order: billiard.pool.Pool.on_hard_timeout)
+    try:
+        raise TimeLimitExceeded(1.0)
+    except TimeLimitExceeded:
+        request.on_failure(ExceptionInfo())
+    request.on_timeout(soft=False, timeout=1.0)
+    # Then the call was ended (dead-lettered, its key released) before its message went, once
+    assert happened == ["ended: TimeLimitExceeded", "acknowledged"]
