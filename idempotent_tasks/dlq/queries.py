@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Delete, Select, Update, case, delete, func, insert, select, update
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.dml import Insert
 
 from .schema import dead_letters, schema_versions
@@ -34,9 +35,12 @@ def select_by_failure(failure_id: str) -> Select[Any]:
     return select(dead_letters).where(dead_letters.c.failure_id == failure_id)
 
 
-def select_due_ids(now: datetime, limit: int, framework: str = "celery") -> Select[Any]:
-    """Ids of one framework's due pending items, oldest due first, skipping locked rows."""
-    return (
+def select_due_ids(
+    now: datetime, limit: int, framework: str = "celery", skip_locked: bool = True
+) -> Select[Any]:
+    """Ids of one framework's due pending items, oldest due first, skipping rows another sweep
+    has locked where the database can (``skip_locked``, see :func:`skips_locked_rows`)."""
+    due = (
         select(dead_letters.c.id)
         .where(
             dead_letters.c.status == PENDING,
@@ -45,8 +49,19 @@ def select_due_ids(now: datetime, limit: int, framework: str = "celery") -> Sele
         )
         .order_by(dead_letters.c.next_retry_at)
         .limit(limit)
-        .with_for_update(skip_locked=True)
     )
+    return due.with_for_update(skip_locked=True) if skip_locked else due
+
+
+def skips_locked_rows(dialect: Dialect) -> bool:
+    """Whether a database takes ``FOR UPDATE SKIP LOCKED``: PostgreSQL does, MariaDB from 10.6
+    and MySQL from 8.0.1 (older ones refuse the statement); SQLite has no row locks to skip.
+    Without it, sweeps still never take one item twice (:func:`claim_for_sweep` marks only
+    items still pending, and each sweep reads back its own), they only meet more often."""
+    if dialect.name not in ("mysql", "mariadb"):
+        return True
+    version = tuple(part for part in dialect.server_version_info or () if isinstance(part, int))
+    return version >= ((10, 6) if getattr(dialect, "is_mariadb", False) else (8, 0, 1))
 
 
 def claim_for_sweep(ids: Sequence[str], sweep_id: str, now: datetime) -> Update:

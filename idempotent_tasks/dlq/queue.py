@@ -273,7 +273,9 @@ class DeadLetterQueue:
             now = self._clock()
             sweep_id = str(uuid.uuid4())
             with self._begin() as connection:
-                due = queries.select_due_ids(self._db(now), limit, framework)
+                due = queries.select_due_ids(
+                    self._db(now), limit, framework, queries.skips_locked_rows(connection.dialect)
+                )
                 ids = list(connection.execute(due).scalars())
                 if not ids:
                     return []

@@ -52,3 +52,30 @@ def test_due_ids_are_pending_due_oldest_first_and_limited(name: str) -> None:
     params = compiled.params
     assert queries.PENDING in params.values()
     assert 25 in params.values()
+
+
+def _server(dialect: Dialect, version: tuple[int, ...]) -> Dialect:
+    dialect.server_version_info = version
+    return dialect
+
+
+@pytest.mark.parametrize(
+    ("dialect", "skips"),
+    [
+        (_server(MariaDBDialect(), (10, 5, 23)), False),
+        (_server(MariaDBDialect(), (10, 6, 0)), True),
+        (_server(MariaDBDialect(), (11, 4, 2)), True),
+        (_server(mysql.dialect(), (5, 7, 44)), False),
+        (_server(mysql.dialect(), (8, 0, 36)), True),
+        (mysql.dialect(), False),  # not connected yet: no version to trust
+        (_server(postgresql.dialect(), (12, 0)), True),
+    ],
+)
+def test_rows_locked_by_another_sweep_are_skipped_only_where_the_server_can(
+    dialect: Dialect, skips: bool
+) -> None:
+    # (MariaDB before 10.6 and MySQL before 8.0.1 refuse SKIP LOCKED as a syntax error: the
+    # sweep would fail for good there)
+    assert queries.skips_locked_rows(dialect) is skips
+    sql = str(queries.select_due_ids(NOW, 25, skip_locked=skips).compile(dialect=dialect))
+    assert ("FOR UPDATE" in sql) is skips
