@@ -184,12 +184,15 @@ schema_versions = Table(
 CLAIMS_SCHEMA_VERSION = 4
 CLAIMS_COMPONENT = "claims"
 
+#: Characters of a claim's row id: "<prefix>:<storage key>" (a storage key has at most
+#: ``defaults.KEY_MAX_STORED_CHARS``, 200).
+CLAIM_ID_CHARS = 320
+
 # POSIX seconds as doubles: MySQL's FLOAT is single precision, too coarse for timestamps.
 claims = Table(
     "idempotent_tasks_claims",
     metadata,
-    # "<prefix>:<storage key>": storage keys are at most ~270 characters.
-    Column("id", ExactText(320), primary_key=True),
+    Column("id", ExactText(CLAIM_ID_CHARS), primary_key=True),
     Column("key", String(1024), nullable=False),
     Column("task_name", String(255), nullable=False),
     # queued | processing | completed | released (a released claim is kept so tokens keep
@@ -229,7 +232,7 @@ pickups = Table(
     "idempotent_tasks_pickups",
     metadata,
     # The id of the claim row.
-    Column("id", ExactText(320), primary_key=True),
+    Column("id", ExactText(CLAIM_ID_CHARS), primary_key=True),
     Column("task_id", String(255), nullable=False),
     Column("task_name", String(255), nullable=False),
     Column("envelope", LongBlob, nullable=False),

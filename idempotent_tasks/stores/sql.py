@@ -40,8 +40,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
+from .. import defaults
 from ..dlq.engine import create_dlq_engine
 from ..dlq.schema import (
+    CLAIM_ID_CHARS,
     CLAIMS_COMPONENT,
     CLAIMS_MIGRATIONS,
     CLAIMS_SCHEMA_VERSION,
@@ -130,6 +132,14 @@ class SqlStore:
     """
 
     def __init__(self, url: str, prefix: str, clock: Callable[[], float] | None = None) -> None:
+        longest = CLAIM_ID_CHARS - 1 - defaults.KEY_MAX_STORED_CHARS
+        if len(prefix) > longest:
+            # Refused here: every claim's row id would be too long for its column, and every
+            # call of every keyed task would wait for a store that never takes it.
+            raise ValueError(
+                f"idempotency_key_prefix is {len(prefix)} characters long; the SQL store "
+                f"takes at most {longest} (its row ids hold the prefix and the key)"
+            )
         self.url = url
         self.prefix = prefix
         self.engine: Engine = create_dlq_engine(url)

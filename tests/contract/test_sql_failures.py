@@ -533,3 +533,26 @@ def test_a_pickup_whose_row_id_is_not_utf8_is_still_taken_and_moved_on(
             for table in (claims, pickups):
                 connection.execute(table.delete().where(table.c.id.like(f"{store.prefix}:%")))
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mariadb"])
+def test_the_longest_prefix_a_claim_row_takes_works_and_a_longer_one_is_refused_up_front(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = store_url(kind, request)
+    # A prefix whose row ids could not fit: refused when the store is built, not by every claim
+    with pytest.raises(ValueError, match="idempotency_key_prefix is 120 characters long"):
+        SqlStore(url, prefix="p" * 120)
+    # The longest one it takes holds the longest readable storage key (200 characters)
+    store = SqlStore(url, prefix=f"{uuid.uuid4().hex}".ljust(119, "p"))
+    try:
+        longest = dataclasses.replace(_request(), storage_key="t:" + "k" * 198)
+        claim = store.claim(longest)
+        assert claim.outcome is Outcome.ACQUIRED
+        assert store.complete(longest, claim.token, None) is CompleteOutcome.STORED
+        record = store.get(longest.storage_key)
+        assert record is not None and record.storage_key == longest.storage_key
+    finally:
+        with store.engine.begin() as connection:
+            connection.execute(claims.delete().where(claims.c.id.like(f"{store.prefix}:%")))
+        store.close()
