@@ -133,6 +133,10 @@ class TolerantTimestamp(_Tolerant):
     kind = "timestamp"
     cache_ok = True
 
+    def coerce_compared_value(self, op: Any, value: Any) -> Any:
+        # As a DateTime column does: a timedelta beside it is an interval, not a moment.
+        return self.impl_instance.coerce_compared_value(op, value)
+
 
 # MySQL/MariaDB DATETIME keeps no fractions of a second unless told to.
 Timestamp = TolerantTimestamp().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")

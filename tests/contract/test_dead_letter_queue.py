@@ -583,6 +583,17 @@ def test_a_row_edited_into_another_shape_is_given_up_on_and_the_sweep_goes_on(
     assert "its failure was RuntimeError: warehouse down" in row.error_message
 
 
+@pytest.mark.parametrize("dlq_url", ["postgresql"], indirect=True)
+def test_a_timestamp_column_moves_by_an_interval_in_sql(dlq: DeadLetterQueue, clock: Clock) -> None:
+    # An operator's (or a test's) UPDATE on PostgreSQL: the column's type keeps a timedelta
+    # beside it an interval. (SQLAlchemy's generic SQL has no such arithmetic on SQLite or
+    # MariaDB, whatever the column's type.)
+    item = _add_at(dlq, clock, T0)
+    _edit_row(dlq, item.id, updated_at=dead_letters.c.updated_at - timedelta(hours=2))
+    found = dlq.get(item.id)
+    assert found is not None and found.updated_at == T0 - timedelta(hours=2)
+
+
 def test_a_batch_of_rows_it_cannot_read_does_not_end_the_take(
     dlq: DeadLetterQueue, clock: Clock
 ) -> None:
