@@ -37,6 +37,7 @@ from kombu.utils.json import dumps
 
 from . import publishing
 from .app_store import store_for
+from .broker_errors import broker_cannot_take
 from .errors import CorruptRecord, StoreUnavailable
 from .pickups import hand_to_guard
 from .records import ClaimRequest, Pickup, Record
@@ -157,6 +158,12 @@ def publish(
         try:
             result = send(ready_producer)
         except OperationalError as error:
+            if not broker_cannot_take(error):
+                # The broker refused the message (a queue's key of another type), as it would
+                # at every try: a call reserved, or maybe reserved, is no call at all.
+                if pending.reached:
+                    publishing.cancel_reservation(task, request.storage_key, request.task_id)
+                raise
             if pending.reached:
                 # As with two trips: the call, if reserved, stays for the guard to publish.
                 hand_to_guard(store, request.storage_key, request.task_id)

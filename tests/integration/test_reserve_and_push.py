@@ -336,6 +336,28 @@ def test_a_broker_failing_before_the_push_answers_a_key_found_or_keeps_the_call(
     assert len(_queued(queue)) == 1
 
 
+@pytest.mark.parametrize("one_trip", [True, False])
+def test_a_message_the_broker_refuses_leaves_no_reservation_behind(
+    one_trip_app: tuple[Celery, Any, _Reserves], every_process_new: None, one_trip: bool
+) -> None:
+    # Given a queue whose key in the broker's Redis holds a string, not a list: the broker
+    # refuses every message for it (WRONGTYPE), however often it is sent
+    app, add, _ = one_trip_app
+    app.conf.idempotency_publish_in_one_trip = one_trip
+    queue, key = fresh("queue"), fresh("key")
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    broker.set(queue, "not a list")
+    try:
+        # When a keyed call is published onto it
+        with pytest.raises(OperationalError, match="WRONGTYPE"):
+            add.apply_async((1, 2), idempotency_key=key, queue=queue)
+        # Then the call's error is the caller's, and its key is not kept for the guard to
+        # send again (nor answers a later call with the id of a message that never went)
+        assert store_for(app).get(storage_key(add.name, key)) is None
+    finally:
+        broker.delete(queue)
+
+
 def test_a_broker_down_apart_from_the_store_keeps_the_call_as_two_trips_do(
     redis_url: str, every_process_new: None
 ) -> None:
