@@ -44,6 +44,7 @@ CARRIED_OPTIONS = (
     "routing_key",
     "priority",
     "expires",
+    "eta",
     "time_limit",
     "soft_time_limit",
     "serializer",
@@ -238,7 +239,12 @@ def make_pickup(
     arguments = [list(args), kwargs]
     if serializer != "json" and not _json_faithful(arguments):
         return None
-    body = envelope(arguments[0], kwargs, options)
+    carried = {name: value for name, value in options.items() if name not in ("eta", "countdown")}
+    if wait > 0:
+        # The moment it is to run, kept: a copy sent before it (its first publish failed, and
+        # the guard sends it at once) must wait for it as the call would have.
+        carried["eta"] = datetime.now(timezone.utc) + timedelta(seconds=wait)
+    body = envelope(arguments[0], kwargs, carried)
     if body is None:
         return None
     due_in = wait + timeout

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,10 +25,11 @@ from idempotent_tasks.pickups import (
     loads,
     make_pickup,
     pickup_timeout,
+    republish,
     republish_lost,
     seconds_until,
 )
-from idempotent_tasks.records import ClaimRequest, Status
+from idempotent_tasks.records import ClaimRequest, DuePickup, Status
 from idempotent_tasks.stores import MemoryStore
 from idempotent_tasks.task import KEY_HEADER
 
@@ -48,7 +50,7 @@ def test_envelope_keeps_arguments_and_routing_and_drops_the_rest() -> None:
             "queue": Queue("payments"),
             "priority": 3,
             "headers": {"idempotency_key": "k"},
-            "countdown": 10,  # waits are not kept: a re-publication is overdue already
+            "countdown": 10,  # relative: make_pickup keeps the moment it stands for, as an eta
             "producer": object(),
         },
     )
@@ -61,6 +63,35 @@ def test_envelope_keeps_arguments_and_routing_and_drops_the_rest() -> None:
         "priority": 3,
         "headers": {"idempotency_key": "k"},
     }
+
+
+@pytest.mark.parametrize("when", ["countdown", "eta"])
+def test_a_copy_of_a_call_that_waits_keeps_the_moment_it_is_to_run(when: str) -> None:
+    # Given a call to run ten minutes from now, by a countdown or an eta
+    run_at = datetime.now(timezone.utc) + timedelta(minutes=10)
+    options = {"countdown": 600} if when == "countdown" else {"eta": run_at}
+    pickup = make_pickup(("o",), {}, options, timeout=30, wait=600)
+    assert pickup is not None
+    # Then its copy carries that moment, so that a copy sent early (its first publish failed,
+    # and the guard sends it at once) still waits for it
+    carried = loads(pickup.envelope.decode())["options"]
+    assert set(carried) == {"eta"}
+    assert abs((carried["eta"] - run_at).total_seconds()) < 5
+    sent: dict[str, Any] = {}
+    republish(
+        SimpleNamespace(send_task=lambda name, **options: sent.update(options)),
+        DuePickup(
+            storage_key="t:k",
+            task_id="id-1",
+            task_name="t",
+            envelope=pickup.envelope,
+            republished=1,
+        ),
+    )
+    assert sent["eta"] == carried["eta"]
+    # And a call that runs at once carries none
+    at_once = make_pickup(("o",), {}, {}, timeout=30, wait=0)
+    assert at_once is not None and "eta" not in loads(at_once.envelope.decode())["options"]
 
 
 def test_envelope_keeps_stamps_and_drops_with_its_name_a_stamp_json_cannot_hold() -> None:
@@ -97,9 +128,11 @@ def test_pickup_timeout_defaults_to_the_visibility_timeout_then_an_hour() -> Non
 
 def test_a_zero_timeout_turns_the_guard_off() -> None:
     assert make_pickup([1], {}, {}, 0.0, wait=5) is None
-    pickup = make_pickup([1], {}, {}, 10.0, wait=5)
-    assert pickup is not None and pickup.due_in == 15 and pickup.timeout == 10
+    pickup = make_pickup([1], {}, {}, 10.0, wait=0)
+    assert pickup is not None and pickup.due_in == 10 and pickup.timeout == 10
     assert pickup.envelope == envelope([1], {}, {})
+    waiting = make_pickup([1], {}, {}, 10.0, wait=5)
+    assert waiting is not None and waiting.due_in == 15
 
 
 def test_a_message_that_cannot_be_kept_gets_no_pickup() -> None:
