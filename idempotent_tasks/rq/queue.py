@@ -297,6 +297,14 @@ class IdempotentQueue(Queue):
                 )
             except NoSuchJobError:
                 return None
+            except ValueError as exc:  # a job hash RQ cannot read (a status, a timeout)
+                logger.warning(
+                    "enqueueing %s: the job %s of its key cannot be read: %s",
+                    task_name,
+                    record.task_id,
+                    exc,
+                )
+                return None
             if owner.get_status(refresh=False) in _ENDED:
                 return None  # stopped, failed or cancelled: the worker's claim decides
             signals.duplicate_suppressed.send(

@@ -306,8 +306,18 @@ class StoreNotGiven(ResendLater):
     row waits (no retry used) for a sweep that is."""
 
 
-#: Statuses of a job that will run (or runs) by itself.
-_LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
+#: Statuses of a job that will run (or runs) by itself: RQ enqueues a rate-limited job once a
+#: slot frees, and a job ready to enqueue as its dependencies finish.
+_LIVE = frozenset(
+    {
+        JobStatus.QUEUED,
+        JobStatus.STARTED,
+        JobStatus.SCHEDULED,
+        JobStatus.DEFERRED,
+        JobStatus.RATE_LIMITED,
+        JobStatus.READY_TO_ENQUEUE,
+    }
+)
 
 
 def _held_job(connection: Redis, job_id: str, serializer: str | None) -> IdempotentJob | None:

@@ -1074,6 +1074,27 @@ def test_an_rq_row_whose_job_was_requeued_by_hand_is_not_sent_twice(
     assert rq_queue.count == 0
 
 
+@pytest.mark.parametrize("status", [JobStatus.RATE_LIMITED, JobStatus.READY_TO_ENQUEUE])
+def test_an_rq_row_whose_job_rq_will_enqueue_by_itself_is_not_sent_twice(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue, status: JobStatus
+) -> None:
+    # Given an RQ row whose job RQ holds back, to enqueue it by itself later (rate limited,
+    # or ready once its dependencies finished)
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(f"sweep-{uuid.uuid4().hex[:8]}", connection=connection)
+    job = rq_queue.enqueue(rq_jobs.record, f"held-{uuid.uuid4().hex[:8]}", 1)
+    rq_queue.remove(job)
+    job.set_status(status)
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    assert queue.retry_now(item.id)
+    # When the sweep runs, then it sends nothing: the row waits for that job, no retry used
+    assert rq_retry_dead_letters(connection, dlq_url) == 0
+    assert rq_queue.count == 0
+    assert job.get_status(refresh=True) == status
+    row = queue.get(item.id)
+    assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+
+
 def test_an_rq_row_taken_for_stuck_while_its_job_waits_in_a_long_queue_counts_its_failure(
     rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue
 ) -> None:

@@ -401,6 +401,34 @@ def test_a_key_in_progress_returns_the_owners_job_and_enqueues_nothing(
     assert idle.count == 2
 
 
+def test_a_key_whose_owners_job_rq_cannot_read_is_enqueued_with_a_warning(
+    idle: IdempotentQueue, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a job whose key a worker has claimed, and whose hash then holds a status RQ
+    # cannot read (written by something else)
+    name, key = fresh("unreadable"), fresh("key")
+    owner = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    claim = idle.store.claim(
+        ClaimRequest(
+            storage_key=storage_key(RECORD, key),
+            key=key,
+            task_name=RECORD,
+            task_id=owner.id,
+            owner="worker-attempt",
+            fingerprint=owner.meta[META_KEY]["fingerprint"],
+            lease_seconds=30,
+            ttl_seconds=60,
+        )
+    )
+    assert claim.outcome is Outcome.ACQUIRED
+    idle.connection.hset(owner.key, "status", "no such status")
+    # When the same call is enqueued again, then it is (the worker's claim decides), and the
+    # caller is told why it was not answered with the owner's job, not given RQ's ValueError
+    again = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    assert again.id != owner.id
+    assert f"the job {owner.id} of its key cannot be read" in caplog.text
+
+
 def test_the_queue_runs_jobs_as_idempotent_jobs(rq_env: RQEnv) -> None:
     queue = IdempotentQueue(fresh("q"), connection=rq_env.connection)
     assert queue.job_class is IdempotentJob
