@@ -214,6 +214,13 @@ def _send_again(
 ) -> None:
     """Requeue ``original``, RQ's failed job of the row, else enqueue the row's call anew."""
     if original is not None:
+        if getattr(original, "_unreadable_meta", None) is not None:
+            # Its meta holds what this process cannot load (a class of the app's): written
+            # back, it would lose the job's key, and the job would run unclaimed.
+            raise MetaUnreadable(
+                f"the meta of job {item.task_id} cannot be read in this process: run the sweep "
+                "where the job's own modules import (rq cron in its workers)"
+            )
         state = _fresh_state(original.meta.get(META_KEY))
         state.update(dead_letter_id=item.id, dead_letter_sweep=item.sweep_id)
         original.meta[META_KEY] = state
@@ -295,6 +302,11 @@ def _leave_failed(connection: Redis, job_id: str, serializer: str | None) -> Non
             job.set_status(JobStatus.FAILED)
     except RedisError as exc:
         logger.warning("could not mark job %s failed again: %s", job_id, exc)
+
+
+class MetaUnreadable(ResendLater):
+    """The dead letter's failed job keeps meta this sweep's process cannot load: the row waits
+    (no retry used) for a sweep that can."""
 
 
 class JobStillLive(ResendLater):

@@ -1217,6 +1217,33 @@ def test_an_rq_dead_letters_job_waiting_for_its_key_renews_its_row_at_each_run(
         rq_queue.delete(delete_jobs=True)
 
 
+def test_an_rq_row_whose_failed_jobs_meta_cannot_be_loaded_here_waits_with_its_job_untouched(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(fresh("sweep-meta"), connection=connection)
+    # Given a keyed job RQ keeps as failed, whose meta this process cannot load (pickled with
+    # a class only the app's workers import), and its row
+    job = rq_queue.enqueue(rq_jobs.record, fresh("meta"), 1, idempotency_key=fresh("key"))
+    rq_queue.remove(job)
+    job.set_status(JobStatus.FAILED)
+    FailedJobRegistry(queue=rq_queue).add(job, ttl=600)
+    unloadable = b"\x80\x04\x95not a pickle this process can load"
+    connection.hset(job.key, "meta", unloadable)
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    try:
+        # When the sweep runs, then it sends nothing, and the row waits, no retry used
+        assert rq_retry_dead_letters(connection, dlq_url) == 0
+        row = queue.get(item.id)
+        assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 0)
+        # And the job is as it was: failed, its meta (its key among it) not overwritten
+        assert rq_queue.count == 0
+        assert connection.hget(job.key, "meta") == unloadable
+        assert job.get_status(refresh=True) == JobStatus.FAILED
+    finally:
+        rq_queue.delete(delete_jobs=True)
+
+
 def test_an_rq_row_whose_failed_job_someone_requeues_meanwhile_is_not_sent_twice(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
