@@ -56,14 +56,22 @@ def write_failure(
     failure: Failure,
     dead_letter_id: str | None,
     sweep_id: str | None = None,
-) -> str:
+    *,
+    only_on_row: bool = False,
+) -> str | None:
     """Record a final failure: a new row, or the next failure of a re-enqueued row (of the
-    sweep ``sweep_id``, when given).
+    sweep ``sweep_id``, when given); with ``only_on_row`` (a function whose dead-letter queue
+    is off), only the latter.
 
-    Returns the row's id. Raises StoreUnavailable (or SchemaVersionError) when the database
-    cannot be written.
+    Returns the row's id (``None``: no row). Raises StoreUnavailable (or SchemaVersionError)
+    when the database cannot be written.
     """
-    item = queue.record_failure(failure, dead_letter_id, sweep_id)
+    if only_on_row:
+        item = queue.record_on_row(failure, dead_letter_id, sweep_id)
+    else:
+        item = queue.record_failure(failure, dead_letter_id, sweep_id)
+    if item is None:
+        return None
     _log_item(failure.task_id, item)
     return item.id
 

@@ -239,7 +239,7 @@ class IdempotentJob(Job):
 
         unwritten = state.get("unwritten_failure")
         if unwritten:
-            return self._write_unwritten(Failure(**unwritten), state)
+            return self._write_unwritten(Failure(**unwritten), state, only_on_row=not options.dlq)
         self._renew_dead_letter(state)
         try:
             key = self._job_key(func, options, state)
@@ -496,8 +496,8 @@ class IdempotentJob(Job):
         cannot be written, return the :class:`Requeue` that writes it on the next run."""
         self._idempotency_settled = True
         logger.error("job %s (%s) failed for good: %s", self.id, self.func_name, error_type)
-        if not options.dlq:
-            return None
+        if not options.dlq and state.get("dead_letter_id") is None:
+            return None  # (a row's run with the queue turned off since records on its row)
         failure = self._build_failure(
             attempt.request.owner if attempt is not None else new_owner(),
             error_type,
@@ -506,11 +506,13 @@ class IdempotentJob(Job):
             key,
             options,
         )
-        return self._write_failure(failure, state)
+        return self._write_failure(failure, state, only_on_row=not options.dlq)
 
-    def _write_failure(self, failure: Failure, state: dict[str, Any]) -> Requeue | None:
+    def _write_failure(
+        self, failure: Failure, state: dict[str, Any], only_on_row: bool = False
+    ) -> Requeue | None:
         try:
-            self._write_dead_letter(failure, state)
+            self._write_dead_letter(failure, state, only_on_row)
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self._is_sync:
                 logger.error("job %s: could not write its dead letter: %s", self.id, exc)
@@ -526,8 +528,11 @@ class IdempotentJob(Job):
             return self._requeue_later(delay, "its dead letter is still to be written")
         return None
 
-    def _write_dead_letter(self, failure: Failure, state: dict[str, Any]) -> None:
-        """Write ``failure`` as a new row, or as the next failure of the row this job retries."""
+    def _write_dead_letter(
+        self, failure: Failure, state: dict[str, Any], only_on_row: bool = False
+    ) -> None:
+        """Write ``failure`` as a new row, or as the next failure of the row this job retries
+        (only the latter with ``only_on_row``: the function's dead-letter queue is off)."""
         despite_time_limit(
             JobTimeoutException,
             lambda: write_failure(
@@ -535,13 +540,16 @@ class IdempotentJob(Job):
                 failure,
                 state.get("dead_letter_id"),
                 state.get("dead_letter_sweep"),
+                only_on_row=only_on_row,
             ),
         )
 
-    def _write_unwritten(self, failure: Failure, state: dict[str, Any]) -> Any:
+    def _write_unwritten(
+        self, failure: Failure, state: dict[str, Any], only_on_row: bool = False
+    ) -> Any:
         """A run that only writes the dead letter an earlier run could not write."""
         self._idempotency_settled = True
-        requeue = self._write_failure(failure, state)
+        requeue = self._write_failure(failure, state, only_on_row)
         if requeue is not None:
             return requeue
         state.pop("unwritten_failure", None)
@@ -669,7 +677,7 @@ class IdempotentJob(Job):
         if key is not None and not abandoned:
             # The horse was forked from this very job object: it claimed under this owner id.
             self._release_dead_owner(func, key, options, state)
-        if not options.dlq:
+        if not options.dlq and state.get("dead_letter_id") is None:
             return
         started = self.started_at.isoformat() if self.started_at else "unknown"
         ended_by = self._idempotency_ended_by
@@ -683,7 +691,7 @@ class IdempotentJob(Job):
             f"lost:{execution_id or started}", error_type, message, None, key, options
         )
         try:
-            self._write_dead_letter(failure, state)
+            self._write_dead_letter(failure, state, only_on_row=not options.dlq)
         except (StoreUnavailable, SchemaVersionError) as exc:
             if self._is_sync:
                 raise

@@ -167,6 +167,13 @@ def slow_first_without_dlq(name: str, seconds: float) -> dict[str, Any]:
     return slow_first(name, seconds)
 
 
+@idempotent(dlq=False)
+def fails_without_dlq(name: str) -> None:
+    """Fail with ValueError; its final failures are not dead-lettered."""
+    run = _start(name)
+    raise ValueError(f"run {run} of {name} failed")
+
+
 #: What each run of :func:`fails_after_recovering` found stuck, in this process.
 recovered_while_running: list[int] = []
 

@@ -941,6 +941,34 @@ def _work(rq_queue: IdempotentQueue, max_jobs: int | None = None) -> None:
     worker.work(burst=True, max_jobs=max_jobs)
 
 
+def test_an_rq_row_of_a_function_whose_dead_letters_were_turned_off_since_records_its_failure(
+    rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    name = fresh("turned-off")
+    # Given a row written while the function dead-lettered its failures, the function now
+    # deployed with dlq=False, and still failing
+    item = queue.add(
+        dataclasses.replace(
+            _failure(RQ_FRAMEWORK, row_options(rq_queue.name)),
+            task_name="tests.integration.rq_jobs.fails_without_dlq",
+            args=[name],
+        )
+    )
+    # When the sweep sends it again and it fails
+    assert queue.retry_now(item.id)
+    assert rq_retry_dead_letters(rq_queue.connection, dlq_url) == 1
+    _work(rq_queue)
+    assert rq_jobs.starts(name) == 1
+    # Then its failure is counted on its row (the backoff goes on, towards giving up), rather
+    # than the row left retrying, sent again every retrying timeout for ever
+    row = queue.get(item.id)
+    assert row is not None and (row.status, row.retry_count) == (DeadLetterStatus.PENDING, 1)
+    # and no row of its own is written for it
+    assert [found.id for found in queue.items(limit=1000) if found.task_id == item.task_id] == [
+        item.id
+    ]
+
+
 def test_an_rq_repeating_jobs_failure_after_its_dead_letter_succeeded_gets_a_row_of_its_own(
     rq_queue: IdempotentQueue, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
