@@ -362,10 +362,17 @@ class IdempotentJob(Job):
             pause = self._on_in_progress(record, request, options, waits, state)
             if pause is None:
                 return None
+            held = f"key {request.key!r} is still held by job {record.task_id}"
             if time.monotonic() + pause > deadline:
                 state["waits"] = int(state.get("waits") or 0) + 1
-                return Requeue(f"key {request.key!r} is still held by job {record.task_id}")
-            time.sleep(pause)
+                return Requeue(held)
+            try:
+                time.sleep(pause)
+            except JobTimeoutException:
+                # The job's timeout counts from its start (its imports, the store's set-up
+                # before this wait): it ended the wait, not a run. Back to the queue.
+                state["waits"] = int(state.get("waits") or 0) + 1
+                return Requeue(held)
             waits += 1
 
     def _on_in_progress(

@@ -27,6 +27,7 @@ from idempotent_tasks.errors import IdempotencyKeyMismatch
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import ClaimRequest, Outcome, Status
 from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue
+from idempotent_tasks.rq import job as rq_job_module
 from idempotent_tasks.rq.options import META_KEY
 from idempotent_tasks.rq.sweep import retry_dead_letters_job
 from idempotent_tasks.stores.redis import RedisStore
@@ -427,6 +428,41 @@ def test_a_key_whose_owners_job_rq_cannot_read_is_enqueued_with_a_warning(
     again = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
     assert again.id != owner.id
     assert f"the job {owner.id} of its key cannot be read" in caplog.text
+
+
+def test_a_duplicate_whose_job_timeout_ends_its_wait_goes_back_to_its_queue(
+    idle: IdempotentQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a key another job holds, and a duplicate with a 1 s job timeout, most of which
+    # its claim store's set-up takes (the timeout counts from the job's start)
+    name, key = fresh("timed-out-wait"), fresh("key")
+    job = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key, job_timeout=1)
+    holder = ClaimRequest(
+        storage_key=storage_key(RECORD, key),
+        key=key,
+        task_name=RECORD,
+        task_id="another-job",
+        owner="another-attempt",
+        fingerprint=job.meta[META_KEY]["fingerprint"],
+        lease_seconds=60,
+        ttl_seconds=60,
+    )
+    assert idle.store.claim(holder).outcome is Outcome.ACQUIRED
+    real_claim_store = rq_job_module.claim_store
+
+    def slow_claim_store(*args: object, **kwargs: object) -> object:
+        time.sleep(0.8)
+        return real_claim_store(*args, **kwargs)
+
+    monkeypatch.setattr(rq_job_module, "claim_store", slow_claim_store)
+    # When a worker runs it, and the timeout fires while it waits for the key
+    SimpleWorker([idle], connection=idle.connection, job_class=IdempotentJob).work(
+        burst=True, max_jobs=1
+    )
+    # Then it goes back to its queue to wait on, neither run nor failed
+    assert job.get_status(refresh=True) == JobStatus.QUEUED
+    assert idle.job_ids == [job.id]
+    assert rq_jobs.starts(name) == 0
 
 
 def test_the_queue_runs_jobs_as_idempotent_jobs(rq_env: RQEnv) -> None:
