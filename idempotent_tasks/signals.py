@@ -1,8 +1,7 @@
 """Signals idempotent_tasks sends; metrics and users subscribe to them.
 
 Receivers are called synchronously with keyword arguments only; an exception in a receiver is
-logged and never disturbs the task (a framework's time limit firing there is raised: it ends
-the task, as it would have a moment later).
+logged and never disturbs the task.
 """
 
 from __future__ import annotations
@@ -14,18 +13,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 Receiver = Callable[..., Any]
-
-#: Errors a receiver's call lets through (a framework's time limit, raised by a signal handler
-#: wherever the process is): each adapter adds its own, see :func:`let_through`.
-_LET_THROUGH: tuple[type[BaseException], ...] = ()
-
-
-def let_through(error: type[BaseException]) -> None:
-    """Have ``error`` raised out of :meth:`Signal.send`, not logged as a receiver's failure:
-    a framework's time limit firing while a receiver runs must still end the task."""
-    global _LET_THROUGH
-    if error not in _LET_THROUGH:
-        _LET_THROUGH = (*_LET_THROUGH, error)
 
 
 class Signal:
@@ -52,8 +39,6 @@ class Signal:
         for receiver in list(self._receivers):
             try:
                 receiver(signal=self, **payload)
-            except _LET_THROUGH:
-                raise
             except Exception:
                 logger.exception("receiver %r of signal %s failed", receiver, self.name)
 

@@ -104,7 +104,6 @@ from .worker_request import (
 )
 
 logger = get_task_logger(__name__)
-signals.let_through(SoftTimeLimitExceeded)  # its time limit ends the task even inside a receiver
 module_logger = logging.getLogger(__name__)
 
 #: Celery's name for a chain signature (``celery.canvas.chain``).

@@ -66,7 +66,6 @@ from .options import (
 from .resources import claim_store, dead_letter_queue
 
 logger = logging.getLogger(__name__)
-signals.let_through(JobTimeoutException)  # its time limit ends the task even inside a receiver
 
 #: Cached results are JSON, whatever RQ's own serializer: pickle is never read back from the store.
 CODEC = ResultCodec(serializer=defaults.RESULT_SERIALIZER, max_bytes=defaults.RESULT_MAX_BYTES)

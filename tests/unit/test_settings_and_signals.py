@@ -6,8 +6,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.exceptions import SoftTimeLimitExceeded
-from rq.timeouts import JobTimeoutException
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.rq import idempotent
@@ -115,25 +113,6 @@ def test_signal_receivers_get_the_payload_and_their_errors_are_contained() -> No
     signal.connect(lambda **payload: got.append(payload))
     signal.send(a=1)
     assert got == [{"signal": signal, "a": 1}]
-
-
-@pytest.mark.parametrize("limit", [SoftTimeLimitExceeded, JobTimeoutException])
-def test_a_time_limit_firing_in_a_receiver_is_raised_not_contained(
-    limit: type[Exception],
-) -> None:
-    # Given a receiver in which Celery's soft time limit (or RQ's job timeout) fires
-    signal = Signal("s", "doc")
-    got: list[dict[str, Any]] = []
-
-    def interrupted(**_: Any) -> None:
-        raise limit()
-
-    signal.connect(interrupted)
-    signal.connect(lambda **payload: got.append(payload))
-    # Then it ends the sending task, as it would have a moment later in the task's own code
-    with pytest.raises(limit):
-        signal.send(a=1)
-    assert got == []
 
 
 def test_a_claim_outlives_its_lease_long_enough_for_the_pickup_guard() -> None:
