@@ -993,8 +993,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """End a call whose pool process was killed at its hard time limit, as a failure of
         its body ends: dead-lettered (``on_final_failure``), then its key released.
 
-        Runs in the worker's main process, once Celery has failed the call (its errbacks run)
-        and acknowledged its message. Should the dead letter be neither written nor
+        Runs in the worker's main process, just before Celery fails the call (its errbacks
+        run) and acknowledges its message. Should the dead letter be neither written nor
         re-published to be written later, the key stays claimed: its pickup guard runs the call
         again once the lease ends, rather than let it be lost. When Celery hands the message
         back to the broker instead (``acks_on_timeout`` off), the call has not failed for good:
@@ -1030,7 +1030,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # An attribute, not a push_request keyword: those become headers that a
             # re-publish (of the unwritten dead letter) would carry into the next run.
             request.idempotency_entered = True
-            # Celery has failed the call itself already (its result, errbacks, chord part).
+            # Celery fails the call itself (its result, errbacks, chord part), as this returns.
             setattr(request, FAILURE_REPORTED_HEADER, True)
             args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
             key = self._delivered_key(request, args, kwargs)
@@ -1148,8 +1148,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
             headers: dict[str, Any] = {UNWRITTEN_FAILURE_HEADER: _failure_header(failure)}
             if request_header(self.request, FAILURE_REPORTED_HEADER):
-                # Celery stored the call's failure already: the message that writes its dead
-                # letter must store no state over it (STARTED, RETRY).
+                # Celery stores the call's failure itself: the message that writes its dead
+                # letter (later) must store no state over it (STARTED, RETRY).
                 headers[FAILURE_REPORTED_HEADER] = True
                 self._republish_self(delay, exc, headers, quiet=True)
             else:

@@ -68,10 +68,11 @@ class IdempotentRequest(Request):  # type: ignore[misc]
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
         exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
-        if isinstance(exc, TimeLimitExceeded):
+        if isinstance(exc, TimeLimitExceeded) and not return_ok:
             # Billiard fails a call at its hard time limit (Celery then acknowledges its
             # message) before it calls on_timeout: the call is ended first, its dead letter
-            # written before its message goes.
+            # written before its message goes. (return_ok: the body raised one itself, from a
+            # result it waited for, say, and its own code ended it.)
             self._end_killed_call(exc)
         elif isinstance(exc, Terminated):
             # Billiard reports a terminated call once its process is gone. One that ended

@@ -265,9 +265,10 @@ class DeadLetterQueue:
         """Atomically take up to ``limit`` due ``pending`` items of ``framework``, marking them
         ``retrying``.
 
-        Concurrent callers never take the same item: PostgreSQL and MySQL skip rows another
-        sweep has locked; everywhere, only rows still ``pending`` are marked, and each caller
-        reads back just the rows its own mark took.
+        Concurrent callers never take the same item: where the server can (PostgreSQL,
+        MariaDB 10.6+, MySQL 8.0.1+), they skip rows another sweep has locked; everywhere,
+        only rows still ``pending`` are marked, and each caller reads back just the rows its
+        own mark took.
         """
         for _ in range(TAKE_ROUNDS):
             now = self._clock()

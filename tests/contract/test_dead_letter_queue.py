@@ -1575,9 +1575,9 @@ def test_a_version_one_table_is_brought_to_exact_failure_ids_keeping_its_rows(
 # -- one sweep over the due items (resend_due) --------------------------------------------------
 
 
-class _TimeLimit(BaseException):
-    """Stands for a sweep's own time limit (Celery's soft one, RQ's job timeout), raised
-    wherever the sweep is."""
+class _TimeLimit(Exception):
+    """Stands for a sweep's own time limit (Celery's soft one, RQ's job timeout: both plain
+    exceptions), raised wherever the sweep is."""
 
 
 def test_a_sweep_interrupted_by_its_time_limit_hands_its_batch_back_with_no_retry_used(

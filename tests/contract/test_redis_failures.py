@@ -164,6 +164,22 @@ def test_a_pickup_whose_task_id_or_name_is_not_text_leaves_the_sweep_to_the_othe
     assert "skipping key 'k' in the sweep: the store holds bytes that are not UTF-8" in caplog.text
 
 
+def test_a_due_index_member_that_is_not_text_is_dropped_and_the_sweep_takes_the_others(
+    url: str,
+) -> None:
+    # Given a queued key past its due time, and a member of its shard's due index that is not
+    # UTF-8 (written by something else)
+    store = RedisStore.from_url(url, prefix="not-utf8-member")
+    assert store.reserve(_request("k"), Pickup(envelope=b"m", due_in=0.01, timeout=30)) is None
+    index = store.names("k")[2]
+    client = redis.Redis.from_url(url)
+    client.zadd(index, {b"\xff\xfe": 0})
+    time.sleep(0.05)
+    # When the sweep takes the due keys, then it takes the key, and drops the member
+    assert [due.storage_key for due in store.take_due(10)] == ["k"]
+    assert client.zscore(index, b"\xff\xfe") is None
+
+
 @pytest.mark.parametrize("field", ["pickup_timeout", "republished", "due_at", "lease_expires_at"])
 @pytest.mark.parametrize("value", ["oops", "nan", "-1e300", "1e300"])
 def test_a_pickup_whose_numbers_cannot_be_read_is_taken_not_lost(

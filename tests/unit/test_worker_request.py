@@ -235,3 +235,31 @@ def test_a_call_killed_at_its_hard_time_limit_is_ended_before_its_message_is_ack
     request.on_timeout(soft=False, timeout=1.0)
     # Then the call was ended (dead-lettered, its key released) before its message went, once
     assert happened == ["ended: TimeLimitExceeded", "acknowledged"]
+
+
+def test_a_body_that_raises_time_limit_exceeded_itself_is_not_taken_for_a_killed_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a delivery whose body raised TimeLimitExceeded itself (a result it waited for
+    # failed so), which Celery hands on as a failure of the body
+    app = Celery("raises", set_as_current=False, broker="memory://")
+    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
+
+    @app.task(base=IdempotentTask, acks_late=True)
+    def waits(name: str) -> str:
+        return name
+
+    ended: list[str] = []
+    request = IdempotentRequest(
+        TaskMessage(waits.name, args=("n",), idempotency_key="k"),
+        app=app,
+        task=waits,
+        on_ack=lambda logger, errors: None,
+    )
+    monkeypatch.setattr(waits, "end_killed_call", lambda request_dict, exc: ended.append("ended"))
+    try:
+        raise TimeLimitExceeded(1.0)
+    except TimeLimitExceeded:
+        request.on_success((True, ExceptionInfo(), 0.01))
+    # Then its pool process is not killed, nor the call ended again: its own code ended it
+    assert ended == []
