@@ -116,6 +116,20 @@ class DeadLetterQueue:
         on_row = self.record_on_row(failure, dead_letter_id, sweep_id)
         return on_row if on_row is not None else self.add(failure)
 
+    def record(
+        self,
+        failure: Failure,
+        dead_letter_id: str | None,
+        sweep_id: str | None = None,
+        *,
+        only_on_row: bool = False,
+    ) -> DeadLetter | None:
+        """:meth:`record_failure`, or with ``only_on_row`` (a task whose dead-letter queue is
+        off) :meth:`record_on_row`: the row the failure is on now, if any."""
+        if only_on_row:
+            return self.record_on_row(failure, dead_letter_id, sweep_id)
+        return self.record_failure(failure, dead_letter_id, sweep_id)
+
     def record_on_row(
         self, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
     ) -> DeadLetter | None:

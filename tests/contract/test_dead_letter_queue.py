@@ -619,49 +619,31 @@ def sqlite_dlq(tmp_path: Path, clock: Clock) -> Iterator[DeadLetterQueue]:
     dlq.dispose()
 
 
-def test_a_row_whose_json_does_not_parse_is_left_out_and_given_up_on(
-    sqlite_dlq: DeadLetterQueue, clock: Clock
+@pytest.mark.parametrize(
+    ("column", "text", "unreadable"),
+    [
+        # SQLite keeps any text in a JSON or DATETIME column; PostgreSQL and MariaDB refuse it
+        ("kwargs", "{not json", "kwargs holds unreadable JSON"),
+        ("created_at", "last tuesday", "created_at holds unreadable timestamp"),
+    ],
+)
+def test_a_row_whose_column_does_not_parse_is_left_out_and_given_up_on(
+    sqlite_dlq: DeadLetterQueue, clock: Clock, column: str, text: str, unreadable: str
 ) -> None:
-    # Given two due rows on SQLite (which keeps any text in a JSON column; PostgreSQL and
-    # MariaDB refuse it), one edited by hand into JSON that does not parse
+    # Given two due rows on SQLite, one edited by hand into a value its column cannot read
     dlq = sqlite_dlq
     readable = _add_at(dlq, clock, T0)
     edited = _add_at(dlq, clock, T0, error_message="warehouse down")
     with dlq.engine.begin() as connection:
         connection.execute(
-            sa.text(f"UPDATE {dead_letters.name} SET kwargs = '{{not json' WHERE id = :id"),
-            {"id": edited.id},
+            sa.text(f"UPDATE {dead_letters.name} SET {column} = :text WHERE id = :id"),
+            {"text": text, "id": edited.id},
         )
     # Then a listing reads the other row, and names the edited one
     reported: list[CorruptRecord] = []
     assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
     assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
-    with pytest.raises(CorruptRecord, match="kwargs holds unreadable JSON"):
-        dlq.get(edited.id)
-    # And a sweep takes the other row, and gives the edited one up
-    clock.now = T0 + timedelta(hours=1)
-    assert _ids(dlq.take_due(limit=10)) == {readable.id}
-    assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
-
-
-def test_a_row_whose_timestamp_does_not_parse_is_left_out_and_given_up_on(
-    sqlite_dlq: DeadLetterQueue, clock: Clock
-) -> None:
-    # Given two due rows on SQLite (which keeps any text in a DATETIME column), one edited by
-    # hand into a moment that is no moment
-    dlq = sqlite_dlq
-    readable = _add_at(dlq, clock, T0)
-    edited = _add_at(dlq, clock, T0, error_message="warehouse down")
-    with dlq.engine.begin() as connection:
-        connection.execute(
-            sa.text(f"UPDATE {dead_letters.name} SET created_at = 'last tuesday' WHERE id = :id"),
-            {"id": edited.id},
-        )
-    # Then a listing reads the other row, and names the edited one
-    reported: list[CorruptRecord] = []
-    assert _ids(dlq.items(on_corrupt=reported.append)) == {readable.id}
-    assert [f"dead letter {edited.id}" in str(error) for error in reported] == [True]
-    with pytest.raises(CorruptRecord, match="created_at holds unreadable timestamp"):
+    with pytest.raises(CorruptRecord, match=unreadable):
         dlq.get(edited.id)
     # And a sweep takes the other row, and gives the edited one up
     clock.now = T0 + timedelta(hours=1)

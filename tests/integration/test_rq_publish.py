@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rq import Queue, Retry, SimpleWorker
@@ -369,25 +370,31 @@ def test_a_completed_key_with_other_arguments_raises_a_mismatch(sync: Idempotent
     assert rq_jobs.starts(name) == 1
 
 
+def _claim_by_hand(queue: IdempotentQueue, key: str, job: Any, owner_job_id: str) -> None:
+    """Claim ``key`` of :func:`rq_jobs.record` with ``job``'s arguments as a worker running
+    job ``owner_job_id`` would."""
+    claim = queue.store.claim(
+        ClaimRequest(
+            storage_key=storage_key(RECORD, key),
+            key=key,
+            task_name=RECORD,
+            task_id=owner_job_id,
+            owner="worker-attempt",
+            fingerprint=job.meta[META_KEY]["fingerprint"],
+            lease_seconds=60,
+            ttl_seconds=60,
+        )
+    )
+    assert claim.outcome is Outcome.ACQUIRED
+
+
 def test_a_key_in_progress_returns_the_owners_job_and_enqueues_nothing(
     idle: IdempotentQueue,
 ) -> None:
     # Given a job whose key a worker has claimed (done here by hand, as the worker would)
     name, key = fresh("busy"), fresh("key")
     owner = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
-    claim = idle.store.claim(
-        ClaimRequest(
-            storage_key=storage_key(RECORD, key),
-            key=key,
-            task_name=RECORD,
-            task_id=owner.id,
-            owner="worker-attempt",
-            fingerprint=owner.meta[META_KEY]["fingerprint"],
-            lease_seconds=30,
-            ttl_seconds=60,
-        )
-    )
-    assert claim.outcome is Outcome.ACQUIRED
+    _claim_by_hand(idle, key, owner, owner.id)
     # When the same call is enqueued again
     again = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
     # Then it is the owner's job, and the queue still holds only the owner
@@ -409,19 +416,7 @@ def test_a_key_whose_owners_job_rq_cannot_read_is_enqueued_with_a_warning(
     # cannot read (written by something else)
     name, key = fresh("unreadable"), fresh("key")
     owner = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
-    claim = idle.store.claim(
-        ClaimRequest(
-            storage_key=storage_key(RECORD, key),
-            key=key,
-            task_name=RECORD,
-            task_id=owner.id,
-            owner="worker-attempt",
-            fingerprint=owner.meta[META_KEY]["fingerprint"],
-            lease_seconds=30,
-            ttl_seconds=60,
-        )
-    )
-    assert claim.outcome is Outcome.ACQUIRED
+    _claim_by_hand(idle, key, owner, owner.id)
     idle.connection.hset(owner.key, "status", "no such status")
     # When the same call is enqueued again, then it is (the worker's claim decides), and the
     # caller is told why it was not answered with the owner's job, not given RQ's ValueError
@@ -437,17 +432,7 @@ def test_a_duplicate_whose_job_timeout_ends_its_wait_goes_back_to_its_queue(
     # its claim store's set-up takes (the timeout counts from the job's start)
     name, key = fresh("timed-out-wait"), fresh("key")
     job = idle.enqueue(rq_jobs.record, name, 1, idempotency_key=key, job_timeout=1)
-    holder = ClaimRequest(
-        storage_key=storage_key(RECORD, key),
-        key=key,
-        task_name=RECORD,
-        task_id="another-job",
-        owner="another-attempt",
-        fingerprint=job.meta[META_KEY]["fingerprint"],
-        lease_seconds=60,
-        ttl_seconds=60,
-    )
-    assert idle.store.claim(holder).outcome is Outcome.ACQUIRED
+    _claim_by_hand(idle, key, job, "another-job")
     real_claim_store = rq_job_module.claim_store
 
     def slow_claim_store(*args: object, **kwargs: object) -> object:

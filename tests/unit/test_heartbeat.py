@@ -138,10 +138,8 @@ def test_a_forked_child_renews_its_own_leases_only_even_if_the_lock_was_held() -
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_an_attempt_that_gave_its_key_up_while_its_body_runs_reports_no_lost_lease() -> None:
-    # Given a running attempt (0.3 s lease: renewed every 0.1 s) that releases its key for a
-    # retry while still inside its body (as retry() does before Celery publishes)
-    store = MemoryStore()
+def _claimed_attempt(store: MemoryStore, lease_seconds: float) -> Attempt:
+    """An attempt that claimed key ``k`` of task ``t`` in ``store``."""
     request = ClaimRequest(
         storage_key="t:k",
         key="k",
@@ -149,13 +147,21 @@ def test_an_attempt_that_gave_its_key_up_while_its_body_runs_reports_no_lost_lea
         task_id="task-1",
         owner="owner-1",
         fingerprint="fp",
-        lease_seconds=0.3,
+        lease_seconds=lease_seconds,
         ttl_seconds=60.0,
     )
     attempt = Attempt(
         store=store, request=request, codec=ResultCodec(serializer="json", max_bytes=1024)
     )
     assert attempt.claim().outcome is Outcome.ACQUIRED
+    return attempt
+
+
+def test_an_attempt_that_gave_its_key_up_while_its_body_runs_reports_no_lost_lease() -> None:
+    # Given a running attempt (0.3 s lease: renewed every 0.1 s) that releases its key for a
+    # retry while still inside its body (as retry() does before Celery publishes)
+    store = MemoryStore()
+    attempt = _claimed_attempt(store, lease_seconds=0.3)
     lost: list[object] = []
 
     def count(**message: object) -> None:
@@ -235,20 +241,7 @@ def test_an_attempts_renewal_that_meets_a_store_down_is_tried_again_soon(
     # reach for its first two renewals
     monkeypatch.setattr(heartbeat, "RETRY_AFTER_ERROR", 0.05)
     store = _StoreDownForRenewals(failures=2)
-    request = ClaimRequest(
-        storage_key="t:k",
-        key="k",
-        task_name="t",
-        task_id="task-1",
-        owner="owner-1",
-        fingerprint="fp",
-        lease_seconds=6.0,
-        ttl_seconds=60.0,
-    )
-    attempt = Attempt(
-        store=store, request=request, codec=ResultCodec(serializer="json", max_bytes=1024)
-    )
-    assert attempt.claim().outcome is Outcome.ACQUIRED
+    attempt = _claimed_attempt(store, lease_seconds=6.0)
     with attempt.heartbeat():
         deadline = time.monotonic() + 10
         while len(store.renewals) < 3 and time.monotonic() < deadline:

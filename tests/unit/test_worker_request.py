@@ -202,11 +202,10 @@ def test_a_dead_letters_retry_carries_its_row_and_sweep_through_republishes() ->
     assert (headers[DEAD_LETTER_HEADER], headers[DEAD_LETTER_SWEEP_HEADER]) == ("row-1", "sweep-1")
 
 
-def test_a_call_killed_at_its_hard_time_limit_is_ended_before_its_message_is_acknowledged(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Given a delivery of a task whose message Celery acknowledges when its hard time limit
-    # kills it (the default)
+def _watched_delivery(monkeypatch: pytest.MonkeyPatch) -> tuple[IdempotentRequest, list[str]]:
+    """A keyed delivery of an ``acks_late`` task (Celery acknowledges its message when its
+    hard time limit kills it, by default), and the list of what happens to it: its message
+    acknowledged, the call ended as killed."""
     app = Celery("acks", set_as_current=False, broker="memory://")
     app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
 
@@ -226,12 +225,23 @@ def test_a_call_killed_at_its_hard_time_limit_is_ended_before_its_message_is_ack
         "end_killed_call",
         lambda request_dict, exc: happened.append(f"ended: {type(exc).__name__}"),
     )
-    # When billiard fails the call at its hard time limit, then calls the timeout handler
-    # (its order: billiard.pool.Pool.on_hard_timeout)
+    return request, happened
+
+
+def _time_limit_exceeded() -> ExceptionInfo:
     try:
         raise TimeLimitExceeded(1.0)
     except TimeLimitExceeded:
-        request.on_failure(ExceptionInfo())
+        return ExceptionInfo()
+
+
+def test_a_call_killed_at_its_hard_time_limit_is_ended_before_its_message_is_acknowledged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    request, happened = _watched_delivery(monkeypatch)
+    # When billiard fails the call at its hard time limit, then calls the timeout handler
+    # (its order: billiard.pool.Pool.on_hard_timeout)
+    request.on_failure(_time_limit_exceeded())
     request.on_timeout(soft=False, timeout=1.0)
     # Then the call was ended (dead-lettered, its key released) before its message went, once
     assert happened == ["ended: TimeLimitExceeded", "acknowledged"]
@@ -240,26 +250,9 @@ def test_a_call_killed_at_its_hard_time_limit_is_ended_before_its_message_is_ack
 def test_a_body_that_raises_time_limit_exceeded_itself_is_not_taken_for_a_killed_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Given a delivery whose body raised TimeLimitExceeded itself (a result it waited for
-    # failed so), which Celery hands on as a failure of the body
-    app = Celery("raises", set_as_current=False, broker="memory://")
-    app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
-
-    @app.task(base=IdempotentTask, acks_late=True)
-    def waits(name: str) -> str:
-        return name
-
-    ended: list[str] = []
-    request = IdempotentRequest(
-        TaskMessage(waits.name, args=("n",), idempotency_key="k"),
-        app=app,
-        task=waits,
-        on_ack=lambda logger, errors: None,
-    )
-    monkeypatch.setattr(waits, "end_killed_call", lambda request_dict, exc: ended.append("ended"))
-    try:
-        raise TimeLimitExceeded(1.0)
-    except TimeLimitExceeded:
-        request.on_success((True, ExceptionInfo(), 0.01))
+    request, happened = _watched_delivery(monkeypatch)
+    # When the body raised TimeLimitExceeded itself (a result it waited for failed so), which
+    # Celery hands on as a failure of the body
+    request.on_success((True, _time_limit_exceeded(), 0.01))
     # Then its pool process is not killed, nor the call ended again: its own code ended it
-    assert ended == []
+    assert happened == ["acknowledged"]
