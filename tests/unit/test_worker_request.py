@@ -209,7 +209,7 @@ def _watched_delivery(monkeypatch: pytest.MonkeyPatch) -> tuple[IdempotentReques
     app = Celery("acks", set_as_current=False, broker="memory://")
     app.conf.update(idempotency_store_url="memory://", result_backend="cache+memory://")
 
-    @app.task(base=IdempotentTask, acks_late=True)
+    @app.task(base=IdempotentTask, shared=False, acks_late=True)
     def overruns(name: str) -> str:
         return name
 
