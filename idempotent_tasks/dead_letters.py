@@ -149,7 +149,7 @@ def write_failure(
     Returns the row's id (``None``: no row). Raises StoreUnavailable when the database cannot
     be written.
     """
-    item = dlq_for(app).record(failure, dead_letter_id, sweep_id, only_on_row=only_on_row)
+    item = dlq_for(app).record_failure(failure, dead_letter_id, sweep_id, only_on_row=only_on_row)
     if item is None:
         return None
     _log_item(item)

@@ -166,9 +166,15 @@ def end_expired_call(store: Any, due: DuePickup) -> None:
         logger.warning("could not free the key of expired call %s: %s", due.task_id, exc)
 
 
-def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> bytes | None:
+def envelope(
+    args: Iterable[Any],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    run_at: datetime | None = None,
+) -> bytes | None:
     """The message as the sweep would publish it again, or ``None`` when its arguments cannot
-    be kept as JSON (those tasks are then published unguarded)."""
+    be kept as JSON (those tasks are then published unguarded); ``run_at``: the moment it is
+    to run, kept as its ``eta`` (a countdown or eta of ``options`` is not)."""
     carried: dict[str, Any] = {}
     for name in CARRIED_OPTIONS:
         value = options.get(name)
@@ -176,6 +182,8 @@ def envelope(args: Iterable[Any], kwargs: dict[str, Any], options: dict[str, Any
             value = value.name
         elif name == "expires":
             value = _absolute_expiry(value)
+        elif name == "eta":
+            value = run_at
         if value is not None:
             carried[name] = value
     # Celery's stamps: each an option of its own, named by ``stamped_headers`` (a name without
@@ -239,12 +247,10 @@ def make_pickup(
     arguments = [list(args), kwargs]
     if serializer != "json" and not _json_faithful(arguments):
         return None
-    carried = {name: value for name, value in options.items() if name not in ("eta", "countdown")}
-    if wait > 0:
-        # The moment it is to run, kept: a copy sent before it (its first publish failed, and
-        # the guard sends it at once) must wait for it as the call would have.
-        carried["eta"] = datetime.now(timezone.utc) + timedelta(seconds=wait)
-    body = envelope(arguments[0], kwargs, carried)
+    # The moment it is to run, kept: a copy sent before it (its first publish failed, and the
+    # guard sends it at once) must wait for it as the call would have.
+    run_at = datetime.now(timezone.utc) + timedelta(seconds=wait) if wait > 0 else None
+    body = envelope(arguments[0], kwargs, options, run_at)
     if body is None:
         return None
     due_in = wait + timeout

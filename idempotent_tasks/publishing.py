@@ -16,12 +16,14 @@ from celery.utils.log import get_task_logger
 
 from . import signals
 from .app_store import store_for
+from .broker_errors import broker_cannot_take
 from .canvas_keys import required_key_error
 from .errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from .keys import MAX_TASK_ID_CHARS, derive_key, fitted, validate_key
 from .pickups import (
     call_expired,
     end_expired_call,
+    hand_to_guard,
     make_pickup,
     republish_taken,
     seconds_until,
@@ -159,6 +161,17 @@ def cancel_reservation(task: IdempotentTask, storage_key: str, task_id: str) -> 
             task_id,
             exc,
         )
+
+
+def publish_failed(task: IdempotentTask, storage_key: str, task_id: str, error: Exception) -> None:
+    """The reserved call's publish failed with kombu's ``error``. A broker that could not be
+    reached leaves the call queued, due at once, for the guard to publish (a duplicate may
+    have joined it since it was reserved); one that refused the message (a queue's key of
+    another type) would refuse it at every try: the reservation is taken back."""
+    if broker_cannot_take(error):
+        hand_to_guard(store_for(task.app), storage_key, task_id)
+    else:
+        cancel_reservation(task, storage_key, task_id)
 
 
 def answer_from_record(task: IdempotentTask, record: Record, request: ClaimRequest) -> Any:

@@ -158,16 +158,11 @@ def publish(
         try:
             result = send(ready_producer)
         except OperationalError as error:
+            if pending.reached:  # reserved, or maybe reserved: as with two trips
+                publishing.publish_failed(task, request.storage_key, request.task_id, error)
+                raise
             if not broker_cannot_take(error):
-                # The broker refused the message (a queue's key of another type), as it would
-                # at every try: a call reserved, or maybe reserved, is no call at all.
-                if pending.reached:
-                    publishing.cancel_reservation(task, request.storage_key, request.task_id)
-                raise
-            if pending.reached:
-                # As with two trips: the call, if reserved, stays for the guard to publish.
-                hand_to_guard(store, request.storage_key, request.task_id)
-                raise
+                raise  # refused as it would be at every try: nothing to keep
             return _reserve_unpublished(task, pending, error)
         except Exception:
             if pending.reached:  # a reservation made, or maybe made, before the push failed

@@ -36,7 +36,6 @@ from . import (
     unknown_tasks,  # noqa: F401  (connects the receiver of Celery's task_unknown)
 )
 from .app_store import store_for
-from .broker_errors import broker_cannot_take
 from .canvas_keys import check_following_keys, required_key_error
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec, serializer_installed
@@ -316,16 +315,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         args, kwargs, task_id, producer, link, link_error, shadow, **options
                     )
                 except OperationalError as error:
-                    if broker_cannot_take(error):
-                        # The broker could not be reached. A duplicate may have joined this
-                        # call since it was reserved: the call stays, for the guard to publish.
-                        hand_to_guard(
-                            store_for(self.app), reservation.storage_key, reservation.task_id
-                        )
-                    else:  # it refused the message (a queue's key of another type): for good
-                        publishing.cancel_reservation(
-                            self, reservation.storage_key, reservation.task_id
-                        )
+                    publishing.publish_failed(
+                        self, reservation.storage_key, reservation.task_id, error
+                    )
                     raise
                 except Exception:
                     publishing.cancel_reservation(

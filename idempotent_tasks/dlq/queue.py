@@ -108,15 +108,6 @@ class DeadLetterQueue:
     # -- writing ------------------------------------------------------------------------------
 
     def record_failure(
-        self, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None
-    ) -> DeadLetter:
-        """Record a final failure: a new row, or the next failure of the re-published row
-        ``dead_letter_id`` (of the sweep ``sweep_id``, when given); see :meth:`record_on_row`.
-        Returns the row the failure is on now."""
-        on_row = self.record_on_row(failure, dead_letter_id, sweep_id)
-        return on_row if on_row is not None else self.add(failure)
-
-    def record(
         self,
         failure: Failure,
         dead_letter_id: str | None,
@@ -124,11 +115,14 @@ class DeadLetterQueue:
         *,
         only_on_row: bool = False,
     ) -> DeadLetter | None:
-        """:meth:`record_failure`, or with ``only_on_row`` (a task whose dead-letter queue is
-        off) :meth:`record_on_row`: the row the failure is on now, if any."""
-        if only_on_row:
-            return self.record_on_row(failure, dead_letter_id, sweep_id)
-        return self.record_failure(failure, dead_letter_id, sweep_id)
+        """Record a final failure: the next failure of the re-published row ``dead_letter_id``
+        (of the sweep ``sweep_id``, when given; see :meth:`record_on_row`), else a new row,
+        unless ``only_on_row`` (a task whose dead-letter queue is off). Returns the row the
+        failure is on now, if any."""
+        on_row = self.record_on_row(failure, dead_letter_id, sweep_id)
+        if on_row is not None or only_on_row:
+            return on_row
+        return self.add(failure)
 
     def record_on_row(
         self, failure: Failure, dead_letter_id: str | None, sweep_id: str | None = None

@@ -66,7 +66,7 @@ def write_failure(
     Returns the row's id (``None``: no row). Raises StoreUnavailable (or SchemaVersionError)
     when the database cannot be written.
     """
-    item = queue.record(failure, dead_letter_id, sweep_id, only_on_row=only_on_row)
+    item = queue.record_failure(failure, dead_letter_id, sweep_id, only_on_row=only_on_row)
     if item is None:
         return None
     _log_item(failure.task_id, item)
