@@ -120,7 +120,7 @@ def _outcome(store: SqlStore, call: ClaimRequest, token: int) -> object:
         return exc
 
 
-def test_a_row_changed_since_mariadbs_snapshot_runs_the_operation_again() -> None:
+def test_mariadbs_row_changed_since_the_snapshot_counts_as_a_rollback_for_another() -> None:
     # MariaDB 11.6.2 and later refuse, with innodb_snapshot_isolation on (their default), a
     # write to a row changed since the transaction's snapshot; this machine's 10.11 cannot
     # produce it, so the error is the one PyMySQL raises for it

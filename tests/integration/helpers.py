@@ -56,20 +56,32 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 @contextmanager
 def app_store_url(app: Any, url: str) -> Iterator[None]:
     """Point the test process's app at another claim store, closing each store it drops."""
+    with _app_url(app, "idempotency_store_url", "_idempotent_tasks_store", "close", url):
+        yield
 
-    def drop_store() -> None:
-        cached = app.__dict__.pop("_idempotent_tasks_store", None)
+
+@contextmanager
+def app_dlq_url(app: Any, url: str) -> Iterator[None]:
+    """Point the test process's app at another dead-letter table, closing each one it drops."""
+    with _app_url(app, "idempotency_dlq_url", "_idempotent_tasks_dlq", "dispose", url):
+        yield
+
+
+@contextmanager
+def _app_url(app: Any, setting: str, cache: str, closer: str, url: str) -> Iterator[None]:
+    def drop_cached() -> None:
+        cached = app.__dict__.pop(cache, None)
         if cached is not None:
-            cached[1].close()
+            getattr(cached[1], closer)()
 
-    previous = app.conf.idempotency_store_url
-    drop_store()
-    app.conf.idempotency_store_url = url
+    previous = app.conf[setting]
+    drop_cached()
+    app.conf[setting] = url
     try:
         yield
     finally:
-        drop_store()
-        app.conf.idempotency_store_url = previous
+        drop_cached()
+        app.conf[setting] = previous
 
 
 def set_pickup_timeout(monkeypatch: pytest.MonkeyPatch, app: Any, seconds: float) -> None:

@@ -14,7 +14,14 @@ from idempotent_tasks import IdempotencyKeyMismatch
 from idempotent_tasks.app_store import dlq_for
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from tests.integration import worker_app
-from tests.integration.helpers import fresh, ledger_events, ledger_sequence, wait_until
+from tests.integration.databases import fresh_mariadb_database, fresh_pg_database
+from tests.integration.helpers import (
+    app_dlq_url,
+    fresh,
+    ledger_events,
+    ledger_sequence,
+    wait_until,
+)
 from tests.integration.workers import BeatProcess, WorkerProcess
 
 app = worker_app.app
@@ -58,17 +65,25 @@ def _given_up(item_id: str) -> DeadLetter:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["postgresql", "mariadb"])
 def workers_and_beat(
-    it_env: dict[str, str], worker_app: Any, tmp_path_factory: pytest.TempPathFactory
+    it_env: dict[str, str],
+    worker_app: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[tuple[list[WorkerProcess], BeatProcess]]:
+    """Two workers and a beat whose dead-letter table is on each database in turn, as is the
+    test process's."""
+    fresh_database = fresh_pg_database if request.param == "postgresql" else fresh_mariadb_database
+    env = {**it_env, "IT_DLQ_URL": fresh_database("it_dead_letters_beat")}
     logs = tmp_path_factory.mktemp("dlq")
-    workers = [WorkerProcess(f"dlq{index}", it_env, logs) for index in range(2)]
-    beat = BeatProcess(it_env, logs)
-    yield workers, beat
-    beat.stop()
-    for worker in workers:
-        worker.stop()
+    with app_dlq_url(worker_app.app, env["IT_DLQ_URL"]):
+        workers = [WorkerProcess(f"dlq{index}", env, logs) for index in range(2)]
+        beat = BeatProcess(env, logs)
+        yield workers, beat
+        beat.stop()
+        for worker in workers:
+            worker.stop()
 
 
 @pytest.mark.usefixtures("workers_and_beat")

@@ -1,4 +1,5 @@
-"""Prometheus metrics after a real run: a Celery worker in this process, then the counters."""
+"""Prometheus metrics after a real run: a Celery worker in this process, claims on Redis, then
+the counters."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from idempotent_tasks.prometheus import enable
 
 app = Celery("metrics", broker="memory://", backend="cache+memory://", set_as_current=False)
 app.conf.update(
-    idempotency_store_url="memory://",
     broker_transport_options={"polling_interval": 0.01},
     broker_connection_retry_on_startup=True,
 )
@@ -49,7 +49,10 @@ def slow(order_id: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def registry() -> Iterator[CollectorRegistry]:
+def registry(it_env: dict[str, str]) -> Iterator[CollectorRegistry]:
+    # Claims on the integration tests' Redis; broker and results in memory (the worker runs
+    # in this process, so the counters are read here)
+    app.conf.idempotency_store_url = it_env["IT_STORE_URL"]
     registry = CollectorRegistry()
     enable(registry)
     with start_worker(

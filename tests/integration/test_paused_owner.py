@@ -87,7 +87,7 @@ def app(redis_url: str) -> Celery:
         "paused-owner", broker=f"{redis_url}/{BROKER_DB}", backend=f"{redis_url}/{BACKEND_DB}"
     )
     app.conf.update(
-        idempotency_store_url="memory://",
+        idempotency_store_url=f"{redis_url}/{BACKEND_DB}",
         idempotency_lease=LEASE,
         task_default_queue=fresh("paused-owner"),
     )

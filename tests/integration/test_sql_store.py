@@ -1,4 +1,5 @@
-"""Real workers claiming through the SQL store on PostgreSQL: duplicates and a crash takeover."""
+"""Real workers claiming through the SQL store on PostgreSQL and MariaDB: duplicates, a crash
+takeover, and a schema it cannot use yet."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from idempotent_tasks.dlq.schema import CLAIMS_COMPONENT, CLAIMS_SCHEMA_VERSION
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
-from tests.integration.databases import fresh_pg_database, set_schema_version
+from tests.integration.databases import (
+    fresh_mariadb_database,
+    fresh_pg_database,
+    set_schema_version,
+)
 from tests.integration.helpers import (
     app_store_url,
     charge_at_once,
@@ -26,10 +31,11 @@ from tests.integration.workers import WorkerProcess
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def sql_store_url(worker_app: Any) -> Iterator[str]:
-    """A PostgreSQL claim store, used by this module's workers and by the test process."""
-    url = fresh_pg_database("it_claims")
+@pytest.fixture(scope="module", params=["postgresql", "mariadb"])
+def sql_store_url(worker_app: Any, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A claim store on each database, used by this module's workers and the test process."""
+    fresh_database = fresh_pg_database if request.param == "postgresql" else fresh_mariadb_database
+    url = fresh_database("it_claims")
     with app_store_url(worker_app.app, url):
         yield url
 
