@@ -18,6 +18,7 @@ from .prometheus import enable_if_installed
 from .settings import app_setting
 from .setup_errors import open_dead_letter_queue
 from .stores import Store, store_from_url
+from .urls import url_text
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def store_url(app: Any) -> str:
     SQLite file ``claims.sqlite3`` (beside the dead-letter one)."""
     url = app_setting(app.conf, "idempotency_store_url")
     if url:
-        return str(url)
+        return url_text(url)
     if _store_on_backend(app):
         return str(app.conf.result_backend)
     return default_sqlite_url(CLAIMS_FILE)
@@ -156,7 +157,7 @@ def dlq_for(app: Any) -> DeadLetterQueue:
     def build() -> DeadLetterQueue:
         # Unusable, a worker refuses to start on it (see startup).
         return open_dead_letter_queue(
-            app_setting(app.conf, "idempotency_dlq_url"),
+            app_setting(app.conf, "idempotency_dlq_url") or None,
             base_delay=app_setting(app.conf, "idempotency_dlq_base_delay"),
         )
 

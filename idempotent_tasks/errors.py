@@ -17,8 +17,15 @@ class IdempotencyKeyMismatch(IdempotencyError, ValueError):
         fingerprint: the fingerprint of this call.
     """
 
-    def __init__(self, key: str, task_name: str, stored_fingerprint: str, fingerprint: str) -> None:
-        # args are the constructor's, so the error survives Celery's result backend.
+    def __init__(
+        self,
+        key: str,
+        task_name: str | None = None,
+        stored_fingerprint: str | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        # args are the constructor's, so the error survives Celery's result backend. Raised
+        # with a message alone (by a caller's own code), it says that message.
         super().__init__(key, task_name, stored_fingerprint, fingerprint)
         self.key = key
         self.task_name = task_name
@@ -26,6 +33,8 @@ class IdempotencyKeyMismatch(IdempotencyError, ValueError):
         self.fingerprint = fingerprint
 
     def __str__(self) -> str:
+        if self.task_name is None:
+            return str(self.key)
         return (
             f"idempotency key {self.key!r} of task {self.task_name!r} was first used with other "
             "arguments; use a new key for a different call "
@@ -42,13 +51,17 @@ class IdempotencyConflict(IdempotencyError):
         owner_task_id: the Celery task id of the execution holding the key.
     """
 
-    def __init__(self, key: str, task_name: str, owner_task_id: str | None) -> None:
-        super().__init__(key, task_name, owner_task_id)
+    def __init__(
+        self, key: str, task_name: str | None = None, owner_task_id: str | None = None
+    ) -> None:
+        super().__init__(key, task_name, owner_task_id)  # a message alone says that message
         self.key = key
         self.task_name = task_name
         self.owner_task_id = owner_task_id
 
     def __str__(self) -> str:
+        if self.task_name is None:
+            return str(self.key)
         return (
             f"idempotency key {self.key!r} of task {self.task_name!r} is being processed "
             f"by task {self.owner_task_id}"

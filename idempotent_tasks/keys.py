@@ -19,10 +19,27 @@ KEY_HEADER = "idempotency_key"
 
 def given_key(options: Mapping[str, Any]) -> object:
     """The key a call's publish options give, unchecked: ``idempotency_key=``, else the
-    header of that name (the way ``send_task`` carries it); ``None`` for none."""
-    key = options.get(KEY_HEADER)
+    header of that name (the way ``send_task`` carries it); ``None`` for none.
+
+    Raises ``ValueError`` for ``idempotency_key=None`` given: anything but a non-empty ``str``
+    is refused (a key computed as ``None`` by mistake must not run the call unkeyed); a call
+    without a key leaves the option out."""
+    if KEY_HEADER in options:
+        return checked_option(options[KEY_HEADER])
+    headers = options.get("headers") or {}
+    if KEY_HEADER in headers:
+        return checked_option(headers[KEY_HEADER])
+    return None
+
+
+def checked_option(key: object) -> object:
+    """An ``idempotency_key=`` option as given; ``ValueError`` when it is ``None`` (see
+    :func:`given_key`). Other values are checked by :func:`validate_key`."""
     if key is None:
-        key = (options.get("headers") or {}).get(KEY_HEADER)
+        raise ValueError(
+            "idempotency_key must be a non-empty str, not None (leave the option out for a "
+            "call without a key)"
+        )
     return key
 
 

@@ -76,7 +76,7 @@ def byte_count(value: Any, name: str) -> int:
     if not isinstance(value, bool):
         try:
             count = int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: float("inf")
             pass
         else:
             if count >= 0 and (isinstance(value, str) or count == value):

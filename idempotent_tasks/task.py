@@ -73,6 +73,7 @@ from .keys import (
     KEY_HEADER,
     KeySource,
     check_task_id,
+    checked_option,
     derive_key,
     fingerprint,
     given_key,
@@ -365,8 +366,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's ``apply`` (run here and now), taking ``idempotency_key`` as
         :meth:`apply_async` does: the call is claimed under it (``ValueError`` for a bad key)."""
-        call_key = options.pop(KEY_HEADER, None)
-        if call_key is not None:
+        if KEY_HEADER in options:
+            call_key = checked_option(options.pop(KEY_HEADER))
             headers = {**(headers or {}), KEY_HEADER: validate_key(call_key)}
         return super().apply(
             args,

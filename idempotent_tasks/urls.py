@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 #: Query parameters that hold a secret in redis-py's, SQLAlchemy's and the drivers' URLs.
@@ -13,23 +14,40 @@ SECRET_PARAMETERS = frozenset(
 def shown_url(url: str) -> str:
     """``url`` with its password, and any query parameter holding a secret, as ``***`` (each
     one of a Sentinel backend's ``;``-separated URLs)."""
+    if not url.startswith("sentinel"):
+        return _shown(url)
     return ";".join(_shown(part) for part in url.split(";"))
+
+
+#: A URL's password as SQLAlchemy reads one: after the user name, up to the next ``@`` (so it
+#: may hold ``/``, ``?``, ``#`` or ``;``, which ``urlsplit`` would take for the URL's own).
+_PASSWORD = re.compile(r"^(?P<head>[^:/]+://[^:/@]*:)(?P<password>[^@]*)@")
 
 
 def _shown(url: str) -> str:
     """One URL shown; left exactly as it is when it holds no secret (``urlunsplit`` would
     respell ``sqlite:////abs/path`` and ``memory://``)."""
+    url = _PASSWORD.sub(r"\g<head>***@", url, count=1)
     parts = urlsplit(url)
-    netloc, query = parts.netloc, parts.query
-    if parts.password is not None:
-        credentials, _, host = netloc.rpartition("@")
-        netloc = f"{credentials.partition(':')[0]}:***@{host}"
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if any(name.lower() in SECRET_PARAMETERS for name, _ in pairs):
-        hidden = [
-            (name, "***" if name.lower() in SECRET_PARAMETERS else value) for name, value in pairs
-        ]
-        query = urlencode(hidden, safe="*")
-    if (netloc, query) == (parts.netloc, parts.query):
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if not any(name.lower() in SECRET_PARAMETERS for name, _ in pairs):
         return url
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    hidden = [
+        (name, "***" if name.lower() in SECRET_PARAMETERS else value) for name, value in pairs
+    ]
+    return urlunsplit(parts._replace(query=urlencode(hidden, safe="*")))
+
+
+def url_text(url: object) -> str:
+    """A store's or database's URL setting as text: a ``str`` as it is; an SQLAlchemy ``URL``
+    with its password (``str()`` of one puts ``***`` in its place).
+
+    Raises:
+        ValueError: anything else.
+    """
+    render = getattr(url, "render_as_string", None)
+    if callable(render):
+        return str(render(hide_password=False))
+    if isinstance(url, str):
+        return url
+    raise ValueError(f"a store or database URL is a str or an SQLAlchemy URL, not {url!r}")

@@ -77,6 +77,12 @@ def create_dlq_engine(url: str) -> Engine:
         )
     parsed = make_url(url)
     dialect = parsed.get_backend_name()
+    if dialect == "sqlite" and _in_memory(parsed.database, parsed.query):
+        raise ValueError(
+            f"{shown_url(url)} is an SQLite database in memory, which each connection (a "
+            "thread, a process) has a new one of, and which is gone once closed: use a file, "
+            "sqlite:///path (or memory:// for a claim store within one process)"
+        )
     options: dict[str, Any] = {"pool_pre_ping": True}
     if (
         dialect == "postgresql"
@@ -94,6 +100,14 @@ def create_dlq_engine(url: str) -> Engine:
     if dialect == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def _in_memory(database: str | None, query: Any) -> bool:
+    """Whether an SQLite URL's database is in memory: no file name, ``:memory:``, or a
+    ``file:`` URI with ``mode=memory``."""
+    if not database or database == ":memory:":
+        return True
+    return "mode=memory" in database or query.get("mode") == "memory"
 
 
 def _sqlite_pragmas(connection: Any, _record: Any) -> None:

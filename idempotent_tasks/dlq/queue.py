@@ -14,12 +14,13 @@ from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any, overload
 
-from sqlalchemy import Connection, Engine, literal, select, text
+from sqlalchemy import URL, Connection, Engine, literal, select, text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError
 
 from ..errors import CorruptRecord, StoreUnavailable
 from ..keys import fitted
 from ..stores.sql_clock import ServerClock
+from ..urls import url_text
 from . import queries
 from .arguments import safe_repr, utf8_text
 from .backoff import next_retry_at
@@ -79,7 +80,8 @@ class DeadLetterQueue:
     :class:`~idempotent_tasks.errors.StoreUnavailable`.
 
     Args:
-        url: SQLAlchemy URL; ``None`` for the local SQLite file (see ``default_sqlite_url``).
+        url: SQLAlchemy URL (text, or a ``URL`` object); ``None`` for the local SQLite file
+            (see ``default_sqlite_url``).
         base_delay: seconds of the first backoff step (doubling with every retry).
         clock: returns the current UTC time; default: the database server's
             (:func:`server_utc_clock`; SQLite's is the host's). Tests pass their own.
@@ -88,13 +90,13 @@ class DeadLetterQueue:
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | URL | None = None,
         *,
         base_delay: float = 60,
         clock: Callable[[], datetime] | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.url = url or default_sqlite_url()
+        self.url = url_text(url) if url else default_sqlite_url()
         self.base_delay = base_delay
         self.engine: Engine = create_dlq_engine(self.url)
         # Read before a transaction begins, never inside one: a first read or a resync asks the

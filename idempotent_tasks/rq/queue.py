@@ -12,12 +12,21 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.results import Result
 from rq.utils import import_attribute
+from sqlalchemy import URL
 
 from .. import defaults, signals
 from ..errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
-from ..keys import check_task_id, derive_key, fingerprint, storage_key, validate_key
+from ..keys import (
+    check_task_id,
+    checked_option,
+    derive_key,
+    fingerprint,
+    storage_key,
+    validate_key,
+)
 from ..records import Outcome, Record, Status
 from ..stores import Store
+from ..urls import url_text
 from .job import CODEC, IdempotentJob
 from .options import (
     DEFAULT_OPTIONS,
@@ -113,8 +122,8 @@ class IdempotentQueue(Queue):
         name: str = "default",
         connection: Redis | None = None,
         *args: Any,
-        store_url: str | None = None,
-        dlq_url: str | None = None,
+        store_url: str | URL | None = None,
+        dlq_url: str | URL | None = None,
         key_prefix: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -126,8 +135,8 @@ class IdempotentQueue(Queue):
                 name,
                 self.job_class.__name__,
             )
-        self.store_url = store_url
-        self.dlq_url = dlq_url
+        self.store_url = url_text(store_url) if store_url else None
+        self.dlq_url = url_text(dlq_url) if dlq_url else None
         self.key_prefix = key_prefix or defaults.KEY_PREFIX
         self._store: tuple[int, Store] | None = None
 
@@ -139,7 +148,7 @@ class IdempotentQueue(Queue):
                 function requires a key and none was given or derived.
             IdempotencyKeyMismatch: the key was already used with other arguments.
         """
-        key = kwargs.pop("idempotency_key", None)
+        key = _call_key(kwargs)
         parsed = self.parse_args(f, *args, **kwargs)
         return self.enqueue_call(**parsed._asdict(), idempotency_key=key)
 
@@ -182,7 +191,7 @@ class IdempotentQueue(Queue):
         is looked up now (the key's state then is what counts). Needs RQ's scheduler
         (``rq worker --with-scheduler``), as any scheduled job does.
         """
-        call_key = kwargs.pop("idempotency_key", None)
+        call_key = _call_key(kwargs)
         parsed = self.parse_args(f, *args, **kwargs)
         _, _, carried = self._carried(
             parsed.func, tuple(parsed.args or ()), dict(parsed.kwargs or {}), call_key
@@ -355,3 +364,11 @@ def _importable(func: Any) -> Any:
         return import_attribute(func)
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def _call_key(kwargs: dict[str, Any]) -> Any:
+    """The ``idempotency_key=`` keyword taken out of ``kwargs`` (``None`` when not given);
+    ``ValueError`` for ``None`` given, as ``apply_async`` (see :func:`keys.given_key`)."""
+    if "idempotency_key" not in kwargs:
+        return None
+    return checked_option(kwargs.pop("idempotency_key"))

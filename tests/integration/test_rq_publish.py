@@ -74,6 +74,18 @@ def test_a_key_that_is_not_a_non_empty_str_is_refused_before_anything_is_enqueue
     assert idle.count == 0
 
 
+def test_a_key_given_as_none_is_refused_before_anything_is_enqueued(
+    idle: IdempotentQueue,
+) -> None:
+    # (enqueue_call's own idempotency_key parameter is None by default: there it is no key)
+    with pytest.raises(ValueError, match="not None"):
+        idle.enqueue(rq_jobs.record, "x", 1, idempotency_key=None)
+    with pytest.raises(ValueError, match="not None"):
+        idle.enqueue_in(timedelta(seconds=60), rq_jobs.record, "x", 1, idempotency_key=None)
+    assert idle.count == 0
+    assert idle.scheduled_job_registry.count == 0
+
+
 def test_the_store_is_the_queues_own_redis_unless_a_url_is_given(idle: IdempotentQueue) -> None:
     # Given a queue with no store_url: its claims live on its own Redis connection
     store = idle.store

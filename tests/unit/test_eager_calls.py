@@ -135,6 +135,10 @@ def test_apply_and_a_signatures_apply_claim_the_key_they_are_given() -> None:
     assert store_for(app).get(storage_key(charge.name, "k")) is not None
     with pytest.raises(ValueError):
         charge.apply(("o-2",), idempotency_key=42)
+    with pytest.raises(ValueError, match="not None"):
+        charge.apply(("o-2",), idempotency_key=None)
+    with pytest.raises(ValueError, match="not None"):
+        charge.s("o-2").set(idempotency_key=None).apply()
     assert runs == ["o-1"]
 
 

@@ -121,7 +121,7 @@ def test_a_serializer_not_installed_here_falls_back_to_json() -> None:
     assert plain._codec.serializer == "json"
 
 
-@pytest.mark.parametrize("size", ["1MiB", -1, 1.5])
+@pytest.mark.parametrize("size", ["1MiB", -1, 1.5, float("inf"), float("nan")])
 def test_a_result_size_limit_that_is_no_number_of_bytes_is_refused_before_publishing(
     size: object,
 ) -> None:
