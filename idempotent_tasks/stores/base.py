@@ -8,6 +8,7 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    Completion,
     DuePickup,
     EncodedResult,
     Pickup,
@@ -107,6 +108,20 @@ class Store(Protocol):
         *,
         owes_message: bool = False,
     ) -> CompleteOutcome:
+        """:meth:`complete_call`'s outcome alone."""
+        return self.complete_call(
+            request, token, result, side_write, owes_message=owes_message
+        ).outcome
+
+    def complete_call(
+        self,
+        request: ClaimRequest,
+        token: int,
+        result: EncodedResult | None,
+        side_write: SideWrite | None = None,
+        *,
+        owes_message: bool = False,
+    ) -> Completion:
         """Mark the key ``completed`` with ``result`` for ``request.ttl_seconds``.
 
         Only while ``request.owner`` still holds ``token``: returns ``STALE`` and writes nothing if
@@ -117,6 +132,10 @@ class Store(Protocol):
 
         ``owes_message``: this claim owes the message it took over (its claim said so); a
         record written anew keeps that debt, for :meth:`settle_owed_message`.
+
+        A record written anew over the ``queued`` reservation of another call (another task
+        id) hands that call's message back as :attr:`Completion.displaced`, to be published
+        again (see :class:`~idempotent_tasks.records.Completion`).
 
         ``side_write`` is written (and published) in the same atomic step when the outcome is
         ``STORED``, never otherwise. Only the Redis store takes one (see

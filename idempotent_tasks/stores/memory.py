@@ -15,6 +15,7 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    Completion,
     DuePickup,
     EncodedResult,
     Outcome,
@@ -23,7 +24,7 @@ from ..records import (
     SideWrite,
     Status,
 )
-from .base import refuse_side_write
+from .base import Store, refuse_side_write
 
 #: Largest power of two a pickup's re-publication backoff grows to.
 MAX_BACKOFF_EXPONENT = 20
@@ -52,7 +53,7 @@ class _Pending:
     republished: int = 0
 
 
-class MemoryStore:
+class MemoryStore(Store):
     """A :class:`~idempotent_tasks.stores.base.Store` in a dict, with an injectable clock."""
 
     def __init__(
@@ -259,7 +260,7 @@ class MemoryStore:
             told, owed_task_id=pending.task_id, taken_over_envelope=pending.pickup.envelope
         )
 
-    def complete(
+    def complete_call(
         self,
         request: ClaimRequest,
         token: int,
@@ -267,15 +268,26 @@ class MemoryStore:
         side_write: SideWrite | None = None,
         *,
         owes_message: bool = False,
-    ) -> CompleteOutcome:
+    ) -> Completion:
         refuse_side_write(self, side_write)
         with self._lock:
             now = self._clock()
             found = self._live(request.storage_key, now)
             outcome = CompleteOutcome.STORED
+            displaced = None
             if found is None or found.status is Status.QUEUED:
                 outcome = CompleteOutcome.RECOVERED
-                self._pending.pop(request.storage_key, None)
+                pending = self._pending.pop(request.storage_key, None)
+                if found is not None and found.task_id != request.task_id and pending:
+                    # Another call's reservation: its message, to publish again (see
+                    # Completion)
+                    displaced = DuePickup(
+                        storage_key=request.storage_key,
+                        task_name=request.task_name,
+                        task_id=pending.task_id,
+                        envelope=pending.pickup.envelope,
+                        republished=1,
+                    )
                 # Tokens never go back: the record keeps the key's highest token given.
                 token = max(token, self._fences.get(request.storage_key, 0))
                 self._fences[request.storage_key] = token
@@ -284,9 +296,9 @@ class MemoryStore:
                 if owes_message:  # the debt of the claim the store lost
                     self._taken[request.storage_key] = _Taken("", owes_message=True)
             elif found.status is Status.COMPLETED and found.owner == request.owner:
-                return CompleteOutcome.STORED  # a repeated completion
+                return Completion(outcome=CompleteOutcome.STORED)  # a repeated completion
             elif found.owner != request.owner or found.token != token:
-                return CompleteOutcome.STALE
+                return Completion(outcome=CompleteOutcome.STALE)
             self._pending.pop(request.storage_key, None)
             self._records[request.storage_key] = dataclasses.replace(
                 found,
@@ -296,7 +308,7 @@ class MemoryStore:
                 result=result,
                 result_cached=result is not None,
             )
-            return outcome
+            return Completion(outcome=outcome, displaced=displaced)
 
     def settle_owed_message(self, request: ClaimRequest) -> bool:
         with self._lock:

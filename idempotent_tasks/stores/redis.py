@@ -41,6 +41,7 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    Completion,
     DuePickup,
     EncodedResult,
     Outcome,
@@ -50,6 +51,7 @@ from ..records import (
     Status,
 )
 from ..redis_unavailable import is_read_only, is_refusal, is_unavailable
+from .base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ def _lua(name: str) -> str:
     return prelude + folder.joinpath(f"{name}.lua").read_text("utf-8")
 
 
-class RedisStore:
+class RedisStore(Store):
     """A :class:`~idempotent_tasks.stores.base.Store` on Redis (or Redis Cluster) via redis-py.
 
     Args:
@@ -297,7 +299,7 @@ class RedisStore:
         record = _record(request.storage_key, _pairs(reply[3:]), read_at=int(reply[1]) / 1000)
         return ClaimResult(outcome=outcome, record=record)
 
-    def complete(
+    def complete_call(
         self,
         request: ClaimRequest,
         token: int,
@@ -305,7 +307,7 @@ class RedisStore:
         side_write: SideWrite | None = None,
         *,
         owes_message: bool = False,
-    ) -> CompleteOutcome:
+    ) -> Completion:
         try:
             return self._complete(request, token, result, side_write, owes_message)
         except (StoreUnavailable, CorruptRecord) as exc:
@@ -323,7 +325,7 @@ class RedisStore:
         result: EncodedResult | None,
         side_write: SideWrite | None,
         owes_message: bool,
-    ) -> CompleteOutcome:
+    ) -> Completion:
         keys: list[Any] = self.names(request.storage_key)
         side: list[Any] = []
         if side_write is not None:
@@ -350,7 +352,16 @@ class RedisStore:
                 *side,
             ],
         )
-        return CompleteOutcome(_text(reply))
+        if not isinstance(reply, list):
+            return Completion(outcome=CompleteOutcome(_text(reply)))
+        displaced = DuePickup(
+            storage_key=request.storage_key,
+            task_name=request.task_name,
+            task_id=_text(reply[1]),
+            envelope=reply[2],
+            republished=1,
+        )
+        return Completion(outcome=CompleteOutcome(_text(reply[0])), displaced=displaced)
 
     def shares_database_with(self, client: redis.Redis) -> bool:
         """Whether ``client`` talks to this store's Redis server and database, so a

@@ -59,6 +59,7 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    Completion,
     DuePickup,
     EncodedResult,
     Outcome,
@@ -66,7 +67,7 @@ from ..records import (
     Record,
     SideWrite,
 )
-from .base import refuse_side_write
+from .base import Store, refuse_side_write
 from .sql_clock import ServerClock
 from .sql_deadlocks import Deadlocked, run_again_after_deadlock, was_rolled_back_for_another
 from .sql_rows import is_live, is_readable, readable_claim, readable_pickup, record_of
@@ -121,7 +122,7 @@ UNREADABLE_PICKUP_DELAY = 3600.0
 # -- the store ----------------------------------------------------------------------------
 
 
-class SqlStore:
+class SqlStore(Store):
     """A :class:`~idempotent_tasks.stores.base.Store` on a SQLAlchemy database.
 
     Args:
@@ -418,7 +419,7 @@ class SqlStore:
         return ClaimResult(outcome=Outcome.IN_PROGRESS, record=record)
 
     @run_again_after_deadlock
-    def complete(
+    def complete_call(
         self,
         request: ClaimRequest,
         token: int,
@@ -426,7 +427,7 @@ class SqlStore:
         side_write: SideWrite | None = None,
         *,
         owes_message: bool = False,
-    ) -> CompleteOutcome:
+    ) -> Completion:
         refuse_side_write(self, side_write)
         claim_id = self.claim_id(request.storage_key)
         now = self._clock()
@@ -444,14 +445,14 @@ class SqlStore:
                 # Nothing is left to publish: a pickup left behind could be sent again under a
                 # later owner's task id (as the Redis and memory stores, drop it).
                 connection.execute(delete_pickup(claim_id))
-                return CompleteOutcome.STORED
+                return Completion(outcome=CompleteOutcome.STORED)
         for _ in range(MAX_CLAIM_ROUNDS):
             found = self._claim_row(request.storage_key)
             if found is not None and found["owner"] == request.owner and is_live(found, now):
                 if found["status"] == COMPLETED:
-                    return CompleteOutcome.STORED  # a repeated completion
+                    return Completion(outcome=CompleteOutcome.STORED)  # a repeated completion
             if found is not None and found["status"] != QUEUED and is_live(found, now):
-                return CompleteOutcome.STALE
+                return Completion(outcome=CompleteOutcome.STALE)
             # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
             # since): write the result anew, unless another claimer took the key meanwhile. The
             # row is the key's fencing counter: its token never goes back.
@@ -464,8 +465,11 @@ class SqlStore:
                 else:
                     written = _count(connection, replace_if_unchanged(claim_id, found, row))
                 if written == 1:
+                    displaced = None
+                    if found is not None and found["status"] == QUEUED:
+                        displaced = self._displaced(connection, request, claim_id)
                     connection.execute(delete_pickup(claim_id))
-                    return CompleteOutcome.RECOVERED
+                    return Completion(outcome=CompleteOutcome.RECOVERED, displaced=displaced)
             # Written between the read and this write (a cleanup, a reservation, a sweep moving
             # its due time on, a claim): look again, as Redis's one script would have seen it.
         raise StoreUnavailable(
@@ -601,6 +605,22 @@ class SqlStore:
         """Whether the message the key keeps is ``task_id``'s own."""
         kept = self._one(select_kept_message_of(claim_id))
         return kept is not None and kept["task_id"] == task_id
+
+    def _displaced(
+        self, connection: Connection, request: ClaimRequest, claim_id: str
+    ) -> DuePickup | None:
+        """The message of another call whose reservation a completion written anew replaced
+        (see :class:`~idempotent_tasks.records.Completion`), read in its transaction."""
+        pickup = _readable_or_none(connection.execute(select_pickup(claim_id)).mappings().first())
+        if pickup is None or pickup["task_id"] == request.task_id:
+            return None
+        return DuePickup(
+            storage_key=request.storage_key,
+            task_name=request.task_name,
+            task_id=pickup["task_id"],
+            envelope=bytes(pickup["envelope"]),
+            republished=1,
+        )
 
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
         """The key's pickup row, when its claim owes the message (else ``None``): read with the

@@ -294,6 +294,53 @@ def test_complete_after_the_record_vanished_recovers(store: Store, make_request:
     )
 
 
+def test_a_completion_written_over_another_calls_reservation_hands_its_message_back(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim whose record vanished, and a new call that reserved the key meanwhile
+    # (its message published, and perhaps lost by the broker)
+    owner = make_request(task_id="owner-task")
+    token = store.claim(owner).token
+    store.forget(owner.storage_key)
+    newcomer = make_request(storage_key=owner.storage_key, task_id="newcomer-task")
+    assert store.reserve(newcomer, Pickup(envelope=b"its message", due_in=30, timeout=30)) is None
+    # When the owner finishes
+    completion = store.complete_call(owner, token, RESULT)
+    # Then its result is the key's, and the new call's message is handed back to be sent
+    # again (the key is no longer queued for it: the guard would not send it)
+    assert completion.outcome is CompleteOutcome.RECOVERED
+    assert completion.displaced is not None
+    assert (
+        completion.displaced.storage_key,
+        completion.displaced.task_id,
+        completion.displaced.envelope,
+    ) == (owner.storage_key, "newcomer-task", b"its message")
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id, record.result) == (
+        Status.COMPLETED,
+        "owner-task",
+        RESULT,
+    )
+    assert store.take_due(10) == []
+
+
+def test_a_completion_written_over_its_own_calls_reservation_hands_nothing_back(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim whose record vanished, and its own call's message reserved anew (a retry)
+    owner = make_request(task_id="owner-task")
+    token = store.claim(owner).token
+    store.forget(owner.storage_key)
+    assert store.reserve(owner, Pickup(envelope=b"its retry", due_in=30, timeout=30)) is None
+    # When it finishes, its result is the key's, and there is no other call to answer
+    completion = store.complete_call(owner, token, RESULT)
+    assert (completion.outcome, completion.displaced) == (CompleteOutcome.RECOVERED, None)
+    # and a completion over no record at all hands nothing back either
+    store.forget(owner.storage_key)
+    assert store.complete_call(owner, token, RESULT).displaced is None
+
+
 def test_a_recovering_completion_never_hands_a_token_out_again(
     store: Store, make_request: Make
 ) -> None:

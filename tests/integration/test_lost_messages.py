@@ -441,6 +441,33 @@ def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
     assert ledger_events(name, "start") == 1
 
 
+def test_a_call_reserved_over_a_vanished_claim_is_answered_once_that_claim_completes(
+    worker_and_beat: Any,
+) -> None:
+    # Given a keyed call running on a worker (one process), whose record vanished meanwhile
+    # (a store restarted without persistence)
+    worker_and_beat(beat=False)
+    name, key = fresh("vanished"), fresh("key")
+    owner = worker_app.charge.apply_async((name, 5), {"sleep": 2.0}, idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the owner's run to start")
+    store_for(app).forget(storage_key(worker_app.charge.name, key))
+    # and a new call of the key, with a callback, reserved for its own message, which the
+    # broker then loses (the worker, busy, has not fetched it)
+    newcomer = worker_app.charge.apply_async(
+        (name, 5), {"sleep": 2.0}, idempotency_key=key, link=worker_app.noted_callback.s(name)
+    )
+    assert _status(worker_app.charge, key) is Status.QUEUED
+    _lose_message("celery", newcomer.id)
+    # When the running call completes, over the new call's reservation
+    value = owner.get(timeout=30)
+    # Then the new call gets the key's value, and its callback runs (its message was
+    # published again: a stored result alone runs no callback); the body ran once
+    assert newcomer.get(timeout=30) == value
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the new call's callback")
+    assert ledger_events(name, "start") == 1
+    assert _status(worker_app.charge, key) is Status.COMPLETED
+
+
 def _messages_of(queue: str, task_id: str) -> int:
     """Messages of ``task_id`` waiting in ``queue``."""
     broker = redis.Redis.from_url(app.conf.broker_url)

@@ -14,7 +14,9 @@
 --          anew keeps that debt, for settle.lua; else "0"
 -- KEYS[4], ARGV[14], ARGV[15]  optional side write: a key, its value and ttl in ms (0: none),
 --          set and published on that key when the outcome is "stored", never otherwise
--- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
+-- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale";
+--          or {"recovered", task id, envelope} when the record written anew replaced another
+--          call's reservation (queued, with its message kept): that message, to publish again
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -32,12 +34,21 @@ local function stored()
   return 'stored'
 end
 
-local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
+local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'task_id')
 local outcome = 'stored'
+local displaced = nil
 if not found[1] or found[1] == 'queued' then
   -- The claim vanished (a store that lost it, or an expiry), and perhaps a new publish
   -- queued the key since: this execution did finish, so its result is the key's.
   outcome = 'recovered'
+  if found[1] == 'queued' and found[4] and found[4] ~= ARGV[9] then
+    -- Another call's reservation: its message is handed back, to be sent again (nothing
+    -- would publish it should the broker lose it, the key no longer queued).
+    local envelope = redis.call('HGET', KEYS[1], 'envelope')
+    if envelope then
+      displaced = {'recovered', found[4], envelope}
+    end
+  end
   -- Tokens never go back: the record keeps the key's highest token given, and the counter
   -- (gone if it expired) is raised to it.
   local token = int(math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2])))
@@ -74,4 +85,4 @@ end
 if outcome == 'stored' then
   return stored()
 end
-return outcome
+return displaced or outcome
