@@ -17,19 +17,26 @@ from . import defaults
 KEY_HEADER = "idempotency_key"
 
 
-def given_key(options: Mapping[str, Any]) -> object:
+def given_key(options: Mapping[str, Any], *, refuse_none: bool = True) -> object:
     """The key a call's publish options give, unchecked: ``idempotency_key=``, else the
     header of that name (the way ``send_task`` carries it); ``None`` for none.
 
-    Raises ``ValueError`` for ``idempotency_key=None`` given: anything but a non-empty ``str``
-    is refused (a key computed as ``None`` by mistake must not run the call unkeyed); a call
-    without a key leaves the option out."""
-    if KEY_HEADER in options:
-        return checked_option(options[KEY_HEADER])
-    headers = options.get("headers") or {}
-    if KEY_HEADER in headers:
-        return checked_option(headers[KEY_HEADER])
-    return None
+    Raises ``ValueError`` for ``idempotency_key=None`` given, unless not ``refuse_none``:
+    anything but a non-empty ``str`` is refused (a key computed as ``None`` by mistake must not
+    run the call unkeyed); a call without a key leaves the option out. Our own re-publishes of
+    a running call (a retry carries its message's headers on) take a ``None`` for no key, as
+    the worker did."""
+    key = options.get(KEY_HEADER)
+    if key is None:
+        key = (options.get("headers") or {}).get(KEY_HEADER)
+    if key is None and refuse_none and _given(options):
+        checked_option(None)
+    return key
+
+
+def _given(options: Mapping[str, Any]) -> bool:
+    """Whether the options name a key at all (``None`` included)."""
+    return KEY_HEADER in options or KEY_HEADER in (options.get("headers") or {})
 
 
 def checked_option(key: object) -> object:

@@ -240,7 +240,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             TypeError: ``args`` is not a list or tuple, or ``kwargs`` not a mapping (as Celery).
         """
         republish_headers = options.pop(_REPUBLISH, None)
-        call_key = given_key(options)
+        call_key = given_key(options, refuse_none=republish_headers is None)
         options.pop(KEY_HEADER, None)
         if republish_headers is None:
             # Not our own re-publish (a retry, a wait) of a message that already runs here:

@@ -19,9 +19,11 @@ def shown_url(url: str) -> str:
     return ";".join(_shown(part) for part in url.split(";"))
 
 
-#: A URL's password as SQLAlchemy reads one: after the user name, up to the next ``@`` (so it
-#: may hold ``/``, ``?``, ``#`` or ``;``, which ``urlsplit`` would take for the URL's own).
-_PASSWORD = re.compile(r"^(?P<head>[^:/]+://[^:/@]*:)(?P<password>[^@]*)@")
+#: A URL's password: after the user name, up to an ``@``. SQLAlchemy reads it up to the first
+#: one, redis-py up to the last of the host part, and either may hold ``/``, ``?``, ``#`` or
+#: ``;``, which ``urlsplit`` would take for the URL's own: everything up to the last ``@`` is
+#: hidden (more than the password, at worst).
+_PASSWORD = re.compile(r"^(?P<head>[^:/]+://[^:/@]*:).*@")
 
 
 def _shown(url: str) -> str:
@@ -39,15 +41,9 @@ def _shown(url: str) -> str:
 
 
 def url_text(url: object) -> str:
-    """A store's or database's URL setting as text: a ``str`` as it is; an SQLAlchemy ``URL``
-    with its password (``str()`` of one puts ``***`` in its place).
-
-    Raises:
-        ValueError: anything else.
-    """
+    """A store's or database's URL setting as text: an SQLAlchemy ``URL`` with its password
+    (``str()`` of one puts ``***`` in its place); anything else as ``str()`` gives it."""
     render = getattr(url, "render_as_string", None)
     if callable(render):
         return str(render(hide_password=False))
-    if isinstance(url, str):
-        return url
-    raise ValueError(f"a store or database URL is a str or an SQLAlchemy URL, not {url!r}")
+    return str(url)  # text, or a URL type of its own whose str() is the URL (pydantic, yarl)

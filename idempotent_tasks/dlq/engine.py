@@ -104,10 +104,12 @@ def create_dlq_engine(url: str) -> Engine:
 
 def _in_memory(database: str | None, query: Any) -> bool:
     """Whether an SQLite URL's database is in memory: no file name, ``:memory:``, or a
-    ``file:`` URI with ``mode=memory``."""
+    ``file:`` URI naming ``:memory:`` or with ``mode=memory``."""
     if not database or database == ":memory:":
         return True
-    return "mode=memory" in database or query.get("mode") == "memory"
+    if not database.startswith("file:"):
+        return False
+    return ":memory:" in database or "mode=memory" in database or query.get("mode") == "memory"
 
 
 def _sqlite_pragmas(connection: Any, _record: Any) -> None:

@@ -133,9 +133,10 @@ class Store(Protocol):
         ``owes_message``: this claim owes the message it took over (its claim said so); a
         record written anew keeps that debt, for :meth:`settle_owed_message`.
 
-        A record written anew over the ``queued`` reservation of another call (another task
-        id) hands that call's message back as :attr:`Completion.displaced`, to be published
-        again (see :class:`~idempotent_tasks.records.Completion`).
+        A record written anew over the live ``queued`` reservation of another call (another
+        task id) for the same arguments (fingerprint) hands that call's message back as
+        :attr:`Completion.displaced`, to be published again (see
+        :class:`~idempotent_tasks.records.Completion`).
 
         ``side_write`` is written (and published) in the same atomic step when the outcome is
         ``STORED``, never otherwise. Only the Redis store takes one (see

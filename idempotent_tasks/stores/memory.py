@@ -278,9 +278,14 @@ class MemoryStore(Store):
             if found is None or found.status is Status.QUEUED:
                 outcome = CompleteOutcome.RECOVERED
                 pending = self._pending.pop(request.storage_key, None)
-                if found is not None and found.task_id != request.task_id and pending:
-                    # Another call's reservation: its message, to publish again (see
-                    # Completion)
+                if (
+                    found is not None
+                    and found.task_id != request.task_id
+                    and found.fingerprint == request.fingerprint
+                    and pending
+                ):
+                    # Another call's reservation, for the same arguments: its message, to
+                    # publish again (see Completion)
                     displaced = DuePickup(
                         storage_key=request.storage_key,
                         task_name=request.task_name,

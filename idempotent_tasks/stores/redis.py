@@ -358,7 +358,7 @@ class RedisStore(Store):
             storage_key=request.storage_key,
             task_name=request.task_name,
             task_id=_text(reply[1]),
-            envelope=reply[2],
+            envelope=_bytes(reply[2]),
             republished=1,
         )
         return Completion(outcome=CompleteOutcome(_text(reply[0])), displaced=displaced)

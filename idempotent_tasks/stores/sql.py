@@ -466,7 +466,12 @@ class SqlStore(Store):
                     written = _count(connection, replace_if_unchanged(claim_id, found, row))
                 if written == 1:
                     displaced = None
-                    if found is not None and found["status"] == QUEUED:
+                    if (
+                        found is not None
+                        and found["status"] == QUEUED
+                        and found["fingerprint"] == request.fingerprint
+                        and is_live(found, now)
+                    ):
                         displaced = self._displaced(connection, request, claim_id)
                     connection.execute(delete_pickup(claim_id))
                     return Completion(outcome=CompleteOutcome.RECOVERED, displaced=displaced)
@@ -609,8 +614,9 @@ class SqlStore(Store):
     def _displaced(
         self, connection: Connection, request: ClaimRequest, claim_id: str
     ) -> DuePickup | None:
-        """The message of another call whose reservation a completion written anew replaced
-        (see :class:`~idempotent_tasks.records.Completion`), read in its transaction."""
+        """The message of another call whose live reservation, for the same arguments, a
+        completion written anew replaced (see :class:`~idempotent_tasks.records.Completion`),
+        read in its transaction."""
         pickup = _readable_or_none(connection.execute(select_pickup(claim_id)).mappings().first())
         if pickup is None or pickup["task_id"] == request.task_id:
             return None

@@ -325,6 +325,22 @@ def test_a_completion_written_over_another_calls_reservation_hands_its_message_b
     assert store.take_due(10) == []
 
 
+def test_a_completion_written_over_a_reservation_for_other_arguments_hands_nothing_back(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim whose record vanished, and a call with other arguments that reserved the
+    # key meanwhile (its own claim will fail with a mismatch: it is owed no value)
+    owner = make_request(task_id="owner-task")
+    token = store.claim(owner).token
+    store.forget(owner.storage_key)
+    other = make_request(storage_key=owner.storage_key, task_id="other", fingerprint="fp-other")
+    assert store.reserve(other, Pickup(envelope=b"its message", due_in=30, timeout=30)) is None
+    # When the owner finishes, its result is the key's, and that call's message is not handed
+    # back
+    completion = store.complete_call(owner, token, RESULT)
+    assert (completion.outcome, completion.displaced) == (CompleteOutcome.RECOVERED, None)
+
+
 def test_a_completion_written_over_its_own_calls_reservation_hands_nothing_back(
     store: Store, make_request: Make
 ) -> None:

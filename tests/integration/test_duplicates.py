@@ -394,6 +394,22 @@ def test_bad_keys_are_refused_before_anything_is_published(bad: object) -> None:
     assert queue_length(IDLE_QUEUE) == 0
 
 
+def test_a_message_whose_key_header_is_none_runs_and_retries_as_a_plain_task(
+    two_workers: list[WorkerProcess],
+) -> None:
+    # Sent by name with a None key header (which send_task cannot refuse): no key, and its
+    # retry, which carries its message's headers on, is published as Celery's retry (not
+    # refused, which would only hand the message back to the broker to run again)
+    name = fresh("none-header")
+    result = worker_app.app.send_task(
+        worker_app.manual_retry.name, (name, 1), headers={"idempotency_key": None}
+    )
+    assert result.get(timeout=30) == f"{name} ok after 2 runs"
+    logs = "".join(worker.log() for worker in two_workers)
+    assert f"[{result.id}] retry: Retry in" in logs
+    assert "not None" not in logs
+
+
 def _keyed_step(queue: str) -> Any:
     """A keyed call of a task that requires a key, sent to ``queue``."""
     return worker_app.must_have_key.s(fresh("step")).set(idempotency_key=fresh("key"), queue=queue)

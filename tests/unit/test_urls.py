@@ -35,6 +35,7 @@ from idempotent_tasks.urls import shown_url, url_text
         ("postgresql+psycopg://app:s3c/ret@db/shop", "postgresql+psycopg://app:***@db/shop"),
         ("mysql+pymysql://app:s3c#ret@db/shop", "mysql+pymysql://app:***@db/shop"),
         ("mysql+pymysql://app:s3c?ret@db/shop", "mysql+pymysql://app:***@db/shop"),
+        ("redis://:s3c@ret@host:6379/0", "redis://:***@host:6379/0"),
     ],
 )
 def test_passwords_are_hidden_wherever_the_url_holds_them(url: str, shown: str) -> None:
@@ -71,8 +72,7 @@ def test_an_sqlalchemy_url_object_is_used_with_its_password() -> None:
     app.conf.idempotency_store_url = url.set(database="claims")
     assert make_url(store_url(app)).password == "p@ss;w/rd"
     assert make_url(url_text(url)) == url
-    with pytest.raises(ValueError, match="str or an SQLAlchemy URL"):
-        url_text(42)
+    assert url_text("redis://h/0") == "redis://h/0"
 
 
 def test_a_dead_letter_queue_takes_an_sqlalchemy_url_object(tmp_path: Path) -> None:
@@ -85,7 +85,13 @@ def test_a_dead_letter_queue_takes_an_sqlalchemy_url_object(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    "url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:dlq?mode=memory&uri=true"]
+    "url",
+    [
+        "sqlite://",
+        "sqlite:///:memory:",
+        "sqlite:///file:dlq?mode=memory&uri=true",
+        "sqlite:///file::memory:?cache=shared&uri=true",
+    ],
 )
 def test_an_sqlite_database_in_memory_is_refused_for_the_store_and_the_dead_letters(
     url: str,

@@ -16,7 +16,8 @@
 --          set and published on that key when the outcome is "stored", never otherwise
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale";
 --          or {"recovered", task id, envelope} when the record written anew replaced another
---          call's reservation (queued, with its message kept): that message, to publish again
+--          call's reservation for the same fingerprint (queued, with its message kept): that
+--          message, to publish again
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -34,16 +35,17 @@ local function stored()
   return 'stored'
 end
 
-local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'task_id')
+local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'task_id', 'fingerprint')
 local outcome = 'stored'
 local displaced = nil
 if not found[1] or found[1] == 'queued' then
   -- The claim vanished (a store that lost it, or an expiry), and perhaps a new publish
   -- queued the key since: this execution did finish, so its result is the key's.
   outcome = 'recovered'
-  if found[1] == 'queued' and found[4] and found[4] ~= ARGV[9] then
-    -- Another call's reservation: its message is handed back, to be sent again (nothing
-    -- would publish it should the broker lose it, the key no longer queued).
+  if found[1] == 'queued' and found[4] and found[4] ~= ARGV[9] and found[5] == ARGV[8] then
+    -- Another call's reservation, for the same arguments (another one's claim would fail
+    -- with a mismatch): its message is handed back, to be sent again (nothing would publish
+    -- it should the broker lose it, the key no longer queued).
     local envelope = redis.call('HGET', KEYS[1], 'envelope')
     if envelope then
       displaced = {'recovered', found[4], envelope}
