@@ -117,6 +117,9 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     # The busy timeout first: switching to WAL needs a lock another process may hold.
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA journal_mode=WAL")
+    # LIKE as the other databases compare: the claim store's sweep selects its own prefix's
+    # keys with one, and "Shop:" must not take "shop:"'s.
+    cursor.execute("PRAGMA case_sensitive_like=ON")
     cursor.close()
 
 

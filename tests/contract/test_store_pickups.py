@@ -431,6 +431,25 @@ def test_take_due_respects_its_limit(store: Store, make_request: Make) -> None:
 
 
 @pytest.mark.parametrize("kind", SERVER_STORES)
+def test_the_sweep_takes_only_its_own_prefixs_keys_however_their_case_differs(
+    kind: str, request: pytest.FixtureRequest, make_request: Make
+) -> None:
+    # Given two apps on one store whose key prefixes differ in case only (SQLite's LIKE
+    # compares ASCII letters ignoring case), and a due key of one of them
+    url = store_url(kind, request)
+    upper, lower = open_store(kind, url, prefix="Shop"), open_store(kind, url, prefix="shop")
+    try:
+        lower.reserve(request_for(make_request, "k1"), make_pickup(due_in=0.0))
+        time.sleep(0.05)
+        # Then the other app's sweep takes nothing, and its own app's sweep takes it
+        assert upper.take_due(10) == []
+        assert taken_keys(lower) == ["tasks.charge:k1"]
+    finally:
+        upper.close()
+        lower.close()
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
 def test_take_due_hands_out_what_it_took_when_the_store_fails_half_way(
     kind: str, request: pytest.FixtureRequest, make_request: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
