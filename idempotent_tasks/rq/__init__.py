@@ -26,7 +26,7 @@ from __future__ import annotations
 from .job import IdempotentJob
 from .options import IdempotencyOptions, idempotent
 from .queue import CachedResultJob, IdempotentQueue
-from .sweep import retry_dead_letters
+from .sweep import retry_dead_letters, retry_dead_letters_job
 
 __all__ = [
     "CachedResultJob",
@@ -35,4 +35,5 @@ __all__ = [
     "IdempotentQueue",
     "idempotent",
     "retry_dead_letters",
+    "retry_dead_letters_job",
 ]

@@ -27,10 +27,14 @@ from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.errors import IdempotencyKeyMismatch
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import ClaimRequest, Outcome, Status
-from idempotent_tasks.rq import CachedResultJob, IdempotentJob, IdempotentQueue
+from idempotent_tasks.rq import (
+    CachedResultJob,
+    IdempotentJob,
+    IdempotentQueue,
+    retry_dead_letters_job,
+)
 from idempotent_tasks.rq import job as rq_job_module
 from idempotent_tasks.rq.options import META_KEY
-from idempotent_tasks.rq.sweep import retry_dead_letters_job
 from idempotent_tasks.stores.redis import RedisStore
 from tests.integration import rq_jobs
 from tests.integration.rq_support import RQEnv, rq_env_fixture, taker_of
