@@ -157,7 +157,7 @@ def dlq_for(app: Any) -> DeadLetterQueue:
     def build() -> DeadLetterQueue:
         # Unusable, a worker refuses to start on it (see startup).
         return open_dead_letter_queue(
-            app_setting(app.conf, "idempotency_dlq_url") or None,
+            app_setting(app.conf, "idempotency_dlq_url"),
             base_delay=app_setting(app.conf, "idempotency_dlq_base_delay"),
         )
 

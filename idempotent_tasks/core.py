@@ -230,8 +230,7 @@ class Attempt:
             )
         outcome = completion.outcome
         self.completion = outcome
-        if completion.displaced is not None:
-            self.displaced = completion.displaced
+        self.displaced = completion.displaced
         self.result_cached = outcome is not CompleteOutcome.STALE and encoded is not None
         if outcome is CompleteOutcome.STALE:
             self.log.warning(

@@ -22,31 +22,15 @@ def given_key(options: Mapping[str, Any], *, refuse_none: bool = True) -> object
     header of that name (the way ``send_task`` carries it); ``None`` for none.
 
     Raises ``ValueError`` for ``idempotency_key=None`` given, unless not ``refuse_none``:
-    anything but a non-empty ``str`` is refused (a key computed as ``None`` by mistake must not
-    run the call unkeyed); a call without a key leaves the option out. Our own re-publishes of
-    a running call (a retry carries its message's headers on) take a ``None`` for no key, as
-    the worker did."""
+    anything but a non-empty ``str`` is refused (see :func:`validate_key`). Our own
+    re-publishes of a running call (a retry carries its message's headers on) take a ``None``
+    for no key, as the worker did."""
+    headers = options.get("headers") or {}
     key = options.get(KEY_HEADER)
     if key is None:
-        key = (options.get("headers") or {}).get(KEY_HEADER)
-    if key is None and refuse_none and _given(options):
-        checked_option(None)
-    return key
-
-
-def _given(options: Mapping[str, Any]) -> bool:
-    """Whether the options name a key at all (``None`` included)."""
-    return KEY_HEADER in options or KEY_HEADER in (options.get("headers") or {})
-
-
-def checked_option(key: object) -> object:
-    """An ``idempotency_key=`` option as given; ``ValueError`` when it is ``None`` (see
-    :func:`given_key`). Other values are checked by :func:`validate_key`."""
-    if key is None:
-        raise ValueError(
-            "idempotency_key must be a non-empty str, not None (leave the option out for a "
-            "call without a key)"
-        )
+        key = headers.get(KEY_HEADER)
+    if key is None and refuse_none and (KEY_HEADER in options or KEY_HEADER in headers):
+        validate_key(None)
     return key
 
 
@@ -60,6 +44,12 @@ def validate_key(key: object) -> str:
 
     A key of whitespace only is a key like any other (SPEC section 2: any non-empty ``str``).
     """
+    if key is None:
+        # Given as None (a key computed as None by mistake must not run the call unkeyed).
+        raise ValueError(
+            "idempotency_key must be a non-empty str, not None (leave the option out for a "
+            "call without a key)"
+        )
     if not isinstance(key, str):
         raise ValueError(f"idempotency_key must be a non-empty str, not {type(key).__name__}")
     if not key:

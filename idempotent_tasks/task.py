@@ -73,7 +73,6 @@ from .keys import (
     KEY_HEADER,
     KeySource,
     check_task_id,
-    checked_option,
     derive_key,
     fingerprint,
     given_key,
@@ -367,8 +366,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Celery's ``apply`` (run here and now), taking ``idempotency_key`` as
         :meth:`apply_async` does: the call is claimed under it (``ValueError`` for a bad key)."""
         if KEY_HEADER in options:
-            call_key = checked_option(options.pop(KEY_HEADER))
-            headers = {**(headers or {}), KEY_HEADER: validate_key(call_key)}
+            headers = {**(headers or {}), KEY_HEADER: validate_key(options.pop(KEY_HEADER))}
         return super().apply(
             args,
             kwargs,
@@ -612,7 +610,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # should its message not go out again.
                 self._answer_taken_over_call(attempt.owed_task_id, value)
             self._republish_taken_over_message(attempt)
-        if attempt.displaced is not None and not (attempt.superseded or is_replaced(value)):
+        if not (attempt.superseded or is_replaced(value)):
             self._answer_displaced_call(attempt, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.

@@ -18,7 +18,6 @@ from .. import defaults, signals
 from ..errors import CorruptRecord, IdempotencyKeyMismatch, StoreUnavailable
 from ..keys import (
     check_task_id,
-    checked_option,
     derive_key,
     fingerprint,
     storage_key,
@@ -366,9 +365,9 @@ def _importable(func: Any) -> Any:
         return None
 
 
-def _call_key(kwargs: dict[str, Any]) -> Any:
+def _call_key(kwargs: dict[str, Any]) -> str | None:
     """The ``idempotency_key=`` keyword taken out of ``kwargs`` (``None`` when not given);
-    ``ValueError`` for ``None`` given, as ``apply_async`` (see :func:`keys.given_key`)."""
+    ``ValueError`` for a bad one, ``None`` given included, as ``apply_async``."""
     if "idempotency_key" not in kwargs:
         return None
-    return checked_option(kwargs.pop("idempotency_key"))
+    return validate_key(kwargs.pop("idempotency_key"))

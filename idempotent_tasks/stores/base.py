@@ -199,3 +199,15 @@ def refuse_side_write(store: Store, side_write: SideWrite | None) -> None:
     """Raise ``ValueError`` for a side write given to a store that cannot make one."""
     if side_write is not None:
         raise ValueError(f"{type(store).__name__} cannot write beside a completion")
+
+
+def displaced_message(request: ClaimRequest, task_id: str, envelope: bytes) -> DuePickup:
+    """The message of call ``task_id`` whose reservation the completion of ``request`` replaced,
+    handed back to be published again (see :class:`~idempotent_tasks.records.Completion`)."""
+    return DuePickup(
+        storage_key=request.storage_key,
+        task_name=request.task_name,
+        task_id=task_id,
+        envelope=envelope,
+        republished=1,
+    )

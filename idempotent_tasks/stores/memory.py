@@ -24,7 +24,7 @@ from ..records import (
     SideWrite,
     Status,
 )
-from .base import Store, refuse_side_write
+from .base import Store, displaced_message, refuse_side_write
 
 #: Largest power of two a pickup's re-publication backoff grows to.
 MAX_BACKOFF_EXPONENT = 20
@@ -286,13 +286,7 @@ class MemoryStore(Store):
                 ):
                     # Another call's reservation, for the same arguments: its message, to
                     # publish again (see Completion)
-                    displaced = DuePickup(
-                        storage_key=request.storage_key,
-                        task_name=request.task_name,
-                        task_id=pending.task_id,
-                        envelope=pending.pickup.envelope,
-                        republished=1,
-                    )
+                    displaced = displaced_message(request, pending.task_id, pending.pickup.envelope)
                 # Tokens never go back: the record keeps the key's highest token given.
                 token = max(token, self._fences.get(request.storage_key, 0))
                 self._fences[request.storage_key] = token

@@ -51,7 +51,7 @@ from ..records import (
     Status,
 )
 from ..redis_unavailable import is_read_only, is_refusal, is_unavailable
-from .base import Store
+from .base import Store, displaced_message
 
 logger = logging.getLogger(__name__)
 
@@ -354,13 +354,7 @@ class RedisStore(Store):
         )
         if not isinstance(reply, list):
             return Completion(outcome=CompleteOutcome(_text(reply)))
-        displaced = DuePickup(
-            storage_key=request.storage_key,
-            task_name=request.task_name,
-            task_id=_text(reply[1]),
-            envelope=_bytes(reply[2]),
-            republished=1,
-        )
+        displaced = displaced_message(request, _text(reply[1]), _bytes(reply[2]))
         return Completion(outcome=CompleteOutcome(_text(reply[0])), displaced=displaced)
 
     def shares_database_with(self, client: redis.Redis) -> bool:

@@ -67,7 +67,7 @@ from ..records import (
     Record,
     SideWrite,
 )
-from .base import Store, refuse_side_write
+from .base import Store, displaced_message, refuse_side_write
 from .sql_clock import ServerClock
 from .sql_deadlocks import Deadlocked, run_again_after_deadlock, was_rolled_back_for_another
 from .sql_rows import is_live, is_readable, readable_claim, readable_pickup, record_of
@@ -620,13 +620,7 @@ class SqlStore(Store):
         pickup = _readable_or_none(connection.execute(select_pickup(claim_id)).mappings().first())
         if pickup is None or pickup["task_id"] == request.task_id:
             return None
-        return DuePickup(
-            storage_key=request.storage_key,
-            task_name=request.task_name,
-            task_id=pickup["task_id"],
-            envelope=bytes(pickup["envelope"]),
-            republished=1,
-        )
+        return displaced_message(request, pickup["task_id"], bytes(pickup["envelope"]))
 
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
         """The key's pickup row, when its claim owes the message (else ``None``): read with the

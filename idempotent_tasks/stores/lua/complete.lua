@@ -35,20 +35,21 @@ local function stored()
   return 'stored'
 end
 
-local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'task_id', 'fingerprint')
+local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
 local outcome = 'stored'
 local displaced = nil
 if not found[1] or found[1] == 'queued' then
   -- The claim vanished (a store that lost it, or an expiry), and perhaps a new publish
   -- queued the key since: this execution did finish, so its result is the key's.
   outcome = 'recovered'
-  if found[1] == 'queued' and found[4] and found[4] ~= ARGV[9] and found[5] == ARGV[8] then
+  if found[1] == 'queued' then
     -- Another call's reservation, for the same arguments (another one's claim would fail
     -- with a mismatch): its message is handed back, to be sent again (nothing would publish
-    -- it should the broker lose it, the key no longer queued).
-    local envelope = redis.call('HGET', KEYS[1], 'envelope')
-    if envelope then
-      displaced = {'recovered', found[4], envelope}
+    -- it should the broker lose it, the key no longer queued). Read here only: the usual
+    -- completion needs none of it.
+    local queued = redis.call('HMGET', KEYS[1], 'task_id', 'fingerprint', 'envelope')
+    if queued[1] and queued[1] ~= ARGV[9] and queued[2] == ARGV[8] and queued[3] then
+      displaced = {'recovered', queued[1], queued[3]}
     end
   end
   -- Tokens never go back: the record keeps the key's highest token given, and the counter
