@@ -44,9 +44,12 @@ def sql_store_url(worker_app: Any, request: pytest.FixtureRequest) -> Iterator[s
 def start_worker(it_env: dict[str, str], sql_store_url: str, tmp_path: Path) -> Iterator[Any]:
     started: list[WorkerProcess] = []
 
-    def start(**env: str) -> WorkerProcess:
+    def start(queue: str | None = None, **env: str) -> WorkerProcess:
         worker = WorkerProcess(
-            f"sql{len(started)}", {**it_env, "IT_STORE_URL": sql_store_url, **env}, tmp_path
+            f"sql{len(started)}",
+            {**it_env, "IT_STORE_URL": sql_store_url, **env},
+            tmp_path,
+            extra_args=("-Q", queue) if queue else (),
         )
         started.append(worker)
         return worker
@@ -85,14 +88,17 @@ def test_worker_killed_mid_task_is_taken_over_after_the_lease(start_worker: Any)
 def test_a_claim_store_at_a_newer_schema_hands_keyed_calls_back_until_it_can_claim(
     start_worker: Any, sql_store_url: str
 ) -> None:
-    # Given a running worker, whose claim store an upgrade then moved to a newer schema
+    # Given a running worker, whose claim store an upgrade then moved to a newer schema (on a
+    # queue of its own: a pool process that ran an earlier test's leftover message before the
+    # upgrade has checked the schema already, and checks it once)
     store_for(worker_app.app).get("warm")  # this process checked the schema before
-    worker = start_worker()
+    queue = fresh("sql-newer-queue")
+    worker = start_worker(queue)
     set_schema_version(sql_store_url, CLAIMS_COMPONENT, CLAIMS_SCHEMA_VERSION + 1)
     try:
         # When a keyed call reaches it
         order, key = fresh("sql-newer"), fresh("key")
-        result = worker_app.charge.apply_async((order, 10), idempotency_key=key)
+        result = worker_app.charge.apply_async((order, 10), idempotency_key=key, queue=queue)
         # Then it neither runs unclaimed nor fails: it is handed back, to be tried again
         wait_until(lambda: "store unavailable, will try again" in worker.log(), 30, "the hand-back")
         assert "newer" in worker.log()
