@@ -364,9 +364,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Celery's ``apply`` (run here and now), taking ``idempotency_key`` as
-        :meth:`apply_async` does: the call is claimed under it (``ValueError`` for a bad key)."""
-        if KEY_HEADER in options:
-            headers = {**(headers or {}), KEY_HEADER: validate_key(options.pop(KEY_HEADER))}
+        :meth:`apply_async` does, or as the header of that name: the call is claimed under it
+        (``ValueError`` for a bad key, ``None`` included)."""
+        key = given_key({**options, "headers": headers})
+        options.pop(KEY_HEADER, None)
+        if key is not None:
+            headers = {**(headers or {}), KEY_HEADER: validate_key(key)}
         return super().apply(
             args,
             kwargs,

@@ -139,6 +139,13 @@ def test_apply_and_a_signatures_apply_claim_the_key_they_are_given() -> None:
         charge.apply(("o-2",), idempotency_key=None)
     with pytest.raises(ValueError, match="not None"):
         charge.s("o-2").set(idempotency_key=None).apply()
+    with pytest.raises(ValueError, match="not None"):
+        charge.apply(("o-2",), headers={"idempotency_key": None})
+    with pytest.raises(ValueError, match="not int"):
+        charge.apply(("o-2",), headers={"idempotency_key": 42})
+    assert runs == ["o-1"]
+    # And a key given as the header, as apply_async takes it too, is claimed
+    assert charge.apply(("o-1",), headers={"idempotency_key": "k"}).get() == "charged o-1"
     assert runs == ["o-1"]
 
 
