@@ -23,7 +23,6 @@ from .records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
-    DuePickup,
     Outcome,
     Pickup,
     Record,
@@ -135,9 +134,6 @@ class Attempt:
     asked_at: float = 0.0
     #: What this attempt's completion did, once the store answered it.
     completion: CompleteOutcome | None = None
-    #: The message of another call whose reservation this attempt's completion replaced (its
-    #: record had vanished), to publish again: see :class:`~idempotent_tasks.records.Completion`.
-    displaced: DuePickup | None = None
 
     def claim(self) -> ClaimResult:
         """Claim the key (one store round trip). Raises StoreUnavailable."""
@@ -216,21 +212,15 @@ class Attempt:
             )
         owes = self._owes_message()
         try:
-            completion = self.store.complete_call(
+            outcome = self.store.complete(
                 self.request, self.token, encoded, side_write, owes_message=owes
             )
-            self.side_written = (
-                side_write is not None and completion.outcome is CompleteOutcome.STORED
-            )
+            self.side_written = side_write is not None and outcome is CompleteOutcome.STORED
         except SideWriteRefused as exc:  # raised only when given a side write
             self.log.warning("%s; completing key %r without it", exc, self.request.key)
             self.side_write_refused = True
-            completion = self.store.complete_call(
-                self.request, self.token, encoded, owes_message=owes
-            )
-        outcome = completion.outcome
+            outcome = self.store.complete(self.request, self.token, encoded, owes_message=owes)
         self.completion = outcome
-        self.displaced = completion.displaced
         self.result_cached = outcome is not CompleteOutcome.STALE and encoded is not None
         if outcome is CompleteOutcome.STALE:
             self.log.warning(

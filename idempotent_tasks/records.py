@@ -171,21 +171,3 @@ class DuePickup:
     task_id: str
     envelope: bytes
     republished: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Completion:
-    """The answer of :meth:`Store.complete_call`: what the completion did (``outcome``), and
-    ``displaced``: the message of another call whose reservation it replaced, or ``None``.
-
-    That happens when the completing claim's record had vanished and a new publish of the key,
-    with the same arguments, reserved it for its own message meanwhile. The key now answers
-    that call with this completion's value, but only once its message runs: the completion
-    drops the reservation (the key is no longer queued), so the pickup guard would not publish
-    that message again should the broker lose it. The completing caller publishes it again
-    instead, at once (answered from the cache, it runs no body; its callbacks run again if the
-    first copy was not lost).
-    """
-
-    outcome: CompleteOutcome
-    displaced: DuePickup | None = None

@@ -613,8 +613,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # should its message not go out again.
                 self._answer_taken_over_call(attempt.owed_task_id, value)
             self._republish_taken_over_message(attempt)
-        if not (attempt.superseded or is_replaced(value)):
-            self._answer_displaced_call(attempt, value)
         if (attempt.superseded or is_replaced(value)) and not self.request.is_eager:
             # Taken over while the body ran, and the new owner has not finished.
             self._wait_for_new_owner(attempt, body_ran=True)
@@ -676,19 +674,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.warning(
                 "could not store the result of %s, whose key this call took over: %s", task_id, exc
             )
-
-    def _answer_displaced_call(self, attempt: Attempt, value: Any) -> None:
-        """Answer the call whose reservation this attempt's completion replaced (its record had
-        vanished, and that call reserved the key anew): its result is stored, and its message
-        published again (see :class:`~idempotent_tasks.records.Completion`), which then answers
-        with the key's value as its first copy will, its callbacks following."""
-        displaced = attempt.displaced
-        if displaced is None or self.request.is_eager:
-            return
-        self._answer_taken_over_call(displaced.task_id, value)
-        if attempt.result_cached and not call_expired(displaced):
-            # (A value not cached would answer None: that call keeps the one stored above.)
-            republish_taken(self.app, attempt.store, displaced)
 
     def _republish_taken_over_message(self, attempt: Attempt) -> None:
         """Publish again the queued message of the call whose key this one took over (it

@@ -8,7 +8,6 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
-    Completion,
     DuePickup,
     EncodedResult,
     Pickup,
@@ -51,7 +50,8 @@ class Store(Protocol):
         looks (a sweep, or a publish of the key). ``republished``, when given, sets the count
         of re-publications back (a take whose publish failed does not count). A ``processing``
         record keeping ``task_id``'s message whose lease ended (a dead owner's key, taken for
-        that lost message) has its pickup made due; one whose owner is alive is left alone.
+        that lost message) has its pickup made due; one whose owner is alive is left alone;
+        so has a ``completed`` record keeping ``task_id``'s message (see :meth:`complete`).
         Whether there was one with a pickup."""
         ...
 
@@ -60,8 +60,9 @@ class Store(Protocol):
         call was terminated on purpose (a revoke) or expired, and the guard must never publish
         its message again. The claim stays until its lease ends, and so does a message of
         another call that ``task_id``'s took the key from (until :meth:`release` without a
-        pickup deletes the key, and that message with it). Whether the key is ``processing``
-        for ``task_id``, or kept its message."""
+        pickup deletes the key, and that message with it). A ``completed`` record keeping
+        ``task_id``'s message (see :meth:`complete`) forgets it too. Whether the key is
+        ``processing`` for ``task_id``, or kept its message."""
         ...
 
     def take_due(self, limit: int) -> list[DuePickup]:
@@ -73,7 +74,9 @@ class Store(Protocol):
         :meth:`reserve` or a retry's :meth:`release`); a claim does not reset it. Each goes
         out under the task id of its own message, which a claim by another call does not
         change (nor the owner's callers: that message's run takes the key over and answers
-        them). Index entries of keys no longer queued are dropped on the way.
+        them); a message a ``completed`` record keeps for another call (see :meth:`complete`)
+        is taken at its due time too. Index entries of keys no longer queued are dropped on
+        the way.
         """
         ...
 
@@ -108,20 +111,6 @@ class Store(Protocol):
         *,
         owes_message: bool = False,
     ) -> CompleteOutcome:
-        """:meth:`complete_call`'s outcome alone."""
-        return self.complete_call(
-            request, token, result, side_write, owes_message=owes_message
-        ).outcome
-
-    def complete_call(
-        self,
-        request: ClaimRequest,
-        token: int,
-        result: EncodedResult | None,
-        side_write: SideWrite | None = None,
-        *,
-        owes_message: bool = False,
-    ) -> Completion:
         """Mark the key ``completed`` with ``result`` for ``request.ttl_seconds``.
 
         Only while ``request.owner`` still holds ``token``: returns ``STALE`` and writes nothing if
@@ -134,9 +123,10 @@ class Store(Protocol):
         record written anew keeps that debt, for :meth:`settle_owed_message`.
 
         A record written anew over the live ``queued`` reservation of another call (another
-        task id) for the same arguments (fingerprint) hands that call's message back as
-        :attr:`Completion.displaced`, to be published again (see
-        :class:`~idempotent_tasks.records.Completion`).
+        task id) for the same arguments (fingerprint) keeps that call's pickup, due when it
+        was: its message is answered from this result when it arrives, and should the broker
+        have lost it, the guard publishes it (see :meth:`take_due`). The claim of that message
+        (answered ``COMPLETED``) drops the pickup, as :meth:`drop_pickup` does.
 
         ``side_write`` is written (and published) in the same atomic step when the outcome is
         ``STORED``, never otherwise. Only the Redis store takes one (see
@@ -199,15 +189,3 @@ def refuse_side_write(store: Store, side_write: SideWrite | None) -> None:
     """Raise ``ValueError`` for a side write given to a store that cannot make one."""
     if side_write is not None:
         raise ValueError(f"{type(store).__name__} cannot write beside a completion")
-
-
-def displaced_message(request: ClaimRequest, task_id: str, envelope: bytes) -> DuePickup:
-    """The message of call ``task_id`` whose reservation the completion of ``request`` replaced,
-    handed back to be published again (see :class:`~idempotent_tasks.records.Completion`)."""
-    return DuePickup(
-        storage_key=request.storage_key,
-        task_name=request.task_name,
-        task_id=task_id,
-        envelope=envelope,
-        republished=1,
-    )

@@ -15,7 +15,6 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
-    Completion,
     DuePickup,
     EncodedResult,
     Outcome,
@@ -24,7 +23,7 @@ from ..records import (
     SideWrite,
     Status,
 )
-from .base import Store, displaced_message, refuse_side_write
+from .base import Store, refuse_side_write
 
 #: Largest power of two a pickup's re-publication backoff grows to.
 MAX_BACKOFF_EXPONENT = 20
@@ -103,8 +102,9 @@ class MemoryStore(Store):
                 self._records[storage_key] = dataclasses.replace(
                     found, lease_expires_at=now, updated_at=now
                 )
-            elif found.status is not Status.PROCESSING:
-                return False  # completed
+            elif found.status is Status.COMPLETED:
+                if pending.task_id == found.task_id:
+                    return False  # not a message the key keeps for another call
             else:
                 taken = self._taken.get(storage_key)
                 if pending.task_id != found.task_id and taken is not None:
@@ -121,6 +121,8 @@ class MemoryStore(Store):
     def drop_pickup(self, storage_key: str, task_id: str) -> bool:
         with self._lock:
             found = self._live(storage_key, self._clock())
+            if found is not None and found.status is Status.COMPLETED:
+                return self._drop_kept_message(storage_key, found, task_id)
             if found is None or found.status is not Status.PROCESSING:
                 return False
             pending = self._pending.get(storage_key)
@@ -152,7 +154,7 @@ class MemoryStore(Store):
         if pending is None:
             return None
         found = self._live(storage_key, now)
-        if found is None or found.status is Status.COMPLETED:
+        if found is None or (found.status is Status.COMPLETED and pending.task_id == found.task_id):
             self._pending.pop(storage_key, None)
             return None
         due = pending.due_at
@@ -168,7 +170,7 @@ class MemoryStore(Store):
             self._records[storage_key] = dataclasses.replace(
                 found, lease_expires_at=pending.due_at, updated_at=now
             )
-        else:
+        elif found.status is Status.PROCESSING:
             self._records[storage_key] = dataclasses.replace(found, updated_at=now)
             if (taken := self._taken.get(storage_key)) is not None:
                 taken.owes_message = False  # the guard publishes it: no owner owes it now
@@ -232,6 +234,7 @@ class MemoryStore(Store):
             if mismatch:
                 return ClaimResult(outcome=Outcome.MISMATCH, record=found)
             if found.status is Status.COMPLETED:
+                self._drop_kept_message(request.storage_key, found, request.task_id)
                 return ClaimResult(outcome=Outcome.COMPLETED, record=found)
             previous = request.previous_owner
             if (previous and found.owner == previous) or found.lease_expires_at <= now:
@@ -260,7 +263,7 @@ class MemoryStore(Store):
             told, owed_task_id=pending.task_id, taken_over_envelope=pending.pickup.envelope
         )
 
-    def complete_call(
+    def complete(
         self,
         request: ClaimRequest,
         token: int,
@@ -268,13 +271,13 @@ class MemoryStore(Store):
         side_write: SideWrite | None = None,
         *,
         owes_message: bool = False,
-    ) -> Completion:
+    ) -> CompleteOutcome:
         refuse_side_write(self, side_write)
         with self._lock:
             now = self._clock()
             found = self._live(request.storage_key, now)
             outcome = CompleteOutcome.STORED
-            displaced = None
+            kept = None
             if found is None or found.status is Status.QUEUED:
                 outcome = CompleteOutcome.RECOVERED
                 pending = self._pending.pop(request.storage_key, None)
@@ -282,11 +285,10 @@ class MemoryStore(Store):
                     found is not None
                     and found.task_id != request.task_id
                     and found.fingerprint == request.fingerprint
-                    and pending
                 ):
-                    # Another call's reservation, for the same arguments: its message, to
-                    # publish again (see Completion)
-                    displaced = displaced_message(request, pending.task_id, pending.pickup.envelope)
+                    # Another call's reservation, for the same arguments: the key keeps its
+                    # pickup (see complete.lua)
+                    kept = pending
                 # Tokens never go back: the record keeps the key's highest token given.
                 token = max(token, self._fences.get(request.storage_key, 0))
                 self._fences[request.storage_key] = token
@@ -295,10 +297,12 @@ class MemoryStore(Store):
                 if owes_message:  # the debt of the claim the store lost
                     self._taken[request.storage_key] = _Taken("", owes_message=True)
             elif found.status is Status.COMPLETED and found.owner == request.owner:
-                return Completion(outcome=CompleteOutcome.STORED)  # a repeated completion
+                return CompleteOutcome.STORED  # a repeated completion
             elif found.owner != request.owner or found.token != token:
-                return Completion(outcome=CompleteOutcome.STALE)
+                return CompleteOutcome.STALE
             self._pending.pop(request.storage_key, None)
+            if kept is not None:
+                self._pending[request.storage_key] = kept
             self._records[request.storage_key] = dataclasses.replace(
                 found,
                 status=Status.COMPLETED,
@@ -307,7 +311,7 @@ class MemoryStore(Store):
                 result=result,
                 result_cached=result is not None,
             )
-            return Completion(outcome=outcome, displaced=displaced)
+            return outcome
 
     def settle_owed_message(self, request: ClaimRequest) -> bool:
         with self._lock:
@@ -403,6 +407,15 @@ class MemoryStore(Store):
         ]:
             del self._fences_until[storage_key]
             self._fences.pop(storage_key, None)
+
+    def _drop_kept_message(self, storage_key: str, found: Record, task_id: str) -> bool:
+        """Forget the message of call ``task_id`` that the completed record ``found`` keeps
+        (see :meth:`complete`); whether it kept it."""
+        pending = self._pending.get(storage_key)
+        if pending is None or pending.task_id != task_id or task_id == found.task_id:
+            return False
+        del self._pending[storage_key]
+        return True
 
     def _others_message(self, request: ClaimRequest) -> _Pending | None:
         """The key's pickup, when it keeps the message of another call than ``request``'s."""

@@ -41,7 +41,6 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
-    Completion,
     DuePickup,
     EncodedResult,
     Outcome,
@@ -51,7 +50,7 @@ from ..records import (
     Status,
 )
 from ..redis_unavailable import is_read_only, is_refusal, is_unavailable
-from .base import Store, displaced_message
+from .base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +298,7 @@ class RedisStore(Store):
         record = _record(request.storage_key, _pairs(reply[3:]), read_at=int(reply[1]) / 1000)
         return ClaimResult(outcome=outcome, record=record)
 
-    def complete_call(
+    def complete(
         self,
         request: ClaimRequest,
         token: int,
@@ -307,7 +306,7 @@ class RedisStore(Store):
         side_write: SideWrite | None = None,
         *,
         owes_message: bool = False,
-    ) -> Completion:
+    ) -> CompleteOutcome:
         try:
             return self._complete(request, token, result, side_write, owes_message)
         except (StoreUnavailable, CorruptRecord) as exc:
@@ -325,7 +324,7 @@ class RedisStore(Store):
         result: EncodedResult | None,
         side_write: SideWrite | None,
         owes_message: bool,
-    ) -> Completion:
+    ) -> CompleteOutcome:
         keys: list[Any] = self.names(request.storage_key)
         side: list[Any] = []
         if side_write is not None:
@@ -352,10 +351,7 @@ class RedisStore(Store):
                 *side,
             ],
         )
-        if not isinstance(reply, list):
-            return Completion(outcome=CompleteOutcome(_text(reply)))
-        displaced = displaced_message(request, _text(reply[1]), _bytes(reply[2]))
-        return Completion(outcome=CompleteOutcome(_text(reply[0])), displaced=displaced)
+        return CompleteOutcome(_text(reply))
 
     def shares_database_with(self, client: redis.Redis) -> bool:
         """Whether ``client`` talks to this store's Redis server and database, so a

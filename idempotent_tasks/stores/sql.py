@@ -59,7 +59,6 @@ from ..records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
-    Completion,
     DuePickup,
     EncodedResult,
     Outcome,
@@ -67,7 +66,7 @@ from ..records import (
     Record,
     SideWrite,
 )
-from .base import Store, displaced_message, refuse_side_write
+from .base import Store, refuse_side_write
 from .sql_clock import ServerClock
 from .sql_deadlocks import Deadlocked, run_again_after_deadlock, was_rolled_back_for_another
 from .sql_rows import is_live, is_readable, readable_claim, readable_pickup, record_of
@@ -82,7 +81,7 @@ from .sql_statements import (
     delete_orphan_pickups,
     delete_pickup,
     delete_pickup_if_unchanged,
-    delete_pickup_of_processing,
+    delete_pickup_of_claimed,
     forget_claim,
     insert_if_absent,
     postpone_pickup,
@@ -92,6 +91,7 @@ from .sql_statements import (
     retime_queued,
     select_abandoned,
     select_claim,
+    select_completed_keeping,
     select_due,
     select_kept_message_of,
     select_owed_pickup,
@@ -204,8 +204,9 @@ class SqlStore(Store):
                 # publish: the owner owes it again, alive or not (see make_due.lua).
                 connection.execute(set_debt(claim_id, task_id, now, owes=True))
             # Else a dead owner's key: the pickup of task_id's message it keeps is due; the
-            # owner's lease still decides when the message counts as lost.
-            if not queued and connection.execute(select_abandoned(claim_id, now)).first() is None:
+            # owner's lease still decides when the message counts as lost. Or a completed key
+            # keeping that message (see complete).
+            if not queued and not self._abandoned_or_keeping(connection, claim_id, task_id, now):
                 return False
             if _count(connection, retime_pickup(claim_id, now, republished, task_id)) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
@@ -220,7 +221,7 @@ class SqlStore(Store):
             # Another call's message about to go: the owner owes it no more (see drop.lua).
             # The claim row first, as release and take lock them (no deadlock between them).
             connection.execute(set_debt(claim_id, task_id, now, owes=False))
-            if _count(connection, delete_pickup_of_processing(claim_id, task_id, now)) > 0:
+            if _count(connection, delete_pickup_of_claimed(claim_id, task_id, now)) > 0:
                 return True
             # Claimed without a reservation, or its pickup dropped already: there was such a
             # record all the same (as the Redis and memory stores answer).
@@ -297,24 +298,13 @@ class SqlStore(Store):
                     row["id"], connection.execute(select_claim(claim_id)).mappings().one_or_none()
                 )
                 unchanged = (row["republished"], row["due_at"])
-                if found is None or not is_live(found, now) or found["status"] != PROCESSING:
+                live = found is not None and is_live(found, now)
+                keeping = live and found["status"] == COMPLETED and found["task_id"] != task_id
+                if not keeping and (not live or found["status"] != PROCESSING):
                     # Completed, cancelled, released, expired or queued for another task id.
                     connection.execute(delete_pickup_if_unchanged(claim_id, *unchanged))
                     return None
-                lost_at = float(found["lease_expires_at"]) + timeout
-                if lost_at > now:
-                    later = {"due_at": lost_at}
-                    connection.execute(bump_pickup(claim_id, *unchanged, later))
-                    return None
-                # The guard publishes it now, and no claim owes it: a compare-and-set on the row
-                # as read, so that a claim that took the key over meanwhile (perhaps owing it)
-                # makes this take give way, and one decided on the row before loses its own
-                # compare-and-set (the update's time moved).
-                disown = replace_if_unchanged(
-                    claim_id, found, {"owes_message": False, "updated_at": now}
-                )
-                if _count(connection, disown) == 0:
-                    connection.rollback()
+                if not keeping and not _disowned(connection, found, timeout, now, unchanged):
                     return None
             values = {"republished": republished, "due_at": due_at}
             bump = bump_pickup(claim_id, row["republished"], row["due_at"], values)
@@ -352,6 +342,9 @@ class SqlStore(Store):
                     **_owed(pickup, request.task_id),
                 )
             if decision is not None:
+                if decision.outcome is Outcome.COMPLETED and found["taken_from"] == request.task_id:
+                    # This call's message, which the key kept for the guard: it came.
+                    self._rowcount(delete_pickup_of_claimed(claim_id, request.task_id, now))
                 return decision
             token = int(found["token"]) + 1
             takeover = found["status"] == PROCESSING and found["expires_at"] > now
@@ -419,7 +412,7 @@ class SqlStore(Store):
         return ClaimResult(outcome=Outcome.IN_PROGRESS, record=record)
 
     @run_again_after_deadlock
-    def complete_call(
+    def complete(
         self,
         request: ClaimRequest,
         token: int,
@@ -427,7 +420,7 @@ class SqlStore(Store):
         side_write: SideWrite | None = None,
         *,
         owes_message: bool = False,
-    ) -> Completion:
+    ) -> CompleteOutcome:
         refuse_side_write(self, side_write)
         claim_id = self.claim_id(request.storage_key)
         now = self._clock()
@@ -445,14 +438,14 @@ class SqlStore(Store):
                 # Nothing is left to publish: a pickup left behind could be sent again under a
                 # later owner's task id (as the Redis and memory stores, drop it).
                 connection.execute(delete_pickup(claim_id))
-                return Completion(outcome=CompleteOutcome.STORED)
+                return CompleteOutcome.STORED
         for _ in range(MAX_CLAIM_ROUNDS):
             found = self._claim_row(request.storage_key)
             if found is not None and found["owner"] == request.owner and is_live(found, now):
                 if found["status"] == COMPLETED:
-                    return Completion(outcome=CompleteOutcome.STORED)  # a repeated completion
+                    return CompleteOutcome.STORED  # a repeated completion
             if found is not None and found["status"] != QUEUED and is_live(found, now):
-                return Completion(outcome=CompleteOutcome.STALE)
+                return CompleteOutcome.STALE
             # The claim vanished (expired, or forgotten; perhaps a new publish queued the key
             # since): write the result anew, unless another claimer took the key meanwhile. The
             # row is the key's fencing counter: its token never goes back.
@@ -460,21 +453,19 @@ class SqlStore(Store):
             row = {**self._processing_row(request, now, token=highest, takeover=False), **done}
             row["owes_message"] = owes_message  # the debt of the claim the store lost
             with self._begin() as connection:
+                kept = self._kept_pickup(connection, request, found, now)
+                if kept is not None:
+                    # Another call's reservation, for the same arguments: its pickup stays, and
+                    # the row names that call, whose claim drops it (see complete.lua).
+                    row["taken_from"] = kept["task_id"]
                 if found is None:
                     written = _count(connection, insert_if_absent(self.dialect, row))
                 else:
                     written = _count(connection, replace_if_unchanged(claim_id, found, row))
                 if written == 1:
-                    displaced = None
-                    if (
-                        found is not None
-                        and found["status"] == QUEUED
-                        and found["fingerprint"] == request.fingerprint
-                        and is_live(found, now)
-                    ):
-                        displaced = self._displaced(connection, request, claim_id)
-                    connection.execute(delete_pickup(claim_id))
-                    return Completion(outcome=CompleteOutcome.RECOVERED, displaced=displaced)
+                    if kept is None:
+                        connection.execute(delete_pickup(claim_id))
+                    return CompleteOutcome.RECOVERED
             # Written between the read and this write (a cleanup, a reservation, a sweep moving
             # its due time on, a claim): look again, as Redis's one script would have seen it.
         raise StoreUnavailable(
@@ -611,16 +602,38 @@ class SqlStore(Store):
         kept = self._one(select_kept_message_of(claim_id))
         return kept is not None and kept["task_id"] == task_id
 
-    def _displaced(
-        self, connection: Connection, request: ClaimRequest, claim_id: str
-    ) -> DuePickup | None:
-        """The message of another call whose live reservation, for the same arguments, a
-        completion written anew replaced (see :class:`~idempotent_tasks.records.Completion`),
-        read in its transaction."""
+    def _kept_pickup(
+        self, connection: Connection, request: ClaimRequest, found: Any, now: float
+    ) -> Any:
+        """The pickup row of another call whose live reservation (``found``), for the same
+        arguments, a completion written anew replaces: the key keeps it (see :meth:`complete`);
+        ``None`` for none. Read in the completion's transaction."""
+        if (
+            found is None
+            or found["status"] != QUEUED
+            or found["fingerprint"] != request.fingerprint
+            or not is_live(found, now)
+        ):
+            return None
+        claim_id = self.claim_id(request.storage_key)
         pickup = _readable_or_none(connection.execute(select_pickup(claim_id)).mappings().first())
         if pickup is None or pickup["task_id"] == request.task_id:
             return None
-        return displaced_message(request, pickup["task_id"], bytes(pickup["envelope"]))
+        return pickup
+
+    @staticmethod
+    def _abandoned_or_keeping(
+        connection: Connection, claim_id: str, task_id: str, now: float
+    ) -> bool:
+        """Whether the key's live row is a ``processing`` one whose owner's lease ended, or a
+        ``completed`` one that may keep ``task_id``'s message (see :meth:`complete`)."""
+        for statement in (
+            select_abandoned(claim_id, now),
+            select_completed_keeping(claim_id, task_id, now),
+        ):
+            if connection.execute(statement).first() is not None:
+                return True
+        return False
 
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
         """The key's pickup row, when its claim owes the message (else ``None``): read with the
@@ -746,6 +759,29 @@ class SqlStore(Store):
                     migrations=PICKUPS_MIGRATIONS,
                 )
                 self._schema_ready = True
+
+
+def _disowned(
+    connection: Connection, found: Any, timeout: float, now: float, unchanged: tuple[Any, Any]
+) -> bool:
+    """Whether the message a ``processing`` claim row keeps counts as lost now (its owner's
+    lease ended ``timeout`` ago), its debt cleared for the guard to publish it; else its pickup
+    (as read: ``unchanged``) is put off to that time, or the take gives way to a claim that
+    came meanwhile."""
+    claim_id = found["id"]
+    lost_at = float(found["lease_expires_at"]) + timeout
+    if lost_at > now:
+        connection.execute(bump_pickup(claim_id, *unchanged, {"due_at": lost_at}))
+        return False
+    # The guard publishes it now, and no claim owes it: a compare-and-set on the row as read,
+    # so that a claim that took the key over meanwhile (perhaps owing it) makes this take give
+    # way, and one decided on the row before loses its own compare-and-set (the update's time
+    # moved).
+    disown = replace_if_unchanged(claim_id, found, {"owes_message": False, "updated_at": now})
+    if _count(connection, disown) == 0:
+        connection.rollback()
+        return False
+    return True
 
 
 def _owed(pickup: Any, task_id: str) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import (
     ClaimRequest,
     CompleteOutcome,
-    Completion,
     EncodedResult,
     Outcome,
     Pickup,
@@ -293,66 +292,6 @@ def test_complete_after_the_record_vanished_recovers(store: Store, make_request:
         RESULT,
         "owner-task",
     )
-
-
-def _completed_over_a_reservation(
-    store: Store, make_request: Make, **reserved: object
-) -> tuple[ClaimRequest, Completion]:
-    """A claim by call "owner-task" whose record vanished (a store restarted without
-    persistence), and which completed after a call made of ``reserved`` (a new publish of the
-    key) reserved the key for its message: that claim, and its completion."""
-    owner = make_request(task_id="owner-task")
-    token = store.claim(owner).token
-    store.forget(owner.storage_key)
-    newcomer = make_request(storage_key=owner.storage_key, **reserved)
-    assert store.reserve(newcomer, Pickup(envelope=b"its message", due_in=30, timeout=30)) is None
-    return owner, store.complete_call(owner, token, RESULT)
-
-
-def test_a_completion_written_over_another_calls_reservation_hands_its_message_back(
-    store: Store, make_request: Make
-) -> None:
-    # Given a claim whose record vanished, and a new call that reserved the key meanwhile
-    # (its message published, and perhaps lost by the broker), when the claim completes
-    owner, completion = _completed_over_a_reservation(store, make_request, task_id="newcomer")
-    # Then its result is the key's, and the new call's message is handed back to be sent
-    # again (the key is no longer queued for it: the guard would not send it)
-    assert completion.outcome is CompleteOutcome.RECOVERED
-    assert completion.displaced is not None
-    assert (
-        completion.displaced.storage_key,
-        completion.displaced.task_id,
-        completion.displaced.envelope,
-    ) == (owner.storage_key, "newcomer", b"its message")
-    record = store.get(owner.storage_key)
-    assert record is not None
-    assert (record.status, record.task_id, record.result) == (
-        Status.COMPLETED,
-        "owner-task",
-        RESULT,
-    )
-    assert store.take_due(10) == []
-
-
-def test_a_completion_written_over_a_reservation_for_other_arguments_hands_nothing_back(
-    store: Store, make_request: Make
-) -> None:
-    # A call with other arguments (its own claim fails with a mismatch: it is owed no value)
-    _, completion = _completed_over_a_reservation(
-        store, make_request, task_id="other", fingerprint="fp-other"
-    )
-    assert (completion.outcome, completion.displaced) == (CompleteOutcome.RECOVERED, None)
-
-
-def test_a_completion_written_over_its_own_calls_reservation_hands_nothing_back(
-    store: Store, make_request: Make
-) -> None:
-    # Its own call's message reserved anew (a retry): there is no other call to answer
-    owner, completion = _completed_over_a_reservation(store, make_request, task_id="owner-task")
-    assert (completion.outcome, completion.displaced) == (CompleteOutcome.RECOVERED, None)
-    # and a completion over no record at all hands nothing back either
-    store.forget(owner.storage_key)
-    assert store.complete_call(owner, 1, RESULT).displaced is None
 
 
 def test_a_recovering_completion_never_hands_a_token_out_again(

@@ -386,6 +386,108 @@ def test_a_completed_keys_message_is_never_sent_again_under_a_later_owner(
     assert store.take_due(10) == []
 
 
+# -- a completion over another call's reservation ----------------------------------------
+
+
+def completed_over_a_reservation(
+    store: Store, make_request: Make, due_in: float = DUE_IN, **reserved: object
+) -> ClaimRequest:
+    """A claim by call "owner-task" whose record vanished (a store restarted without
+    persistence), and which completed after a call made of ``reserved`` (a new publish of the
+    key) reserved the key for its message, due in ``due_in`` s: that claim."""
+    owner = make_request(task_id="owner-task")
+    token = store.claim(owner).token
+    store.forget(owner.storage_key)
+    newcomer = make_request(storage_key=owner.storage_key, **reserved)
+    assert store.reserve(newcomer, make_pickup(envelope=b"its message", due_in=due_in)) is None
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.RECOVERED
+    return owner
+
+
+def test_a_completion_over_another_calls_reservation_keeps_its_message_for_the_guard(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim whose record vanished, and a new call with the same arguments that
+    # reserved the key meanwhile (its message published, and perhaps lost by the broker)
+    # When the claim completes
+    owner = completed_over_a_reservation(store, make_request, task_id="newcomer")
+    # Then its result is the key's
+    record = store.get(owner.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id, record.result) == (
+        Status.COMPLETED,
+        "owner-task",
+        RESULT,
+    )
+    # and the new call's message is kept, due when it was: not before
+    assert store.take(owner.storage_key) is None
+    time.sleep(PAST_DUE)
+    # once due, the guard publishes it (under its own task id) once per backoff
+    taken = store.take_due(100)
+    assert [(due.storage_key, due.task_id, due.envelope, due.republished) for due in taken] == [
+        (owner.storage_key, "newcomer", b"its message", 1)
+    ]
+    assert store.take_due(100) == []
+    # and the key stays completed with the owner's result, for as long as it was to
+    after = store.get(owner.storage_key)
+    assert after is not None
+    assert (after.status, after.task_id, after.result, after.expires_at) == (
+        Status.COMPLETED,
+        "owner-task",
+        RESULT,
+        record.expires_at,
+    )
+
+
+def test_the_kept_message_goes_once_its_call_is_answered(store: Store, make_request: Make) -> None:
+    # Given a completed key keeping a new call's message for the guard
+    owner = completed_over_a_reservation(store, make_request, task_id="newcomer")
+    # When that message comes, and is answered from the key's result
+    newcomer = make_request(storage_key=owner.storage_key, task_id="newcomer")
+    answer = store.claim(newcomer)
+    assert answer.outcome is Outcome.COMPLETED
+    assert answer.record is not None and answer.record.result == RESULT
+    # Then the guard never publishes it again
+    time.sleep(PAST_DUE)
+    assert store.take(owner.storage_key) is None
+    assert store.take_due(100) == []
+
+
+def test_a_kept_message_is_dropped_or_made_due_for_its_own_call_only(
+    store: Store, make_request: Make
+) -> None:
+    # Given a completed key keeping a new call's message, due in a minute
+    owner = completed_over_a_reservation(store, make_request, due_in=60, task_id="newcomer")
+    # When its publish is handed to the guard (it failed), it is due at once
+    assert store.make_reservation_due(owner.storage_key, "owner-task") is False
+    assert store.make_reservation_due(owner.storage_key, "newcomer") is True
+    due = store.take(owner.storage_key)
+    assert due is not None and due.task_id == "newcomer"
+    # and when that call is revoked, its message goes; the owner's call keeps nothing
+    assert store.drop_pickup(owner.storage_key, "owner-task") is False
+    assert store.drop_pickup(owner.storage_key, "newcomer") is True
+    assert store.make_reservation_due(owner.storage_key, "newcomer") is False
+    assert store.take(owner.storage_key) is None
+    record = store.get(owner.storage_key)
+    assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
+
+
+@pytest.mark.parametrize(
+    "reserved",
+    [{"task_id": "owner-task"}, {"task_id": "other", "fingerprint": "fp-other"}],
+    ids=["its-own-call", "other-arguments"],
+)
+def test_a_completion_over_a_reservation_of_its_own_call_or_other_arguments_keeps_nothing(
+    store: Store, make_request: Make, reserved: dict[str, object]
+) -> None:
+    # Its own call's message reserved anew (a retry): there is no other call to answer; a
+    # call with other arguments (its claim fails with a mismatch) is owed no value
+    owner = completed_over_a_reservation(store, make_request, **reserved)
+    time.sleep(PAST_DUE)
+    assert store.take(owner.storage_key) is None
+    assert store.take_due(100) == []
+
+
 def test_a_large_envelope_round_trips(store: Store, make_request: Make) -> None:
     envelope = bytes(range(256)) * 2048  # 512 KiB: more than a MySQL BLOB holds
     store.reserve(make_request(), make_pickup(envelope=envelope, due_in=0.0))

@@ -454,31 +454,57 @@ def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
     assert ledger_events(name, "start") == 1
 
 
-def test_a_call_reserved_over_a_vanished_claim_is_answered_once_that_claim_completes(
-    worker_and_beat: Any,
-) -> None:
-    # Given a keyed call running on a worker (one process), whose record vanished meanwhile
-    # (a store restarted without persistence)
-    worker_and_beat(beat=False)
-    name, key = fresh("vanished"), fresh("key")
+def _newcomer_over_a_vanished_claim(worker_and_beat: Any, name: str, key: str) -> tuple[Any, Any]:
+    """A keyed call running on a worker (one process) with beat, whose record vanished (a store
+    restarted without persistence), and a new call of the key, with a callback, reserved for
+    its own message meanwhile (due in a second): both calls' results."""
+    worker_and_beat()
     owner = worker_app.charge.apply_async((name, 5), {"sleep": 2.0}, idempotency_key=key)
     wait_until(lambda: ledger_events(name, "start") == 1, 15, "the owner's run to start")
     store_for(app).forget(storage_key(worker_app.charge.name, key))
-    # and a new call of the key, with a callback, reserved for its own message, which the
-    # broker then loses (the worker, busy, has not fetched it)
     newcomer = worker_app.charge.apply_async(
         (name, 5), {"sleep": 2.0}, idempotency_key=key, link=worker_app.noted_callback.s(name)
     )
     assert _status(worker_app.charge, key) is Status.QUEUED
+    return owner, newcomer
+
+
+@pytest.mark.usefixtures("short_pickup")
+def test_a_call_reserved_over_a_vanished_claim_and_lost_is_answered_by_the_guard(
+    worker_and_beat: Any,
+) -> None:
+    # Given a new call reserved over a running call's vanished claim, whose message the broker
+    # loses (the worker, busy, has not fetched it)
+    name, key = fresh("vanished"), fresh("key")
+    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key)
     _lose_message("celery", newcomer.id)
     # When the running call completes, over the new call's reservation
     value = owner.get(timeout=30)
-    # Then the new call gets the key's value, and its callback runs (its message was
-    # published again: a stored result alone runs no callback); the body ran once
+    # Then the guard publishes the new call's message, which gets the key's value, and its
+    # callback runs (a stored result alone runs no callback); the body ran once
     assert newcomer.get(timeout=30) == value
     wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the new call's callback")
     assert ledger_events(name, "start") == 1
     assert _status(worker_app.charge, key) is Status.COMPLETED
+
+
+@pytest.mark.usefixtures("short_pickup")
+def test_a_call_reserved_over_a_vanished_claim_is_answered_once_by_its_own_message(
+    worker_and_beat: Any,
+) -> None:
+    # Given a new call reserved over a running call's vanished claim, its message not lost
+    name, key = fresh("vanished-kept"), fresh("key")
+    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key)
+    # When the running call completes, and then the new call's message comes
+    value = owner.get(timeout=30)
+    assert newcomer.get(timeout=30) == value
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the new call's callback")
+    # Then, past its due time, the guard keeps nothing to publish for it: its callback ran
+    # once (a second copy would run it again), and the body once
+    time.sleep(PICKUP_TIMEOUT)
+    assert store_for(app).take(storage_key(worker_app.charge.name, key)) is None
+    assert ledger_events(name, "callback") == 1
+    assert ledger_events(name, "start") == 1
 
 
 def _messages_of(queue: str, task_id: str) -> int:

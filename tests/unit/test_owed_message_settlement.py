@@ -107,7 +107,7 @@ def test_an_attempt_that_did_not_complete_publishes_nothing(
     def unreachable(*args: object, **kwargs: object) -> None:
         raise StoreUnavailable("down")
 
-    monkeypatch.setattr(store, "complete_call", unreachable)
+    monkeypatch.setattr(store, "complete", unreachable)
     monkeypatch.setattr(store, "settle_owed_message", unreachable)
     attempt.finish("value", patience_seconds=0)
     # Then the message is not sent: the key is not completed, and the copy would run it again

@@ -25,7 +25,8 @@
 -- "owes_message" ("1": the claim owes the message the record keeps; take.lua clears it when
 -- the guard publishes that message instead), and "envelope_of" (whose message "envelope" is,
 -- when not the record's call's: the envelope stays where it is, for the guard to publish it
--- under its own call's task id).
+-- under its own call's task id). A completed record may keep another call's message so too
+-- (see complete.lua): that call's claim, answered "completed", drops it.
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lease = tonumber(ARGV[4])
@@ -134,6 +135,11 @@ if mismatch then
   return answer('mismatch')
 end
 if found[1] == 'completed' then
+  if envelope_of == ARGV[3] then
+    -- This call's message, which the record kept for the guard (see complete.lua): it came.
+    redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
+      'due_at')
+  end
   return answer('completed')
 end
 -- A lease that cannot be read (a corrupt record) protects nothing, as an expired one.

@@ -14,10 +14,10 @@
 --          anew keeps that debt, for settle.lua; else "0"
 -- KEYS[4], ARGV[14], ARGV[15]  optional side write: a key, its value and ttl in ms (0: none),
 --          set and published on that key when the outcome is "stored", never otherwise
--- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale";
---          or {"recovered", task id, envelope} when the record written anew replaced another
---          call's reservation for the same fingerprint (queued, with its message kept): that
---          message, to publish again
+-- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
+-- A record written anew over another call's reservation for the same fingerprint keeps that
+-- call's pickup as it was ("envelope_of" naming its call): take.lua publishes its message when
+-- due, and claim.lua drops it when that message comes (answered from this result).
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -37,19 +37,19 @@ end
 
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token')
 local outcome = 'stored'
-local displaced = nil
+local kept = nil
 if not found[1] or found[1] == 'queued' then
   -- The claim vanished (a store that lost it, or an expiry), and perhaps a new publish
   -- queued the key since: this execution did finish, so its result is the key's.
   outcome = 'recovered'
   if found[1] == 'queued' then
     -- Another call's reservation, for the same arguments (another one's claim would fail
-    -- with a mismatch): its message is handed back, to be sent again (nothing would publish
-    -- it should the broker lose it, the key no longer queued). Read here only: the usual
-    -- completion needs none of it.
-    local queued = redis.call('HMGET', KEYS[1], 'task_id', 'fingerprint', 'envelope')
+    -- with a mismatch): its pickup stays, or nothing would publish its message should the
+    -- broker lose it. Read here only: the usual completion needs none of it.
+    local queued = redis.call('HMGET', KEYS[1], 'task_id', 'fingerprint', 'envelope',
+      'pickup_timeout', 'republished', 'due_at')
     if queued[1] and queued[1] ~= ARGV[9] and queued[2] == ARGV[8] and queued[3] then
-      displaced = {'recovered', queued[1], queued[3]}
+      kept = queued
     end
   end
   -- Tokens never go back: the record keeps the key's highest token given, and the counter
@@ -79,8 +79,15 @@ else
   redis.call('HSET', KEYS[1], 'status', 'completed', 'updated_at', int(now),
     'expires_at', int(now + ttl), 'result_cached', ARGV[4])
 end
-redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished', 'due_at')
-redis.call('ZREM', KEYS[3], ARGV[12])
+if kept then
+  redis.call('HSET', KEYS[1], 'envelope', kept[3], 'envelope_of', kept[1],
+    'pickup_timeout', kept[4] or '', 'republished', kept[5] or '0', 'due_at', kept[6] or '')
+  redis.call('ZADD', KEYS[3], int(tonumber(kept[6]) or now), ARGV[12])
+else
+  redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
+    'due_at')
+  redis.call('ZREM', KEYS[3], ARGV[12])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if redis.call('PTTL', KEYS[2]) < ttl then
   redis.call('PEXPIRE', KEYS[2], int(ttl + 1000))
@@ -88,4 +95,4 @@ end
 if outcome == 'stored' then
   return stored()
 end
-return displaced or outcome
+return outcome

@@ -5,15 +5,18 @@
 -- lost. When that message is another call's (the one the owner took the key from), the owner
 -- owes it again, alive or not (take.lua cleared that debt as the guard took it): should the
 -- owner complete before the guard's next try, it publishes the message itself (settle.lua).
+-- A completed record keeping this task id's message (see complete.lua) has its pickup made due.
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  task id           ARGV[2]  storage key (index member)
 -- ARGV[3]  count of re-publications to set back to ("" to leave it)
 -- Returns  1 if made due, else 0
 local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope', 'lease_expires_at',
   'envelope_of')
--- The envelope's own call (see claim.lua).
-if (found[1] ~= 'queued' and found[1] ~= 'processing') or (found[5] or found[2]) ~= ARGV[1]
-    or not found[3] then
+-- The envelope's own call (see claim.lua); a completed record may keep another call's (see
+-- complete.lua).
+local kept = found[1] == 'completed' and found[5]
+if (found[1] ~= 'queued' and found[1] ~= 'processing' and not kept)
+    or (found[5] or found[2]) ~= ARGV[1] or not found[3] then
   return 0
 end
 local clock = redis.call('TIME')

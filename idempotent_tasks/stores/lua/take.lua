@@ -1,6 +1,7 @@
 -- Take a key whose message counts as lost, and move its due time on (backoff): a queued key
--- past its due time, or a claimed one whose owner's lease ended a re-publication timeout ago
--- (the owner died and no redelivery took the key over: its message was lost too).
+-- past its due time, a claimed one whose owner's lease ended a re-publication timeout ago
+-- (the owner died and no redelivery took the key over: its message was lost too), or a
+-- completed one keeping another call's message (see complete.lua) past its due time.
 -- KEYS[1]  record hash       KEYS[2]  due index of the record's shard
 -- ARGV[1]  storage key (index member)
 -- ARGV[2]  re-publication timeout, ms, for a record whose own cannot be read
@@ -15,8 +16,9 @@ local found = redis.pcall('HMGET', KEYS[1], 'status', 'lease_expires_at', 'picku
   'republished', 'envelope', 'task_id', 'task_name', 'due_at', 'envelope_of', 'taken_by')
 -- A key holding something else than a record (an error reply) protects nothing either.
 local status = found.err == nil and found[1]
+local kept = status == 'completed' and found[9]
 -- Without its task id or name (a corrupt record) the message cannot be sent again either.
-if (status ~= 'queued' and status ~= 'processing') or not found[5] or not found[6]
+if (status ~= 'queued' and status ~= 'processing' and not kept) or not found[5] or not found[6]
     or not found[7] then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return nil
@@ -47,7 +49,7 @@ redis.call('HSET', KEYS[1], 'due_at', next_due, 'republished', int(republished),
   'updated_at', int(now), 'pickup_timeout', int(timeout), 'taken_by', ARGV[3])
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'lease_expires_at', next_due)
-else
+elseif status == 'processing' then
   redis.call('HDEL', KEYS[1], 'owes_message')  -- the guard publishes it: no owner owes it now
 end
 redis.call('ZADD', KEYS[2], next_due, ARGV[1])
