@@ -161,7 +161,8 @@ class Pickup:
 
 @dataclass(frozen=True, kw_only=True)
 class DuePickup:
-    """A queued key whose message no worker claimed in time, taken by one sweep.
+    """A key whose message no worker claimed in time, taken by one sweep (a queued key, or one
+    keeping that message: see :meth:`~idempotent_tasks.stores.base.Store.take_due`).
 
     ``republished`` counts re-publications including this one (1 the first time).
     """

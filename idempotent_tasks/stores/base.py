@@ -39,7 +39,8 @@ class Store(Protocol):
 
     def cancel_reservation(self, storage_key: str, task_id: str) -> bool:
         """Delete the ``queued`` record of ``task_id`` (its publish failed, or the call ended
-        unrun); whether there was one."""
+        unrun), or the pickup of its message a ``completed`` record keeps (see
+        :meth:`complete`); whether there was one."""
         ...
 
     def make_reservation_due(
@@ -75,8 +76,8 @@ class Store(Protocol):
         out under the task id of its own message, which a claim by another call does not
         change (nor the owner's callers: that message's run takes the key over and answers
         them); a message a ``completed`` record keeps for another call (see :meth:`complete`)
-        is taken at its due time too. Index entries of keys no longer queued are dropped on
-        the way.
+        is taken at its due time too. Index entries of keys that no longer need their pickup
+        are dropped on the way.
         """
         ...
 
@@ -124,9 +125,10 @@ class Store(Protocol):
 
         A record written anew over the live ``queued`` reservation of another call (another
         task id) for the same arguments (fingerprint) keeps that call's pickup, due when it
-        was: its message is answered from this result when it arrives, and should the broker
-        have lost it, the guard publishes it (see :meth:`take_due`). The claim of that message
-        (answered ``COMPLETED``) drops the pickup, as :meth:`drop_pickup` does.
+        was, and lives at least as long as that reservation would have: its message is
+        answered from this result when it arrives, and should the broker have lost it, the
+        guard publishes it (see :meth:`take_due`). The claim of that message (answered
+        ``COMPLETED``) drops the pickup, as :meth:`drop_pickup` does.
 
         ``side_write`` is written (and published) in the same atomic step when the outcome is
         ``STORED``, never otherwise. Only the Redis store takes one (see

@@ -84,6 +84,8 @@ class MemoryStore(Store):
     def cancel_reservation(self, storage_key: str, task_id: str) -> bool:
         with self._lock:
             found = self._live(storage_key, self._clock())
+            if found is not None and found.status is Status.COMPLETED:
+                return self._drop_kept_message(storage_key, found, task_id)
             if found is None or found.status is not Status.QUEUED or found.task_id != task_id:
                 return False
             self._drop(storage_key)
@@ -278,6 +280,7 @@ class MemoryStore(Store):
             found = self._live(request.storage_key, now)
             outcome = CompleteOutcome.STORED
             kept = None
+            expires_at = now + request.ttl_seconds
             if found is None or found.status is Status.QUEUED:
                 outcome = CompleteOutcome.RECOVERED
                 pending = self._pending.pop(request.storage_key, None)
@@ -285,10 +288,12 @@ class MemoryStore(Store):
                     found is not None
                     and found.task_id != request.task_id
                     and found.fingerprint == request.fingerprint
+                    and pending is not None
                 ):
                     # Another call's reservation, for the same arguments: the key keeps its
-                    # pickup (see complete.lua)
+                    # pickup, as long as the reservation would have lived (see complete.lua)
                     kept = pending
+                    expires_at = max(expires_at, found.expires_at)
                 # Tokens never go back: the record keeps the key's highest token given.
                 token = max(token, self._fences.get(request.storage_key, 0))
                 self._fences[request.storage_key] = token
@@ -307,7 +312,7 @@ class MemoryStore(Store):
                 found,
                 status=Status.COMPLETED,
                 updated_at=now,
-                expires_at=now + request.ttl_seconds,
+                expires_at=expires_at,
                 result=result,
                 result_cached=result is not None,
             )

@@ -187,7 +187,9 @@ class SqlStore(Store):
         now = self._clock()  # before the transaction: a measurement takes a connection too
         with self._begin() as connection:
             if _count(connection, release_queued(claim_id, task_id, now)) == 0:
-                return False
+                # Or a completed key keeping its message (see complete): that goes.
+                kept = delete_pickup_of_claimed(claim_id, task_id, now, processing=False)
+                return _count(connection, kept) > 0
             connection.execute(delete_pickup(claim_id))
             return True
 
@@ -283,10 +285,11 @@ class SqlStore(Store):
 
         A key still queued for the pickup's task id is due at the pickup's time. A key claimed
         since is due only once its owner's lease ended a timeout ago without a takeover (the
-        owner died and its message was lost too). The message goes out under its own task id,
-        which is the owner's unless the owner is another call that took the key over (that
-        call's callers are then answered by the message's own run, which takes it over in
-        turn).
+        owner died and its message was lost too). A completed key keeping another call's
+        message (see :meth:`complete`) is due at the pickup's time. The message goes out under
+        its own task id, which is the owner's unless the owner is another call that took the
+        key over (that call's callers are then answered by the message's own run, which takes
+        it over in turn).
         """
         claim_id, task_id = row["id"], row["task_id"]
         timeout = float(row["timeout"])
@@ -343,8 +346,10 @@ class SqlStore(Store):
                 )
             if decision is not None:
                 if decision.outcome is Outcome.COMPLETED and found["taken_from"] == request.task_id:
-                    # This call's message, which the key kept for the guard: it came.
-                    self._rowcount(delete_pickup_of_claimed(claim_id, request.task_id, now))
+                    # Perhaps this call's message, which the key kept for the guard (see
+                    # complete): it came. (Else the call this row's claim took the key from,
+                    # whose message that claim published: nothing is kept for it.)
+                    self.drop_pickup(request.storage_key, request.task_id)
                 return decision
             token = int(found["token"]) + 1
             takeover = found["status"] == PROCESSING and found["expires_at"] > now
@@ -455,9 +460,11 @@ class SqlStore(Store):
             with self._begin() as connection:
                 kept = self._kept_pickup(connection, request, found, now)
                 if kept is not None:
-                    # Another call's reservation, for the same arguments: its pickup stays, and
-                    # the row names that call, whose claim drops it (see complete.lua).
+                    # Another call's reservation, for the same arguments: its pickup stays, as
+                    # long as the reservation would have lived, and the row names that call,
+                    # whose claim drops it (see complete.lua).
                     row["taken_from"] = kept["task_id"]
+                    row["expires_at"] = max(row["expires_at"], float(found["expires_at"]))
                 if found is None:
                     written = _count(connection, insert_if_absent(self.dialect, row))
                 else:

@@ -153,15 +153,18 @@ def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Upd
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
-def delete_pickup_of_claimed(claim_id: str, task_id: str, now: float) -> Delete:
+def delete_pickup_of_claimed(
+    claim_id: str, task_id: str, now: float, *, processing: bool = True
+) -> Delete:
     """Delete a key's pickup row of ``task_id``'s message while its live claim row is
-    ``processing`` (for that call, or another one that took the key over), or ``completed``
-    keeping that message for the guard (see ``SqlStore.complete``); one statement: nothing
-    can land between the check and the delete."""
-    processing = _live_row(claim_id, PROCESSING, now)
-    keeping = _live_row(claim_id, COMPLETED, now, claims.c.task_id != task_id)
-    held = select(claims.c.id).where(processing | keeping).exists()
-    return delete(pickups).where(_keeps_message_of(claim_id, task_id) & held)
+    ``completed`` keeping that message for the guard (see ``SqlStore.complete``), or, with
+    ``processing``, ``processing`` (for that call, or another one that took the key over); one
+    statement: nothing can land between the check and the delete."""
+    held = _live_row(claim_id, COMPLETED, now, claims.c.task_id != task_id)
+    if processing:
+        held = held | _live_row(claim_id, PROCESSING, now)
+    claimed = select(claims.c.id).where(held).exists()
+    return delete(pickups).where(_keeps_message_of(claim_id, task_id) & claimed)
 
 
 def select_completed_keeping(claim_id: str, task_id: str, now: float) -> Select[Any]:

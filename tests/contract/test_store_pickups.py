@@ -390,18 +390,20 @@ def test_a_completed_keys_message_is_never_sent_again_under_a_later_owner(
 
 
 def completed_over_a_reservation(
-    store: Store, make_request: Make, due_in: float = DUE_IN, **reserved: object
-) -> ClaimRequest:
+    store: Store, make_request: Make, due_in: float = DUE_IN, ttl: float = 60, **reserved: object
+) -> tuple[ClaimRequest, int]:
     """A claim by call "owner-task" whose record vanished (a store restarted without
-    persistence), and which completed after a call made of ``reserved`` (a new publish of the
-    key) reserved the key for its message, due in ``due_in`` s: that claim."""
-    owner = make_request(task_id="owner-task")
+    persistence), and which completed (its result kept ``ttl`` s) after a call made of
+    ``reserved`` (a new publish of the key) reserved the key for its message, due in
+    ``due_in`` s: that claim and its token."""
+    owner = make_request(task_id="owner-task", ttl_seconds=ttl)
     token = store.claim(owner).token
+    assert token is not None
     store.forget(owner.storage_key)
     newcomer = make_request(storage_key=owner.storage_key, **reserved)
     assert store.reserve(newcomer, make_pickup(envelope=b"its message", due_in=due_in)) is None
     assert store.complete(owner, token, RESULT) is CompleteOutcome.RECOVERED
-    return owner
+    return owner, token
 
 
 def test_a_completion_over_another_calls_reservation_keeps_its_message_for_the_guard(
@@ -410,7 +412,7 @@ def test_a_completion_over_another_calls_reservation_keeps_its_message_for_the_g
     # Given a claim whose record vanished, and a new call with the same arguments that
     # reserved the key meanwhile (its message published, and perhaps lost by the broker)
     # When the claim completes
-    owner = completed_over_a_reservation(store, make_request, task_id="newcomer")
+    owner, _ = completed_over_a_reservation(store, make_request, task_id="newcomer")
     # Then its result is the key's
     record = store.get(owner.storage_key)
     assert record is not None
@@ -419,10 +421,9 @@ def test_a_completion_over_another_calls_reservation_keeps_its_message_for_the_g
         "owner-task",
         RESULT,
     )
-    # and the new call's message is kept, due when it was: not before
-    assert store.take(owner.storage_key) is None
+    # and the new call's message is kept: once due, the guard publishes it (under its own task
+    # id) once per backoff
     time.sleep(PAST_DUE)
-    # once due, the guard publishes it (under its own task id) once per backoff
     taken = store.take_due(100)
     assert [(due.storage_key, due.task_id, due.envelope, due.republished) for due in taken] == [
         (owner.storage_key, "newcomer", b"its message", 1)
@@ -441,7 +442,7 @@ def test_a_completion_over_another_calls_reservation_keeps_its_message_for_the_g
 
 def test_the_kept_message_goes_once_its_call_is_answered(store: Store, make_request: Make) -> None:
     # Given a completed key keeping a new call's message for the guard
-    owner = completed_over_a_reservation(store, make_request, task_id="newcomer")
+    owner, _ = completed_over_a_reservation(store, make_request, task_id="newcomer")
     # When that message comes, and is answered from the key's result
     newcomer = make_request(storage_key=owner.storage_key, task_id="newcomer")
     answer = store.claim(newcomer)
@@ -456,8 +457,9 @@ def test_the_kept_message_goes_once_its_call_is_answered(store: Store, make_requ
 def test_a_kept_message_is_dropped_or_made_due_for_its_own_call_only(
     store: Store, make_request: Make
 ) -> None:
-    # Given a completed key keeping a new call's message, due in a minute
-    owner = completed_over_a_reservation(store, make_request, due_in=60, task_id="newcomer")
+    # Given a completed key keeping a new call's message, due in a minute: not before
+    owner, _ = completed_over_a_reservation(store, make_request, due_in=60, task_id="newcomer")
+    assert store.take(owner.storage_key) is None
     # When its publish is handed to the guard (it failed), it is due at once
     assert store.make_reservation_due(owner.storage_key, "owner-task") is False
     assert store.make_reservation_due(owner.storage_key, "newcomer") is True
@@ -472,6 +474,51 @@ def test_a_kept_message_is_dropped_or_made_due_for_its_own_call_only(
     assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
 
 
+def test_a_kept_message_stays_for_other_calls_and_the_owners_own(
+    store: Store, make_request: Make
+) -> None:
+    # Given a completed key keeping a new call's message
+    owner, token = completed_over_a_reservation(store, make_request, task_id="newcomer")
+    # When the owner completes again (its reply lost), its own message comes again, and a
+    # third call's, each answered from the result
+    assert store.complete(owner, token, RESULT) is CompleteOutcome.STORED
+    redelivered = make_request(storage_key=owner.storage_key, task_id="owner-task")
+    third = make_request(storage_key=owner.storage_key, task_id="third")
+    assert store.claim(redelivered).outcome is Outcome.COMPLETED
+    assert store.claim(third).outcome is Outcome.COMPLETED
+    assert store.drop_pickup(owner.storage_key, "third") is False
+    assert store.cancel_reservation(owner.storage_key, "owner-task") is False
+    # Then the new call's message is still kept for the guard
+    time.sleep(PAST_DUE)
+    due = store.take(owner.storage_key)
+    assert due is not None and due.task_id == "newcomer"
+
+
+def test_a_kept_message_goes_with_its_calls_cancelled_publish(
+    store: Store, make_request: Make
+) -> None:
+    # Given a completed key keeping a new call's message, whose publish then failed for good
+    # (the broker refused it: its caller got the error)
+    owner, _ = completed_over_a_reservation(store, make_request, task_id="newcomer")
+    # When its reservation is cancelled, the message goes: the guard never publishes it
+    assert store.cancel_reservation(owner.storage_key, "newcomer") is True
+    time.sleep(PAST_DUE)
+    assert store.take(owner.storage_key) is None
+    record = store.get(owner.storage_key)
+    assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
+
+
+def test_a_key_keeping_a_message_outlives_a_shorter_result_ttl_until_its_due_time(
+    store: Store, make_request: Make
+) -> None:
+    # Given a completion, whose result is kept 0.1 s, over a reservation due in 0.3 s
+    owner, _ = completed_over_a_reservation(store, make_request, ttl=0.1, task_id="newcomer")
+    # When the reservation's due time comes, then the guard still finds its message
+    time.sleep(PAST_DUE)
+    due = store.take(owner.storage_key)
+    assert due is not None and due.task_id == "newcomer"
+
+
 @pytest.mark.parametrize(
     "reserved",
     [{"task_id": "owner-task"}, {"task_id": "other", "fingerprint": "fp-other"}],
@@ -482,7 +529,7 @@ def test_a_completion_over_a_reservation_of_its_own_call_or_other_arguments_keep
 ) -> None:
     # Its own call's message reserved anew (a retry): there is no other call to answer; a
     # call with other arguments (its claim fails with a mismatch) is owed no value
-    owner = completed_over_a_reservation(store, make_request, **reserved)
+    owner, _ = completed_over_a_reservation(store, make_request, **reserved)
     time.sleep(PAST_DUE)
     assert store.take(owner.storage_key) is None
     assert store.take_due(100) == []

@@ -454,11 +454,14 @@ def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
     assert ledger_events(name, "start") == 1
 
 
-def _newcomer_over_a_vanished_claim(worker_and_beat: Any, name: str, key: str) -> tuple[Any, Any]:
-    """A keyed call running on a worker (one process) with beat, whose record vanished (a store
-    restarted without persistence), and a new call of the key, with a callback, reserved for
-    its own message meanwhile (due in a second): both calls' results."""
-    worker_and_beat()
+def _newcomer_over_a_vanished_claim(
+    worker_and_beat: Any, name: str, key: str, *, beat: bool
+) -> tuple[Any, Any]:
+    """A keyed call running on a worker (one process), with ``beat`` or not, whose record
+    vanished (a store restarted without persistence), and a new call of the key, with a
+    callback, reserved for its own message meanwhile (due in a second): both calls'
+    results."""
+    worker_and_beat(beat=beat)
     owner = worker_app.charge.apply_async((name, 5), {"sleep": 2.0}, idempotency_key=key)
     wait_until(lambda: ledger_events(name, "start") == 1, 15, "the owner's run to start")
     store_for(app).forget(storage_key(worker_app.charge.name, key))
@@ -476,7 +479,7 @@ def test_a_call_reserved_over_a_vanished_claim_and_lost_is_answered_by_the_guard
     # Given a new call reserved over a running call's vanished claim, whose message the broker
     # loses (the worker, busy, has not fetched it)
     name, key = fresh("vanished"), fresh("key")
-    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key)
+    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key, beat=True)
     _lose_message("celery", newcomer.id)
     # When the running call completes, over the new call's reservation
     value = owner.get(timeout=30)
@@ -492,16 +495,18 @@ def test_a_call_reserved_over_a_vanished_claim_and_lost_is_answered_by_the_guard
 def test_a_call_reserved_over_a_vanished_claim_is_answered_once_by_its_own_message(
     worker_and_beat: Any,
 ) -> None:
-    # Given a new call reserved over a running call's vanished claim, its message not lost
+    # Given a new call reserved over a running call's vanished claim, its message not lost (no
+    # beat: its sweep could publish the kept message, due before the key completes, before
+    # the worker fetches the first)
     name, key = fresh("vanished-kept"), fresh("key")
-    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key)
+    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key, beat=False)
     # When the running call completes, and then the new call's message comes
     value = owner.get(timeout=30)
     assert newcomer.get(timeout=30) == value
     wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the new call's callback")
     # Then, past its due time, the guard keeps nothing to publish for it: its callback ran
     # once (a second copy would run it again), and the body once
-    time.sleep(PICKUP_TIMEOUT)
+    time.sleep(PICKUP_TIMEOUT)  # (its due time passed as the key completed: to be sure)
     assert store_for(app).take(storage_key(worker_app.charge.name, key)) is None
     assert ledger_events(name, "callback") == 1
     assert ledger_events(name, "start") == 1

@@ -50,6 +50,9 @@ if not found[1] or found[1] == 'queued' then
       'pickup_timeout', 'republished', 'due_at')
     if queued[1] and queued[1] ~= ARGV[9] and queued[2] == ARGV[8] and queued[3] then
       kept = queued
+      -- The record lives on as long as the reservation would have (its due time and then
+      -- some), should that be longer: the guard must find the pickup at its due time.
+      ttl = math.max(ttl, redis.call('PTTL', KEYS[1]))
     end
   end
   -- Tokens never go back: the record keeps the key's highest token given, and the counter
@@ -88,7 +91,7 @@ else
     'due_at')
   redis.call('ZREM', KEYS[3], ARGV[12])
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], kept and int(ttl) or ARGV[3])
 if redis.call('PTTL', KEYS[2]) < ttl then
   redis.call('PEXPIRE', KEYS[2], int(ttl + 1000))
 end

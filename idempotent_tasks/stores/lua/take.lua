@@ -8,8 +8,9 @@
 -- ARGV[3]  id of this take, kept in the record: the same script sent again (redis-py re-sends
 --          a command whose reply was lost) answers as the first time, not nil
 -- Returns  {task id, task name, envelope, republished} when taken, else nil; a key neither
---          queued nor processing (or without a pickup, or not a record at all) leaves the index;
---          the task id is that of the envelope's own call (see claim.lua), not always the owner's
+--          queued nor processing nor keeping a message (or without a pickup, or not a record at
+--          all) leaves the index; the task id is that of the envelope's own call (see
+--          claim.lua), not always the owner's
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local found = redis.pcall('HMGET', KEYS[1], 'status', 'lease_expires_at', 'pickup_timeout',
