@@ -9,7 +9,8 @@ if found[1] == 'queued' and found[2] == ARGV[1] then
   redis.call('ZREM', KEYS[2], ARGV[2])
   return 1
 end
-if found[1] == 'completed' and found[3] == ARGV[1] then
+if found[1] == 'completed' and found[3] == ARGV[1]
+    and redis.call('HEXISTS', KEYS[1], 'envelope') == 1 then
   redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
     'due_at')
   redis.call('ZREM', KEYS[2], ARGV[2])

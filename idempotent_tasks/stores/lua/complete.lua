@@ -87,8 +87,9 @@ if kept then
     'pickup_timeout', kept[4] or '', 'republished', kept[5] or '0', 'due_at', kept[6] or '')
   redis.call('ZADD', KEYS[3], int(tonumber(kept[6]) or now), ARGV[12])
 else
-  redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
-    'due_at')
+  -- ('envelope_of' may stay, naming a call this claim took the key from: without an
+  -- envelope, it keeps nothing.)
+  redis.call('HDEL', KEYS[1], 'envelope', 'pickup_timeout', 'republished', 'due_at')
   redis.call('ZREM', KEYS[3], ARGV[12])
 end
 redis.call('PEXPIRE', KEYS[1], kept and int(ttl) or ARGV[3])

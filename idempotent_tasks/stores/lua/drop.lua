@@ -6,7 +6,8 @@
 -- A completed record keeping this call's message (see complete.lua) forgets it too.
 -- Returns  1 if the record is processing for this task id, or was keeping its message, else 0
 local found = redis.call('HMGET', KEYS[1], 'status', 'task_id', 'envelope_of')
-if found[1] == 'completed' and found[3] == ARGV[1] then
+if found[1] == 'completed' and found[3] == ARGV[1]
+    and redis.call('HEXISTS', KEYS[1], 'envelope') == 1 then
   redis.call('HDEL', KEYS[1], 'envelope', 'envelope_of', 'pickup_timeout', 'republished',
     'due_at')
   redis.call('ZREM', KEYS[2], ARGV[2])
