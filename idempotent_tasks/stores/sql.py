@@ -89,9 +89,8 @@ from .sql_statements import (
     replace_if_unchanged,
     retime_pickup,
     retime_queued,
-    select_abandoned,
+    select_abandoned_or_keeping,
     select_claim,
-    select_completed_keeping,
     select_due,
     select_kept_message_of,
     select_owed_pickup,
@@ -208,7 +207,8 @@ class SqlStore(Store):
             # Else a dead owner's key: the pickup of task_id's message it keeps is due; the
             # owner's lease still decides when the message counts as lost. Or a completed key
             # keeping that message (see complete).
-            if not queued and not self._abandoned_or_keeping(connection, claim_id, task_id, now):
+            keeping = select_abandoned_or_keeping(claim_id, task_id, now)
+            if not queued and connection.execute(keeping).first() is None:
                 return False
             if _count(connection, retime_pickup(claim_id, now, republished, task_id)) == 0:
                 connection.rollback()  # no pickup: nothing for the guard to publish
@@ -627,20 +627,6 @@ class SqlStore(Store):
         if pickup is None or pickup["task_id"] == request.task_id:
             return None
         return pickup
-
-    @staticmethod
-    def _abandoned_or_keeping(
-        connection: Connection, claim_id: str, task_id: str, now: float
-    ) -> bool:
-        """Whether the key's live row is a ``processing`` one whose owner's lease ended, or a
-        ``completed`` one that may keep ``task_id``'s message (see :meth:`complete`)."""
-        for statement in (
-            select_abandoned(claim_id, now),
-            select_completed_keeping(claim_id, task_id, now),
-        ):
-            if connection.execute(statement).first() is not None:
-                return True
-        return False
 
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
         """The key's pickup row, when its claim owes the message (else ``None``): read with the

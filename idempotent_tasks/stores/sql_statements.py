@@ -167,14 +167,6 @@ def delete_pickup_of_claimed(
     return delete(pickups).where(_keeps_message_of(claim_id, task_id) & claimed)
 
 
-def select_completed_keeping(claim_id: str, task_id: str, now: float) -> Select[Any]:
-    """The key's live ``completed`` row, when it is another call's than ``task_id``'s (whose
-    message its pickup row may keep: see ``SqlStore.complete``)."""
-    return select(claims.c.id).where(
-        _live_row(claim_id, COMPLETED, now, claims.c.task_id != task_id)
-    )
-
-
 def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
     """The live ``processing`` row of ``task_id``, if there is one."""
     return select(claims.c.id).where(
@@ -182,10 +174,13 @@ def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
     )
 
 
-def select_abandoned(claim_id: str, now: float) -> Select[Any]:
-    """The key's live ``processing`` row whose owner's lease ended, if there is one."""
+def select_abandoned_or_keeping(claim_id: str, task_id: str, now: float) -> Select[Any]:
+    """The key's live row, when it is a ``processing`` one whose owner's lease ended, or a
+    ``completed`` one of another call than ``task_id``'s (whose message its pickup row may
+    keep: see ``SqlStore.complete``)."""
     abandoned = _live_row(claim_id, PROCESSING, now, claims.c.lease_expires_at <= now)
-    return select(claims.c.id).where(abandoned)
+    keeping = _live_row(claim_id, COMPLETED, now, claims.c.task_id != task_id)
+    return select(claims.c.id).where(abandoned | keeping)
 
 
 def retime_pickup(claim_id: str, due_at: float, republished: int | None, task_id: str) -> Update:
