@@ -406,6 +406,13 @@ def completed_over_a_reservation(
     return owner, token
 
 
+def assert_completed_keeping_nothing(store: Store, key: str) -> None:
+    """``key`` is completed with RESULT, and the guard has nothing of it to publish."""
+    assert store.take(key) is None
+    record = store.get(key)
+    assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
+
+
 def test_a_completion_over_another_calls_reservation_keeps_its_message_for_the_guard(
     store: Store, make_request: Make
 ) -> None:
@@ -469,9 +476,7 @@ def test_a_kept_message_is_dropped_or_made_due_for_its_own_call_only(
     assert store.drop_pickup(owner.storage_key, "owner-task") is False
     assert store.drop_pickup(owner.storage_key, "newcomer") is True
     assert store.make_reservation_due(owner.storage_key, "newcomer") is False
-    assert store.take(owner.storage_key) is None
-    record = store.get(owner.storage_key)
-    assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
+    assert_completed_keeping_nothing(store, owner.storage_key)
 
 
 def test_a_kept_message_stays_for_other_calls_and_the_owners_own(
@@ -503,9 +508,7 @@ def test_a_kept_message_goes_with_its_calls_cancelled_publish(
     # When its reservation is cancelled, the message goes: the guard never publishes it
     assert store.cancel_reservation(owner.storage_key, "newcomer") is True
     time.sleep(PAST_DUE)
-    assert store.take(owner.storage_key) is None
-    record = store.get(owner.storage_key)
-    assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
+    assert_completed_keeping_nothing(store, owner.storage_key)
 
 
 def test_a_key_keeping_a_message_outlives_a_shorter_result_ttl_until_its_due_time(

@@ -455,19 +455,21 @@ def test_a_call_the_broker_could_not_take_runs_for_the_duplicate_that_joined_it(
 
 
 def _newcomer_over_a_vanished_claim(
-    worker_and_beat: Any, name: str, key: str, *, beat: bool
+    worker_and_beat: Any, name: str, key: str, *, beat: bool, due_in: float = PICKUP_TIMEOUT
 ) -> tuple[Any, Any]:
-    """A keyed call running on a worker (one process), with ``beat`` or not, whose record
-    vanished (a store restarted without persistence), and a new call of the key, with a
-    callback, reserved for its own message meanwhile (due in a second): both calls'
-    results."""
+    """A keyed call running (2 s) on a worker (one process), with ``beat`` or not, whose
+    record vanished (a store restarted without persistence), and a new call of the key, with a
+    callback, reserved for its own message meanwhile (due in ``due_in`` s, as this process
+    publishes): both calls' results."""
     worker_and_beat(beat=beat)
     owner = worker_app.charge.apply_async((name, 5), {"sleep": 2.0}, idempotency_key=key)
     wait_until(lambda: ledger_events(name, "start") == 1, 15, "the owner's run to start")
     store_for(app).forget(storage_key(worker_app.charge.name, key))
-    newcomer = worker_app.charge.apply_async(
-        (name, 5), {"sleep": 2.0}, idempotency_key=key, link=worker_app.noted_callback.s(name)
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        set_pickup_timeout(patch, app, due_in)
+        newcomer = worker_app.charge.apply_async(
+            (name, 5), {"sleep": 2.0}, idempotency_key=key, link=worker_app.noted_callback.s(name)
+        )
     assert _status(worker_app.charge, key) is Status.QUEUED
     return owner, newcomer
 
@@ -476,10 +478,13 @@ def _newcomer_over_a_vanished_claim(
 def test_a_call_reserved_over_a_vanished_claim_and_lost_is_answered_by_the_guard(
     worker_and_beat: Any,
 ) -> None:
-    # Given a new call reserved over a running call's vanished claim, whose message the broker
-    # loses (the worker, busy, has not fetched it)
+    # Given a new call reserved over a running call's vanished claim, due after that call
+    # completes (so that only the pickup the completion keeps can publish it), whose message
+    # the broker loses (the worker, busy, has not fetched it)
     name, key = fresh("vanished"), fresh("key")
-    owner, newcomer = _newcomer_over_a_vanished_claim(worker_and_beat, name, key, beat=True)
+    owner, newcomer = _newcomer_over_a_vanished_claim(
+        worker_and_beat, name, key, beat=True, due_in=4.0
+    )
     _lose_message("celery", newcomer.id)
     # When the running call completes, over the new call's reservation
     value = owner.get(timeout=30)
