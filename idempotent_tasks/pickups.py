@@ -152,16 +152,17 @@ def end_expired_call(store: Any, due: DuePickup) -> None:
     unseen): its reservation is cancelled, so the key's next call runs, and nothing publishes
     the expired one again."""
     try:
-        if store.cancel_reservation(due.storage_key, due.task_id):
+        # Its key claimed (a dead owner's, whose lease ended: a new call takes it over; or a
+        # worker claimed it just now), or completed by another call keeping its message: only
+        # the expired copy goes.
+        if store.drop_pickup(due.storage_key, due.task_id):
+            logger.warning("%s (%s) expired: its copy is dropped", due.task_name, due.task_id)
+        elif store.cancel_reservation(due.storage_key, due.task_id):
             logger.warning(
                 "%s (%s) expired before any worker took it: its key is free",
                 due.task_name,
                 due.task_id,
             )
-        elif store.drop_pickup(due.storage_key, due.task_id):
-            # Its key is claimed (a dead owner's, whose lease ended: a new call takes it over),
-            # or a worker claimed it just now: only the expired copy goes.
-            logger.warning("%s (%s) expired: its copy is dropped", due.task_name, due.task_id)
     except (StoreUnavailable, CorruptRecord) as exc:
         logger.warning("could not free the key of expired call %s: %s", due.task_id, exc)
 

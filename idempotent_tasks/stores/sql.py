@@ -349,7 +349,7 @@ class SqlStore(Store):
                     # Perhaps this call's message, which the key kept for the guard (see
                     # complete): it came. (Else the call this row's claim took the key from,
                     # whose message that claim published: nothing is kept for it.)
-                    self.drop_pickup(request.storage_key, request.task_id)
+                    self._drop_kept_message(claim_id, request.task_id, now)
                 return decision
             token = int(found["token"]) + 1
             takeover = found["status"] == PROCESSING and found["expires_at"] > now
@@ -627,6 +627,22 @@ class SqlStore(Store):
         if pickup is None or pickup["task_id"] == request.task_id:
             return None
         return pickup
+
+    def _drop_kept_message(self, claim_id: str, task_id: str, now: float) -> None:
+        """Drop the pickup of ``task_id``'s message that the key's completed row keeps, once
+        that message came (see :meth:`complete`). Failing, it says so and leaves the pickup:
+        the claim's answer stands, and the guard may publish the message once more."""
+        try:
+            with self._begin() as connection:
+                # The claim row first (a no-op write on a completed row locks it), as the
+                # take locks them: no deadlock between the two.
+                connection.execute(set_debt(claim_id, task_id, now, owes=False))
+                kept = delete_pickup_of_claimed(claim_id, task_id, now, processing=False)
+                connection.execute(kept)
+        except StoreUnavailable as exc:
+            logger.warning(
+                "could not drop the kept message of %s on %r: %s", task_id, claim_id, exc
+            )
 
     def _pickup_if_owed(self, claim_id: str, owed: bool | None) -> Any:
         """The key's pickup row, when its claim owes the message (else ``None``): read with the

@@ -406,8 +406,9 @@ def completed_over_a_reservation(
     return owner, token
 
 
-def assert_completed_keeping_nothing(store: Store, key: str) -> None:
-    """``key`` is completed with RESULT, and the guard has nothing of it to publish."""
+def assert_completed_keeping_nothing(store: Store, key: str, task_id: str) -> None:
+    """``key`` is completed with RESULT, and keeps nothing of call ``task_id`` to publish."""
+    assert store.make_reservation_due(key, task_id) is False
     assert store.take(key) is None
     record = store.get(key)
     assert record is not None and (record.status, record.result) == (Status.COMPLETED, RESULT)
@@ -475,8 +476,7 @@ def test_a_kept_message_is_dropped_or_made_due_for_its_own_call_only(
     # and when that call is revoked, its message goes; the owner's call keeps nothing
     assert store.drop_pickup(owner.storage_key, "owner-task") is False
     assert store.drop_pickup(owner.storage_key, "newcomer") is True
-    assert store.make_reservation_due(owner.storage_key, "newcomer") is False
-    assert_completed_keeping_nothing(store, owner.storage_key)
+    assert_completed_keeping_nothing(store, owner.storage_key, "newcomer")
 
 
 def test_a_kept_message_stays_for_other_calls_and_the_owners_own(
@@ -508,7 +508,7 @@ def test_a_kept_message_goes_with_its_calls_cancelled_publish(
     # When its reservation is cancelled, the message goes: the guard never publishes it
     assert store.cancel_reservation(owner.storage_key, "newcomer") is True
     time.sleep(PAST_DUE)
-    assert_completed_keeping_nothing(store, owner.storage_key)
+    assert_completed_keeping_nothing(store, owner.storage_key, "newcomer")
 
 
 def test_a_key_keeping_a_message_outlives_a_shorter_result_ttl_until_its_due_time(
@@ -516,10 +516,36 @@ def test_a_key_keeping_a_message_outlives_a_shorter_result_ttl_until_its_due_tim
 ) -> None:
     # Given a completion, whose result is kept 0.1 s, over a reservation due in 0.3 s
     owner, _ = completed_over_a_reservation(store, make_request, ttl=0.1, task_id="newcomer")
-    # When the reservation's due time comes, then the guard still finds its message
+    # When the reservation's due time comes, then the guard still finds its message, and the
+    # key still answers with the result, until the reservation would have expired
     time.sleep(PAST_DUE)
     due = store.take(owner.storage_key)
     assert due is not None and due.task_id == "newcomer"
+    answer = store.claim(make_request(storage_key=owner.storage_key, task_id="third"))
+    assert answer.outcome is Outcome.COMPLETED
+    assert answer.record is not None and answer.record.expires_at > time.time() + 50
+
+
+def test_a_key_taken_over_and_completed_keeps_nothing_of_the_call_it_took_it_from(
+    store: Store, make_request: Make
+) -> None:
+    # Given a key whose queued message counted as lost, taken over by another call (which
+    # owes that message: its worker publishes it once the key completes), and completed
+    lost = make_request(task_id="t-lost")
+    assert store.reserve(lost, make_pickup()) is None
+    time.sleep(PAST_DUE)
+    taker = make_request(task_id="t-taker")
+    claimed = store.claim(taker)
+    assert (claimed.outcome, claimed.owed_task_id) == (Outcome.ACQUIRED, "t-lost")
+    assert claimed.token is not None
+    assert store.complete(taker, claimed.token, RESULT) is CompleteOutcome.STORED
+    # Then the record keeps no message of the lost call for the guard: none to cancel, drop,
+    # make due or take
+    assert store.cancel_reservation(lost.storage_key, "t-lost") is False
+    assert store.drop_pickup(lost.storage_key, "t-lost") is False
+    assert_completed_keeping_nothing(store, lost.storage_key, "t-lost")
+    # and that call's message, when it comes, is answered from the result
+    assert store.claim(lost).outcome is Outcome.COMPLETED
 
 
 @pytest.mark.parametrize(

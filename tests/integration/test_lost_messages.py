@@ -486,8 +486,11 @@ def test_a_call_reserved_over_a_vanished_claim_and_lost_is_answered_by_the_guard
         worker_and_beat, name, key, beat=True, due_in=4.0
     )
     _lose_message("celery", newcomer.id)
-    # When the running call completes, over the new call's reservation
+    # When the running call completes, over the new call's reservation (not due yet: the new
+    # call is not answered)
     value = owner.get(timeout=30)
+    assert _status(worker_app.charge, key) is Status.COMPLETED
+    assert not newcomer.ready()
     # Then the guard publishes the new call's message, which gets the key's value, and its
     # callback runs (a stored result alone runs no callback); the body ran once
     assert newcomer.get(timeout=30) == value
