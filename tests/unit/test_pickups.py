@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -489,6 +490,50 @@ def test_a_sweep_frees_the_key_of_a_call_that_expired_instead_of_sending_it_agai
     assert store.get("t:expired") is None
     lasting = store.get("t:lasting")
     assert lasting is not None and lasting.status is Status.QUEUED
+
+
+def test_a_sweep_drops_the_expired_message_a_completed_key_keeps_for_its_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a completed key keeping the message of another call (reserved while the owner's
+    # record had vanished, see Store.complete), a call that expired before any worker took it
+    app = _app(idempotency_store_url="memory://")
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+
+    def request(task_id: str) -> ClaimRequest:
+        return ClaimRequest(
+            storage_key="t:k",
+            key="k",
+            task_name="t",
+            task_id=task_id,
+            owner=task_id,
+            fingerprint="fp",
+            lease_seconds=30,
+            ttl_seconds=3600,
+        )
+
+    owner = request("task-owner")
+    token = store.claim(owner).token
+    assert token is not None
+    store.forget(owner.storage_key)
+    pickup = make_pickup(["k"], {}, {"expires": 1}, 10.0, wait=0)
+    assert pickup is not None
+    assert store.reserve(request("task-expired"), pickup) is None
+    store.complete(owner, token, None)
+    sent: list[str] = []
+    app.send_task = lambda *args, **kwargs: sent.append(kwargs["task_id"])  # type: ignore[method-assign]
+    time.sleep(1.1)  # the call's expiry is a moment on this host's clock
+    now[0] += 11
+    # When the sweep runs, then the message is not sent, and dropped: no sweep takes it again
+    with caplog.at_level(logging.WARNING, logger="idempotent_tasks.pickups"):
+        republish_lost(app, store)
+    assert sent == []
+    assert "task-expired) expired: its copy is dropped" in caplog.text
+    now[0] += 100  # past the backoff a message sent again would have been given
+    assert store.take("t:k") is None
+    record = store.get("t:k")
+    assert record is not None and record.status is Status.COMPLETED
 
 
 def test_a_publish_interrupted_after_its_reservation_hands_the_call_to_the_guard(
