@@ -84,6 +84,7 @@ from .sql_statements import (
     delete_pickup_of_claimed,
     forget_claim,
     insert_if_absent,
+    lock_claim,
     postpone_pickup,
     release_queued,
     replace_if_unchanged,
@@ -634,9 +635,8 @@ class SqlStore(Store):
         the claim's answer stands, and the guard may publish the message once more."""
         try:
             with self._begin() as connection:
-                # The claim row first (a no-op write on a completed row locks it), as the
-                # take locks them: no deadlock between the two.
-                connection.execute(set_debt(claim_id, task_id, now, owes=False))
+                # The claim row first, as the take locks them: no deadlock between the two.
+                connection.execute(lock_claim(claim_id))
                 kept = delete_pickup_of_claimed(claim_id, task_id, now, processing=False)
                 connection.execute(kept)
         except StoreUnavailable as exc:

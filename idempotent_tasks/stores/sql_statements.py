@@ -57,6 +57,12 @@ def select_claim(claim_id: str) -> Select[Any]:
     return select(claims).where(claims.c.id == claim_id)
 
 
+def lock_claim(claim_id: str) -> Select[Any]:
+    """A claim row by id, locked for this transaction (``FOR UPDATE``; SQLite locks the whole
+    database on its first write instead, and SQLAlchemy leaves the clause out there)."""
+    return select(claims.c.id).where(claims.c.id == claim_id).with_for_update()
+
+
 def replace_if_unchanged(claim_id: str, read: Any, values: dict[str, Any]) -> Update:
     """Overwrite a row only if it is still the row ``read`` (compare-and-set).
 
