@@ -121,6 +121,11 @@ def bind_arguments(
     does not fit it (the task itself will then fail with Celery's own error).
     """
     if signature is not None:
+        layout = _plain_layout(signature)
+        if layout is not None:
+            arguments = _bind_plain(layout, args, kwargs)
+            if arguments is not None:
+                return arguments
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
@@ -129,6 +134,57 @@ def bind_arguments(
             bound.apply_defaults()
             return dict(bound.arguments)
     return {"args": list(args), "kwargs": dict(kwargs)}
+
+
+#: A signature whose parameters are all plain (positional or keyword): their names in order,
+#: and the defaults of those that have one.
+_PlainLayout = tuple[tuple[str, ...], dict[str, Any]]
+#: The plain layout of each signature seen (``None``: not plain), by id with the signature
+#: kept alive beside it: a task's signature is built once, so this stays small.
+_layouts: dict[int, tuple[inspect.Signature, _PlainLayout | None]] = {}
+_MAX_LAYOUTS = 1024
+
+
+def _plain_layout(signature: inspect.Signature) -> _PlainLayout | None:
+    known = _layouts.get(id(signature))
+    if known is not None and known[0] is signature:
+        return known[1]
+    parameters = signature.parameters.values()
+    layout: _PlainLayout | None = None
+    if all(parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for parameter in parameters):
+        layout = (
+            tuple(parameter.name for parameter in parameters),
+            {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty},
+        )
+    if len(_layouts) >= _MAX_LAYOUTS:
+        _layouts.clear()
+    _layouts[id(signature)] = (signature, layout)
+    return layout
+
+
+def _bind_plain(
+    layout: _PlainLayout, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """What ``Signature.bind`` and ``apply_defaults`` give for a call of a plain signature, at
+    a tenth of their cost (this runs at every keyed publish and claim); ``None`` when the call
+    does not fit it, left to ``bind`` to refuse."""
+    names, defaults = layout
+    if len(args) > len(names):
+        return None
+    arguments: dict[str, Any] = {}
+    taken = 0
+    for index, name in enumerate(names):
+        if index < len(args):
+            arguments[name] = args[index]
+        elif name in kwargs:
+            arguments[name] = kwargs[name]
+            taken += 1
+        elif name in defaults:
+            arguments[name] = defaults[name]
+        else:
+            return None
+    # A keyword no parameter takes, or one given positionally too.
+    return arguments if taken == len(kwargs) else None
 
 
 def derive_key(

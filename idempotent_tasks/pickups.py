@@ -37,6 +37,8 @@ logger = get_task_logger(__name__)
 dumps = cast(Callable[[Any], str], kombu_json.dumps)
 loads = cast(Callable[[str], Any], kombu_json.loads)
 
+#: Options kombu may give as entities: the guard keeps their names.
+_ENTITIES = (Queue, Exchange)
 #: ``apply_async`` options an envelope keeps (routing, limits, callbacks, canvas ids, headers).
 CARRIED_OPTIONS = (
     "queue",
@@ -179,7 +181,7 @@ def envelope(
     carried: dict[str, Any] = {}
     for name in CARRIED_OPTIONS:
         value = options.get(name)
-        if isinstance(value, Queue | Exchange):
+        if isinstance(value, _ENTITIES):
             value = value.name
         elif name == "expires":
             value = _absolute_expiry(value)

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -177,7 +178,21 @@ class RedisStore(Store):
 
     def same_server(self, pool: redis.ConnectionPool) -> bool:
         """Whether connections of ``pool`` reach this store's Redis server as the store's do,
-        whatever their database: a script of the store may then write for them."""
+        whatever their database: a script of the store may then write for them (asked at
+        every one-trip publish: answered once per pool)."""
+        try:
+            known = self._same_server_pools.get(pool)
+        except TypeError:  # a pool that cannot be a weak key (unhashable, say): asked each time
+            return self._reaches_same_server(pool)
+        if known is None:
+            known = self._same_server_pools[pool] = self._reaches_same_server(pool)
+        return known
+
+    @cached_property
+    def _same_server_pools(self) -> weakref.WeakKeyDictionary[redis.ConnectionPool, bool]:
+        return weakref.WeakKeyDictionary()
+
+    def _reaches_same_server(self, pool: redis.ConnectionPool) -> bool:
         if not isinstance(self.client, redis.Redis):
             return False  # a cluster: its nodes are not one server
         if _sentinel_managed(self.client.connection_pool) or _sentinel_managed(pool):
@@ -286,6 +301,8 @@ class RedisStore(Store):
                 request.task_name,
             ],
         )
+        if isinstance(reply, int):  # the usual claim: acquired, its token alone
+            return ClaimResult(outcome=Outcome.ACQUIRED, token=reply)
         outcome = Outcome(_text(reply[0]))
         if outcome is Outcome.ACQUIRED:
             return ClaimResult(

@@ -14,6 +14,7 @@ import pytest
 from kombu.utils import json as kombu_json
 
 from idempotent_tasks.keys import (
+    bind_arguments,
     check_task_id,
     derive_key,
     fingerprint,
@@ -118,6 +119,52 @@ def test_fingerprint_is_the_same_however_arguments_are_passed() -> None:
     ]
     prints = {fingerprint("t", SIGNATURE, args, kwargs) for args, kwargs in calls}
     assert len(prints) == 1
+
+
+def _bound_by_inspect(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return {"args": list(args), "kwargs": dict(kwargs)}
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _positional_only(a: int, /, b: int = 2) -> None: ...
+def _keyword_only(a: int, *, b: int) -> None: ...
+def _var_positional(a: int, *rest: int) -> None: ...
+def _var_keyword(a: int, **rest: int) -> None: ...
+def _defaults(a: int = 1, b: object = None, c: list[int] | None = None) -> None: ...
+
+
+@pytest.mark.parametrize(
+    "body", [charge, _positional_only, _keyword_only, _var_positional, _var_keyword, _defaults]
+)
+def test_arguments_are_bound_exactly_as_signature_bind_binds_them(body: Any) -> None:
+    # Plain signatures take a faster path than Signature.bind: the same names, values, order
+    # and defaults, and the same fallback for a call that does not fit.
+    signature = inspect.signature(body)
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((), {}),
+        ((1,), {}),
+        ((1, 2), {}),
+        ((1, 2, "USD"), {}),
+        ((1, 2, "USD", 4), {}),
+        ((), {"a": 1}),
+        ((1,), {"b": 2}),
+        ((1,), {"a": 2}),
+        ((1,), {"unknown": 2}),
+        ((), {"order_id": 1, "amount": 2}),
+        ((1,), {"amount": 2, "currency": "USD"}),
+        ((1,), {"order_id": 1}),
+        ((1,), {"rest": 2}),
+    ]
+    for args, kwargs in calls:
+        bound = bind_arguments(signature, args, kwargs)
+        expected = _bound_by_inspect(signature, args, kwargs)
+        assert bound == expected and list(bound) == list(expected), (body, args, kwargs)
 
 
 def test_fingerprint_differs_for_other_arguments_or_tasks() -> None:

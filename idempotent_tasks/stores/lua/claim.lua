@@ -10,7 +10,9 @@
 -- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
 -- ARGV[8]  the caller's key (for display)
 -- ARGV[9]  task name
--- Returns  {outcome, token, takeover, field, value, ...}, or when acquired
+-- Returns  the token alone when acquired with nothing more to say (no takeover, no other call
+--          replaced, no message owed: the usual claim);
+--          {outcome, token, takeover, field, value, ...}, or when acquired
 --          {"acquired", token, takeover, the task id of the other call whose record this one
 --          replaced (or ""), and the message this claim owes (or ""/nil): its call's task id
 --          and its envelope}; the same call's claim made again (its reply lost, or its message
@@ -49,6 +51,9 @@ local function acquire(takeover, created_at, fingerprint, taken_from, owed_task_
   end
   redis.call('PEXPIRE', KEYS[1], int(lease + ttl))
   redis.call('PEXPIRE', KEYS[2], int(lease + ttl + 1000))
+  if takeover == 0 and taken_from == '' and (owed_task_id or '') == '' then
+    return token  -- the usual claim: its token alone (a table reply costs Redis more)
+  end
   return {'acquired', token, takeover, taken_from, owed_task_id or '', envelope}
 end
 
