@@ -33,8 +33,9 @@ from .settings import app_setting
 
 logger = get_task_logger(__name__)
 
-# kombu's JSON keeps datetimes, UUIDs and decimals as Celery's own messages do.
-dumps = cast(Callable[[Any], str], kombu_json.dumps)
+# kombu's JSON keeps datetimes, UUIDs and decimals as Celery's own messages do. Its encoder is
+# built once: kombu_json.dumps builds one per call (a third of the cost of an envelope's).
+dumps = cast(Callable[[Any], str], kombu_json.JSONEncoder().encode)
 loads = cast(Callable[[str], Any], kombu_json.loads)
 
 #: Options kombu may give as entities: the guard keeps their names.
