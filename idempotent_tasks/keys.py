@@ -140,9 +140,10 @@ def bind_arguments(
 #: and the defaults of those that have one.
 _PlainLayout = tuple[tuple[str, ...], dict[str, Any]]
 #: The plain layout of each signature seen (``None``: not plain), by id with the signature
-#: kept alive beside it: a task's signature is built once, so this stays small.
+#: kept alive beside it. A Celery task's signature is built once; one built anew for every call
+#: (RQ's) is not kept once the table is full, rather than push the tasks' out.
 _layouts: dict[int, tuple[inspect.Signature, _PlainLayout | None]] = {}
-_MAX_LAYOUTS = 1024
+_MAX_LAYOUTS = 256
 
 
 def _plain_layout(signature: inspect.Signature) -> _PlainLayout | None:
@@ -156,9 +157,8 @@ def _plain_layout(signature: inspect.Signature) -> _PlainLayout | None:
             tuple(parameter.name for parameter in parameters),
             {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty},
         )
-    if len(_layouts) >= _MAX_LAYOUTS:
-        _layouts.clear()
-    _layouts[id(signature)] = (signature, layout)
+    if len(_layouts) < _MAX_LAYOUTS:
+        _layouts[id(signature)] = (signature, layout)
     return layout
 
 
@@ -169,7 +169,7 @@ def _bind_plain(
     a tenth of their cost (this runs at every keyed publish and claim); ``None`` when the call
     does not fit it, left to ``bind`` to refuse."""
     names, defaults = layout
-    if len(args) > len(names):
+    if not isinstance(args, list | tuple) or len(args) > len(names):
         return None
     arguments: dict[str, Any] = {}
     taken = 0

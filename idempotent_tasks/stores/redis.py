@@ -302,6 +302,8 @@ class RedisStore(Store):
             ],
         )
         if isinstance(reply, int):  # the usual claim: acquired, its token alone
+            if reply < 1:  # tokens start at 1: no claim's answer (a connection out of step?)
+                raise CorruptRecord(f"the claim script answered {reply!r}, not a token")
             return ClaimResult(outcome=Outcome.ACQUIRED, token=reply)
         outcome = Outcome(_text(reply[0]))
         if outcome is Outcome.ACQUIRED:

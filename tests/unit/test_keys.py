@@ -137,10 +137,27 @@ def _keyword_only(a: int, *, b: int) -> None: ...
 def _var_positional(a: int, *rest: int) -> None: ...
 def _var_keyword(a: int, **rest: int) -> None: ...
 def _defaults(a: int = 1, b: object = None, c: list[int] | None = None) -> None: ...
+def _no_parameters() -> None: ...
+
+
+_SHARED_DEFAULT: list[int] = []
+
+
+def _mutable_default(a: int, b: list[int] = _SHARED_DEFAULT) -> None: ...
 
 
 @pytest.mark.parametrize(
-    "body", [charge, _positional_only, _keyword_only, _var_positional, _var_keyword, _defaults]
+    "body",
+    [
+        charge,
+        _positional_only,
+        _keyword_only,
+        _var_positional,
+        _var_keyword,
+        _defaults,
+        _no_parameters,
+        _mutable_default,
+    ],
 )
 def test_arguments_are_bound_exactly_as_signature_bind_binds_them(body: Any) -> None:
     # Plain signatures take a faster path than Signature.bind: the same names, values, order
@@ -160,11 +177,34 @@ def test_arguments_are_bound_exactly_as_signature_bind_binds_them(body: Any) -> 
         ((1,), {"amount": 2, "currency": "USD"}),
         ((1,), {"order_id": 1}),
         ((1,), {"rest": 2}),
+        ((), {"c": 3, "a": 1}),
+        ((), {"currency": "USD", "amount": 2, "order_id": 1}),
+        ((1,), {2: "not a name"}),
+        ([1, 2], {}),
     ]
     for args, kwargs in calls:
         bound = bind_arguments(signature, args, kwargs)
         expected = _bound_by_inspect(signature, args, kwargs)
         assert bound == expected and list(bound) == list(expected), (body, args, kwargs)
+        # Values and defaults are the very objects given or held, as bind gives them.
+        for name, parameter in signature.parameters.items():
+            if name in expected and parameter.kind not in (
+                parameter.VAR_POSITIONAL,
+                parameter.VAR_KEYWORD,
+            ):
+                assert bound[name] is expected[name], (body, args, kwargs, name)
+
+
+def test_a_plain_signature_is_bound_without_signature_bind(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError("Signature.bind called for a plain signature")
+
+    monkeypatch.setattr(inspect.Signature, "bind", refuse)
+    assert bind_arguments(SIGNATURE, (42,), {"amount": 990}) == {
+        "order_id": 42,
+        "amount": 990,
+        "currency": "EUR",
+    }
 
 
 def test_fingerprint_differs_for_other_arguments_or_tasks() -> None:

@@ -7,13 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 from redis._parsers.base import BaseParser
 from redis.client import Pipeline
 from redis.exceptions import ResponseError
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
+from idempotent_tasks.records import ClaimRequest
 from idempotent_tasks.redis_unavailable import is_read_only, is_refusal, is_unavailable
-from idempotent_tasks.stores.redis import _translated_errors
+from idempotent_tasks.stores.redis import RedisStore, _translated_errors
 
 NOT_NOW = [
     "READONLY You can't write against a read only replica.",
@@ -86,3 +88,26 @@ def test_a_replicas_refusal_is_told_also_inside_an_old_redis_script_error(
 ) -> None:
     # (the store's kept connection is then made again, to reach the new master)
     assert is_read_only(BaseParser.parse_error(reply)) is read_only
+
+
+@pytest.mark.parametrize("reply", [0, -1])
+def test_a_claim_answered_with_no_token_is_refused_not_acquired(
+    reply: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The usual claim's answer is its token alone (from 1 up): any other number is no claim's
+    # answer, and must never pass for one (a fencing token of 0 would hold the key).
+    store = RedisStore(redis.Redis(port=1), prefix="t")  # never connects: the script is faked
+    monkeypatch.setattr(store, "_run", lambda *_: reply)
+    with pytest.raises(CorruptRecord, match="not a token"):
+        store.claim(
+            ClaimRequest(
+                storage_key="t:k",
+                key="k",
+                task_name="t",
+                task_id="id",
+                owner="o",
+                fingerprint="f",
+                lease_seconds=1.0,
+                ttl_seconds=1.0,
+            )
+        )
