@@ -159,6 +159,9 @@ def dlq_for(app: Any) -> DeadLetterQueue:
         return open_dead_letter_queue(
             app_setting(app.conf, "idempotency_dlq_url"),
             base_delay=app_setting(app.conf, "idempotency_dlq_base_delay"),
+            # Apps sharing a table (the default SQLite file is one per user of a host) keep
+            # their rows apart by name: an app without one takes every row, as before names.
+            scope=app.main or None,
         )
 
     return _per_process(app, _DLQ, build)

@@ -143,6 +143,7 @@ def dead_letter_detail(item: DeadLetter, now: datetime) -> str:
         [
             ("id", item.id),
             ("task", item.task_name),
+            ("app", item.scope or "-"),
             ("task id", item.task_id),
             ("failure id", item.failure_id),
             ("idempotency key", item.idempotency_key if item.idempotency_key is not None else "-"),

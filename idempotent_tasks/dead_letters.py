@@ -284,8 +284,9 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     republish_lost(app, store_for(app))
     _clean_expired_claims(app)
     queue = dlq_for(app)
+    runs = frozenset(app.tasks)  # another app's rows of these are this app's to send too
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
-    recovered = queue.recover_stuck(timedelta(seconds=timeout), framework="celery")
+    recovered = queue.recover_stuck(timedelta(seconds=timeout), framework="celery", runs=runs)
     if recovered:
         logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
     published = resend_due(
@@ -296,6 +297,7 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
         retry_delay=float(app_setting(app.conf, "idempotency_dlq_poll_interval")),
         unreachable=broker_cannot_take,
         interrupted=(SoftTimeLimitExceeded,),
+        runs=runs,
     )
     _count_rows(queue)
     return published

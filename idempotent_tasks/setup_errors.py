@@ -25,15 +25,18 @@ class DeadLetterQueueUnusable(StoreUnavailable):
     mends (a Celery worker refuses to start on it)."""
 
 
-def open_dead_letter_queue(url: str | None, base_delay: Any = None) -> DeadLetterQueue:
-    """A :class:`DeadLetterQueue` for ``url`` (and the setting ``base_delay``, when given);
-    :class:`DeadLetterQueueUnusable` when its set-up is wrong (a driver missing, a URL or
-    setting malformed, the default folder not writable): a failure is then kept as for a
-    database that is down (its task goes back to its queue), never lost."""
+def open_dead_letter_queue(
+    url: str | None, base_delay: Any = None, scope: str | None = None
+) -> DeadLetterQueue:
+    """A :class:`DeadLetterQueue` for ``url`` (and the setting ``base_delay``, when given; the
+    app name ``scope``, see :class:`DeadLetterQueue`); :class:`DeadLetterQueueUnusable` when its
+    set-up is wrong (a driver missing, a URL or setting malformed, the default folder not
+    writable): a failure is then kept as for a database that is down (its task goes back to
+    its queue), never lost."""
     try:
         if base_delay is None:
-            return DeadLetterQueue(url)
+            return DeadLetterQueue(url, scope=scope)
         delay = non_negative_seconds(base_delay, "idempotency_dlq_base_delay")
-        return DeadLetterQueue(url, base_delay=delay)
+        return DeadLetterQueue(url, base_delay=delay, scope=scope)
     except SETUP_ERRORS as exc:
         raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc

@@ -71,6 +71,8 @@ class DeadLetter:
     created_at: datetime
     updated_at: datetime
     framework: str = "celery"
+    #: The app whose queue wrote it, in a table apps share (``None``: no app named).
+    scope: str | None = None
 
     def succeeded_before(self, sweep_id: str | None) -> bool:
         """Whether a failure reported for this row, by the run the sweep ``sweep_id`` sent (any

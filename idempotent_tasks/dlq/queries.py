@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Delete, Select, Update, case, delete, func, insert, select, update
+from sqlalchemy import Delete, Select, Update, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import ColumnElement
 
 from .schema import dead_letters, schema_versions
 
@@ -18,6 +19,8 @@ PENDING, RETRYING, SUCCEEDED, PERMANENT_FAILURE = (
     "succeeded",
     "permanent_failure",
 )
+#: Options entry naming the app whose queue wrote the row (see :func:`in_scope`).
+SCOPE_OPTION = "dead_letter_scope"
 
 
 def insert_dead_letter(row: dict[str, Any]) -> Insert:
@@ -36,10 +39,15 @@ def select_by_failure(failure_id: str) -> Select[Any]:
 
 
 def select_due_ids(
-    now: datetime, limit: int, framework: str = "celery", skip_locked: bool = True
+    now: datetime,
+    limit: int,
+    framework: str = "celery",
+    skip_locked: bool = True,
+    scoped: ColumnElement[bool] | None = None,
 ) -> Select[Any]:
-    """Ids of one framework's due pending items, oldest due first, skipping rows another sweep
-    has locked where the database can (``skip_locked``, see :func:`skips_locked_rows`)."""
+    """Ids of one framework's due pending items (those ``scoped`` lets in, when given), oldest
+    due first, skipping rows another sweep has locked where the database can (``skip_locked``,
+    see :func:`skips_locked_rows`)."""
     due = (
         select(dead_letters.c.id)
         .where(
@@ -50,7 +58,31 @@ def select_due_ids(
         .order_by(dead_letters.c.next_retry_at)
         .limit(limit)
     )
+    if scoped is not None:
+        due = due.where(scoped)
     return due.with_for_update(skip_locked=True) if skip_locked else due
+
+
+def in_scope(scope: str, runs: Collection[str], dialect: Dialect) -> ColumnElement[bool]:
+    """The rows a sweep of app ``scope`` takes from a table apps share: those its own app wrote,
+    those no app named (written before rows were named, by RQ, or by an unnamed queue), and
+    another app's of a task it runs itself (``runs``: an app renamed takes its old rows). Never
+    another app's row of a task it does not know: its worker would refuse it, a retry used."""
+    written_by = _written_scope(dialect)
+    return or_(
+        written_by.is_(None),
+        written_by == scope,
+        dead_letters.c.task_name.in_(sorted(runs)),
+    )
+
+
+def _written_scope(dialect: Dialect) -> ColumnElement[Any]:
+    value: ColumnElement[Any] = dead_letters.c.options[SCOPE_OPTION].as_string()
+    if dialect.name == "sqlite":
+        # SQLite keeps any text in a JSON column (a row edited by hand), and JSON_EXTRACT of one
+        # that does not parse fails the whole statement: such a row reads as named by none.
+        return case((func.json_valid(dead_letters.c.options) == 1, value), else_=None)
+    return value
 
 
 def skips_locked_rows(dialect: Dialect) -> bool:
@@ -82,12 +114,20 @@ def select_swept(sweep_id: str) -> Select[Any]:
     )
 
 
-def recover_stuck(stuck_before: datetime, now: datetime, framework: str | None) -> Update:
+def recover_stuck(
+    stuck_before: datetime,
+    now: datetime,
+    framework: str | None,
+    scoped: ColumnElement[bool] | None = None,
+) -> Update:
     """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due now (only
-    ``framework``'s, when given: each sweep judges its own rows by its own timeout)."""
+    ``framework``'s, when given, and those ``scoped`` lets in: each sweep judges its own rows
+    by its own timeout)."""
     stuck = (dead_letters.c.status == RETRYING) & (dead_letters.c.updated_at < stuck_before)
     if framework is not None:
         stuck = stuck & (dead_letters.c.framework == framework)
+    if scoped is not None:
+        stuck = stuck & scoped
     return (
         update(dead_letters)
         .where(stuck)

@@ -8,14 +8,16 @@ import logging
 import random
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any, overload
 
 from sqlalchemy import URL, Connection, Engine, literal, select, text
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import CorruptRecord, StoreUnavailable
 from ..keys import fitted
@@ -86,6 +88,10 @@ class DeadLetterQueue:
         clock: returns the current UTC time; default: the database server's
             (:func:`server_utc_clock`; SQLite's is the host's). Tests pass their own.
         rng: the jitter's random source (for tests).
+        scope: the name of the app this queue writes for, in a table several apps share (the
+            default SQLite file is one per user of a host): each row it writes names it, and
+            its sweeps leave another app's rows of tasks it does not run to that app (see
+            :meth:`take_due`). ``None``: rows name no app, and sweeps take every row.
     """
 
     def __init__(
@@ -95,9 +101,11 @@ class DeadLetterQueue:
         base_delay: float = 60,
         clock: Callable[[], datetime] | None = None,
         rng: random.Random | None = None,
+        scope: str | None = None,
     ) -> None:
         self.url = url_text(url) if url else default_sqlite_url()
         self.base_delay = base_delay
+        self.scope = scope
         self.engine: Engine = create_dlq_engine(self.url)
         # Read before a transaction begins, never inside one: a first read or a resync asks the
         # server on a connection of its own, and a transaction holding the pool's last one
@@ -157,6 +165,8 @@ class DeadLetterQueue:
         """
         now = self._clock()
         options = {**failure.options, OCCURRENCE: failure.occurrence}
+        if self.scope is not None:
+            options[queries.SCOPE_OPTION] = self.scope
         task_id = _fitted(_storable(failure.task_id), MAX_TASK_ID_CHARS, options, FULL_TASK_ID)
         task_name = _fitted(
             _storable(failure.task_name), MAX_TASK_NAME_CHARS, options, FULL_TASK_NAME
@@ -271,9 +281,19 @@ class DeadLetterQueue:
             # A row ended before this failure: this one is a later call's under the same id.
             row["failure_id"] = _compared_id(f"{failure_id}@{item.id}")
 
-    def take_due(self, limit: int = SWEEP_BATCH, framework: str = "celery") -> list[DeadLetter]:
+    def take_due(
+        self,
+        limit: int = SWEEP_BATCH,
+        framework: str = "celery",
+        runs: Collection[str] = (),
+    ) -> list[DeadLetter]:
         """Atomically take up to ``limit`` due ``pending`` items of ``framework``, marking them
         ``retrying``.
+
+        A queue with a :attr:`scope` takes only its own app's rows, rows that name no app, and
+        other apps' rows of the tasks named in ``runs`` (those its sweep can run: an app
+        renamed takes the rows of its old name): another app's row of a task it does not know
+        would be refused by its worker, a retry used, and never reach that app.
 
         Concurrent callers never take the same item: where the server can (PostgreSQL,
         MariaDB 10.6+, MySQL 8.0.1+), they skip rows another sweep has locked; everywhere,
@@ -285,7 +305,11 @@ class DeadLetterQueue:
             sweep_id = str(uuid.uuid4())
             with self._begin() as connection:
                 due = queries.select_due_ids(
-                    self._db(now), limit, framework, queries.skips_locked_rows(connection.dialect)
+                    self._db(now),
+                    limit,
+                    framework,
+                    queries.skips_locked_rows(connection.dialect),
+                    self._scoped(runs, connection.dialect),
                 )
                 ids = list(connection.execute(due).scalars())
                 if not ids:
@@ -325,15 +349,26 @@ class DeadLetterQueue:
             return
         logger.error("%s: marked permanent_failure, not sent again", error)
 
-    def recover_stuck(self, timeout: timedelta, framework: str | None = None) -> int:
+    def recover_stuck(
+        self, timeout: timedelta, framework: str | None = None, runs: Collection[str] = ()
+    ) -> int:
         """Return items ``retrying`` for longer than ``timeout`` to ``pending`` (only those of
-        ``framework``, when given); how many."""
+        ``framework``, when given, and those :meth:`take_due` would take with ``runs``); how
+        many."""
         now = self._clock()
         with self._begin() as connection:
             result = connection.execute(
-                queries.recover_stuck(self._db(now - timeout), self._db(now), framework)
+                queries.recover_stuck(
+                    self._db(now - timeout),
+                    self._db(now),
+                    framework,
+                    self._scoped(runs, connection.dialect),
+                )
             )
         return int(result.rowcount)
+
+    def _scoped(self, runs: Collection[str], dialect: Dialect) -> ColumnElement[bool] | None:
+        return None if self.scope is None else queries.in_scope(self.scope, runs, dialect)
 
     def unclaim(self, item_id: str, delay: float = 0.0) -> bool:
         """Put a ``retrying`` item back to ``pending``, due ``delay`` seconds from now (its
@@ -597,7 +632,7 @@ def _without_arguments(row: dict[str, Any], reason: str) -> dict[str, Any]:
     options = {
         name: value
         for name, value in row["options"].items()
-        if name in (OCCURRENCE, FULL_TASK_ID, FULL_TASK_NAME, FULL_KEY)
+        if name in (OCCURRENCE, FULL_TASK_ID, FULL_TASK_NAME, FULL_KEY, queries.SCOPE_OPTION)
     }
     options.update({ARGS_LOSSY: True, ARGS_REFUSED: reason, ARGS_PREVIEW: preview})
     traceback = row["traceback"]
@@ -691,8 +726,10 @@ def _read_item(row: Any) -> DeadLetter:
             raise TypeError(f"{column} is not a JSON object: {row[column]!r:.80}")
     options = dict(row["options"])
     options.pop(OCCURRENCE, None)
+    scope = options.pop(queries.SCOPE_OPTION, None)
     return DeadLetter(
         id=row["id"],
+        scope=scope if isinstance(scope, str) else None,
         task_name=options.pop(FULL_TASK_NAME, row["task_name"]),
         task_id=options.pop(FULL_TASK_ID, row["task_id"]),
         framework=row["framework"],

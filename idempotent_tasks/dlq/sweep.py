@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from enum import Enum
 
 from ..errors import StoreUnavailable
@@ -38,8 +38,11 @@ def resend_due(
     retry_delay: float,
     unreachable: Callable[[BaseException], bool] = lambda _error: False,
     interrupted: tuple[type[BaseException], ...] = (),
+    runs: Collection[str] = (),
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
+    (With a scoped ``queue``, only the items it takes: see :meth:`DeadLetterQueue.take_due`,
+    which ``runs`` is given to.)
 
     An error ``unreachable`` says is the broker's (it cannot be reached, or cannot take
     messages now) costs no retry: the item is due again ``retry_delay`` seconds later, and the
@@ -61,7 +64,7 @@ def resend_due(
     sent = 0
     tried: set[str] = set()
     while True:
-        taken = queue.take_due(batch, framework=framework)
+        taken = queue.take_due(batch, framework=framework, runs=runs)
         items = [item for item in taken if item.id not in tried]
         for again in taken:
             if again.id in tried:  # due again already (a backoff of about nothing)

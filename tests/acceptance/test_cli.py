@@ -283,6 +283,7 @@ def test_show_prints_every_field_and_the_traceback(
     lines = dict(line.split(None, 1) for line in result.stdout.splitlines()[:2])
     assert lines == {"id": item.id, "task": "shop.notify_warehouse"}
     for expected in (
+        "app              -",  # written by a queue that names no app
         "task id          task-2",
         "failure id       task-2:1",
         "idempotency key  order-2",

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.dlq.arguments import stored_arguments
+from idempotent_tasks.dlq.queries import SCOPE_OPTION
 from idempotent_tasks.dlq.schema import (
     COMPONENT,
     SCHEMA_VERSION,
@@ -1625,5 +1626,93 @@ def test_a_sweep_that_cannot_record_one_items_retry_goes_on_with_the_others(
         # and the first stays taken, for recover_stuck to make due again after its timeout
         first = dlq.get(items[0].id)
         assert first is not None and first.status is Statuses.RETRYING
+    finally:
+        dlq.dispose()
+
+
+# -- apps sharing one table ---------------------------------------------------------------------
+
+
+def _status(dlq: DeadLetterQueue, item: DeadLetter) -> tuple[DeadLetterStatus, int]:
+    found = dlq.get(item.id)
+    assert found is not None
+    return found.status, found.retry_count
+
+
+def test_an_app_sweeps_its_own_rows_unnamed_rows_and_rows_of_tasks_it_runs(
+    make_queue: MakeQueue, clock: Clock
+) -> None:
+    # Given one table written by two apps' queues ("shop" and "mail") and by one that names no
+    # app (a queue of an earlier version, RQ's, the Python API's)
+    shop, mail, unnamed = make_queue(scope="shop"), make_queue(scope="mail"), make_queue()
+    own = _add_at(shop, clock, T0, task_name="shop.charge")
+    others = _add_at(mail, clock, T0, task_name="mail.send")
+    others_of_a_task_shop_runs = _add_at(mail, clock, T0, task_name="shop.refund")
+    nameless = _add_at(unnamed, clock, T0, task_name="old.task")
+    clock.now = T0 + timedelta(hours=1)
+    # When the shop's sweep takes what is due, as an app running shop.charge and shop.refund
+    taken = shop.take_due(limit=10, runs={"shop.charge", "shop.refund"})
+    # Then it takes its own row, the unnamed one, and mail's row of a task it runs (an app
+    # renamed since takes the rows of its old name); never mail's row of a task it does not
+    # know, which its worker would refuse (a retry used), and which mail's sweep takes
+    assert _ids(taken) == {own.id, nameless.id, others_of_a_task_shop_runs.id}
+    assert _status(shop, others) == (Statuses.PENDING, 0)
+    assert _ids(mail.take_due(limit=10, runs={"mail.send"})) == {others.id}
+    # And each row names the app that wrote it, as an attribute, not an option to send
+    assert {item.id: item.scope for item in unnamed.items(limit=10)} == {
+        own.id: "shop",
+        others.id: "mail",
+        others_of_a_task_shop_runs.id: "mail",
+        nameless.id: None,
+    }
+    assert all(SCOPE_OPTION not in item.options for item in unnamed.items(limit=10))
+
+
+def test_a_queue_that_names_no_app_sweeps_every_row(make_queue: MakeQueue, clock: Clock) -> None:
+    shop, unnamed = make_queue(scope="shop"), make_queue()
+    rows = [_add_at(shop, clock, T0), _add_at(unnamed, clock, T0)]
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(unnamed.take_due(limit=10)) == _ids(rows)
+
+
+def test_an_app_recovers_only_the_stuck_rows_it_would_sweep(
+    make_queue: MakeQueue, clock: Clock
+) -> None:
+    # Given a row of each app taken by its sweep, both stuck in retrying since (the sweeps died)
+    shop, mail = make_queue(scope="shop"), make_queue(scope="mail")
+    own = _add_at(shop, clock, T0, task_name="shop.charge")
+    others = _add_at(mail, clock, T0, task_name="mail.send")
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(shop.take_due(limit=10)) == {own.id}
+    assert _ids(mail.take_due(limit=10)) == {others.id}
+    clock.now += timedelta(hours=2)
+    # When the shop's sweep recovers stuck rows (by its own retrying timeout)
+    assert shop.recover_stuck(timedelta(hours=1), framework="celery", runs={"shop.charge"}) == 1
+    # Then only its own is due again: mail's is judged by mail's sweep and its timeout
+    assert _status(shop, own) == (Statuses.PENDING, 0)
+    assert _status(shop, others)[0] is Statuses.RETRYING
+
+
+def test_a_row_whose_options_do_not_parse_leaves_a_named_sweep_working(
+    tmp_path: Path, clock: Clock
+) -> None:
+    # Given two due rows on SQLite (which keeps any text in a JSON column), one whose options
+    # an operator's UPDATE made text that is not JSON
+    dlq = DeadLetterQueue(
+        f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}", clock=clock, scope="shop"
+    )
+    try:
+        readable = _add_at(dlq, clock, T0)
+        edited = _add_at(dlq, clock, T0)
+        with dlq.engine.begin() as connection:
+            connection.execute(
+                sa.text(f"UPDATE {dead_letters.name} SET options = '{{not json' WHERE id = :id"),
+                {"id": edited.id},
+            )
+        # Then the app's sweep, which asks each row's options for its app, takes the other row
+        # and gives the edited one up, as an unnamed sweep does
+        clock.now = T0 + timedelta(hours=1)
+        assert _ids(dlq.take_due(limit=10)) == {readable.id}
+        assert dlq.stats()[Statuses.PERMANENT_FAILURE.value] == 1
     finally:
         dlq.dispose()
