@@ -6,10 +6,22 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Delete, Select, Update, case, delete, func, insert, or_, select, update
+from sqlalchemy import (
+    Delete,
+    Select,
+    Update,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.dml import Insert
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
 from .schema import dead_letters, schema_versions
 
@@ -63,17 +75,26 @@ def select_due_ids(
     return due.with_for_update(skip_locked=True) if skip_locked else due
 
 
-def in_scope(scope: str, runs: Collection[str], dialect: Dialect) -> ColumnElement[bool]:
-    """The rows a sweep of app ``scope`` takes from a table apps share: those its own app wrote,
-    those no app named (written before rows were named, by RQ, or by an unnamed queue), and
-    another app's of a task it runs itself (``runs``: an app renamed takes its old rows). Never
-    another app's row of a task it does not know: its worker would refuse it, a retry used."""
+def in_scope(scope: str | None, runs: Collection[str], dialect: Dialect) -> ColumnElement[bool]:
+    """The rows a sweep of app ``scope`` takes from a table apps share: its own app's, those no
+    app named (written before rows were named, or by a queue that names none), and another
+    app's of a task it runs itself (``runs``: an app renamed takes its old name's rows). Never
+    another app's row of a task it does not know: its worker would refuse it as unknown, a
+    retry used each time. A sweep of an app without a name (``None``) takes the rows no app
+    named and those of its tasks."""
     written_by = _written_scope(dialect)
-    return or_(
-        written_by.is_(None),
-        written_by == scope,
-        dead_letters.c.task_name.in_(sorted(runs)),
+    # Rendered in the statement, not bound one by one: an app may register more tasks than
+    # an old SQLite takes parameters (999).
+    runs_here: BindParameter[list[str]] = bindparam(
+        "runs", sorted(runs), expanding=True, literal_execute=True
     )
+    taken: list[ColumnElement[bool]] = [
+        written_by.is_(None),
+        dead_letters.c.task_name.in_(runs_here),
+    ]
+    if scope is not None:
+        taken.append(written_by == scope)
+    return or_(*taken)
 
 
 def _written_scope(dialect: Dialect) -> ColumnElement[Any]:

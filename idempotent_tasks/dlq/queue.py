@@ -285,15 +285,16 @@ class DeadLetterQueue:
         self,
         limit: int = SWEEP_BATCH,
         framework: str = "celery",
-        runs: Collection[str] = (),
+        runs: Collection[str] | None = None,
     ) -> list[DeadLetter]:
         """Atomically take up to ``limit`` due ``pending`` items of ``framework``, marking them
         ``retrying``.
 
-        A queue with a :attr:`scope` takes only its own app's rows, rows that name no app, and
-        other apps' rows of the tasks named in ``runs`` (those its sweep can run: an app
-        renamed takes the rows of its old name): another app's row of a task it does not know
-        would be refused by its worker, a retry used, and never reach that app.
+        Given ``runs`` (the tasks its sweep can run), a queue takes only its own app's rows
+        (its :attr:`scope`'s), rows that name no app, and other apps' rows of tasks named in
+        ``runs`` (an app renamed takes the rows of its old name): another app's row of a task
+        it does not know would be refused by its worker, a retry used each time, and never
+        reach its own app. Without ``runs``, a queue that names no app takes every row.
 
         Concurrent callers never take the same item: where the server can (PostgreSQL,
         MariaDB 10.6+, MySQL 8.0.1+), they skip rows another sweep has locked; everywhere,
@@ -350,7 +351,7 @@ class DeadLetterQueue:
         logger.error("%s: marked permanent_failure, not sent again", error)
 
     def recover_stuck(
-        self, timeout: timedelta, framework: str | None = None, runs: Collection[str] = ()
+        self, timeout: timedelta, framework: str | None = None, runs: Collection[str] | None = None
     ) -> int:
         """Return items ``retrying`` for longer than ``timeout`` to ``pending`` (only those of
         ``framework``, when given, and those :meth:`take_due` would take with ``runs``); how
@@ -367,8 +368,10 @@ class DeadLetterQueue:
             )
         return int(result.rowcount)
 
-    def _scoped(self, runs: Collection[str], dialect: Dialect) -> ColumnElement[bool] | None:
-        return None if self.scope is None else queries.in_scope(self.scope, runs, dialect)
+    def _scoped(self, runs: Collection[str] | None, dialect: Dialect) -> ColumnElement[bool] | None:
+        if self.scope is None and runs is None:
+            return None
+        return queries.in_scope(self.scope, runs or (), dialect)
 
     def unclaim(self, item_id: str, delay: float = 0.0) -> bool:
         """Put a ``retrying`` item back to ``pending``, due ``delay`` seconds from now (its
@@ -729,7 +732,8 @@ def _read_item(row: Any) -> DeadLetter:
     scope = options.pop(queries.SCOPE_OPTION, None)
     return DeadLetter(
         id=row["id"],
-        scope=scope if isinstance(scope, str) else None,
+        # As the sweep's SQL reads it: a value edited in that is not text, as JSON writes it.
+        scope=scope if isinstance(scope, str) or scope is None else json.dumps(scope),
         task_name=options.pop(FULL_TASK_NAME, row["task_name"]),
         task_id=options.pop(FULL_TASK_ID, row["task_id"]),
         framework=row["framework"],

@@ -38,7 +38,7 @@ def resend_due(
     retry_delay: float,
     unreachable: Callable[[BaseException], bool] = lambda _error: False,
     interrupted: tuple[type[BaseException], ...] = (),
-    runs: Collection[str] = (),
+    runs: Collection[str] | None = None,
 ) -> int:
     """Take every due item of ``framework``, in batches, and ``resend`` each; how many went.
     (With a scoped ``queue``, only the items it takes: see :meth:`DeadLetterQueue.take_due`,

@@ -1646,6 +1646,9 @@ def test_an_app_sweeps_its_own_rows_unnamed_rows_and_rows_of_tasks_it_runs(
     # app (a queue of an earlier version, RQ's, the Python API's)
     shop, mail, unnamed = make_queue(scope="shop"), make_queue(scope="mail"), make_queue()
     own = _add_at(shop, clock, T0, task_name="shop.charge")
+    # (its task not registered where the sweep runs: a worker with other modules, a task
+    # removed since; its own app's row all the same)
+    own_of_a_task_not_here = _add_at(shop, clock, T0, task_name="shop.removed")
     others = _add_at(mail, clock, T0, task_name="mail.send")
     others_of_a_task_shop_runs = _add_at(mail, clock, T0, task_name="shop.refund")
     nameless = _add_at(unnamed, clock, T0, task_name="old.task")
@@ -1655,12 +1658,18 @@ def test_an_app_sweeps_its_own_rows_unnamed_rows_and_rows_of_tasks_it_runs(
     # Then it takes its own row, the unnamed one, and mail's row of a task it runs (an app
     # renamed since takes the rows of its old name); never mail's row of a task it does not
     # know, which its worker would refuse (a retry used), and which mail's sweep takes
-    assert _ids(taken) == {own.id, nameless.id, others_of_a_task_shop_runs.id}
+    assert _ids(taken) == {
+        own.id,
+        own_of_a_task_not_here.id,
+        nameless.id,
+        others_of_a_task_shop_runs.id,
+    }
     assert _status(shop, others) == (Statuses.PENDING, 0)
     assert _ids(mail.take_due(limit=10, runs={"mail.send"})) == {others.id}
     # And each row names the app that wrote it, as an attribute, not an option to send
     assert {item.id: item.scope for item in unnamed.items(limit=10)} == {
         own.id: "shop",
+        own_of_a_task_not_here.id: "shop",
         others.id: "mail",
         others_of_a_task_shop_runs.id: "mail",
         nameless.id: None,
@@ -1669,10 +1678,27 @@ def test_an_app_sweeps_its_own_rows_unnamed_rows_and_rows_of_tasks_it_runs(
 
 
 def test_a_queue_that_names_no_app_sweeps_every_row(make_queue: MakeQueue, clock: Clock) -> None:
+    # (the Python API's, and RQ's: told no tasks to keep to)
     shop, unnamed = make_queue(scope="shop"), make_queue()
     rows = [_add_at(shop, clock, T0), _add_at(unnamed, clock, T0)]
     clock.now = T0 + timedelta(hours=1)
     assert _ids(unnamed.take_due(limit=10)) == _ids(rows)
+
+
+def test_an_app_without_a_name_sweeps_unnamed_rows_and_rows_of_tasks_it_runs(
+    make_queue: MakeQueue, clock: Clock
+) -> None:
+    # Given a named app's rows in a table an app without a name (Celery()) sweeps too
+    shop, unnamed = make_queue(scope="shop"), make_queue()
+    shops = _add_at(shop, clock, T0, task_name="shop.charge")
+    shops_of_a_shared_task = _add_at(shop, clock, T0, task_name="common.notify")
+    its_own = _add_at(unnamed, clock, T0, task_name="tools.report")
+    clock.now = T0 + timedelta(hours=1)
+    # Then its sweep takes its own (unnamed) rows, whatever their task, and the shop's row of a
+    # task it runs too; never the shop's row of a task it does not know
+    taken = unnamed.take_due(limit=10, runs={"common.notify"})
+    assert _ids(taken) == {its_own.id, shops_of_a_shared_task.id}
+    assert _status(shop, shops) == (Statuses.PENDING, 0)
 
 
 def test_an_app_recovers_only_the_stuck_rows_it_would_sweep(

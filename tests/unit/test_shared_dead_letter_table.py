@@ -4,6 +4,7 @@ know, which its worker would refuse (a retry used each time, until the row gave 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ def _body() -> None:
     """A stand-in task body (never run here)."""
 
 
-def _app(name: str, dlq_url: str, *task_names: str) -> Celery:
+def _app(name: str | None, dlq_url: str, *task_names: str) -> Celery:
     app = Celery(name, set_as_current=False, broker="memory://")
     app.conf.update(
         idempotency_dlq_url=dlq_url,
@@ -31,6 +32,7 @@ def _app(name: str, dlq_url: str, *task_names: str) -> Celery:
     for task_name in task_names:
         app.task(name=task_name, shared=False)(_body)
     app.finalize()
+    _made.append(app)
     return app
 
 
@@ -50,11 +52,14 @@ def _failure(task_name: str) -> Failure:
     )
 
 
+_made: list[Celery] = []
+
+
 @pytest.fixture()
 def dlq_url(tmp_path: Path) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
-    yield url
-    DeadLetterQueue(url).dispose()
+    yield f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
+    while _made:
+        dlq_for(_made.pop()).dispose()
 
 
 def test_an_apps_sweep_sends_its_own_rows_and_leaves_another_apps(dlq_url: str) -> None:
@@ -81,10 +86,51 @@ def test_an_apps_sweep_sends_its_own_rows_and_leaves_another_apps(dlq_url: str) 
         table.dispose()
 
 
-def test_an_app_without_a_name_names_no_app_on_its_rows(dlq_url: str) -> None:
-    app = _app("", dlq_url)
-    assert dlq_for(app).scope is None
-    assert dlq_for(_app("shop", dlq_url)).scope == "shop"
+def test_an_app_without_a_name_names_none_and_leaves_named_rows_of_tasks_it_does_not_know(
+    dlq_url: str,
+) -> None:
+    # Given an app without a name (Celery()) and a named one on one table
+    unnamed = _app(None, dlq_url, "tools.report")
+    shop = _app("shop", dlq_url, "shop.charge")
+    assert (dlq_for(unnamed).scope, dlq_for(shop).scope) == (None, "shop")
+    its_own = dlq_for(unnamed).add(_failure("tools.report"))
+    shops = dlq_for(shop).add(_failure("shop.charge"))
+    # When the unnamed app sweeps, it sends its own row (which names no app), not the shop's
+    assert unnamed.tasks[SWEEP_TASK].apply().get() == 1
+    table = DeadLetterQueue(dlq_url)
+    try:
+        found = table.get(its_own.id)
+        assert found is not None and (found.status, found.scope) == (
+            DeadLetterStatus.RETRYING,
+            None,
+        )
+        left = table.get(shops.id)
+        assert left is not None and (left.status, left.retry_count) == (
+            DeadLetterStatus.PENDING,
+            0,
+        )
+    finally:
+        table.dispose()
+
+
+def test_a_renamed_app_recovers_the_stuck_rows_its_old_name_wrote(dlq_url: str) -> None:
+    # Given a dead letter its app, under its old name, took and never ended (its sweep died)
+    old = _app("shop-v1", dlq_url, "shop.charge")
+    row = dlq_for(old).add(_failure("shop.charge"))
+    assert old.tasks[SWEEP_TASK].apply().get() == 1
+    # When the app, renamed, sweeps once that row has been retrying past its timeout
+    shop = _app("shop", dlq_url, "shop.charge")
+    shop.conf.idempotency_dlq_retrying_timeout = 0.01
+    time.sleep(0.05)
+    # Then it makes the row due again and sends it (a row of a task it runs)
+    assert shop.tasks[SWEEP_TASK].apply().get() == 1
+    table = DeadLetterQueue(dlq_url)
+    try:
+        found = table.get(row.id)
+        assert found is not None and found.status is DeadLetterStatus.RETRYING
+        assert found.sweep_id is not None
+    finally:
+        table.dispose()
 
 
 def test_a_renamed_app_sweeps_the_rows_its_old_name_wrote(dlq_url: str) -> None:
