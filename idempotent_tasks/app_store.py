@@ -160,7 +160,8 @@ def dlq_for(app: Any) -> DeadLetterQueue:
             app_setting(app.conf, "idempotency_dlq_url"),
             base_delay=app_setting(app.conf, "idempotency_dlq_base_delay"),
             # Apps sharing a table (the default SQLite file is one per user of a host) keep
-            # their rows apart by name: an app without one takes every row, as before names.
+            # their rows apart by name (see DeadLetterQueue.take_due); an app without one
+            # writes rows that name none.
             scope=app.main or None,
         )
 

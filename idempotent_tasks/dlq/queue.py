@@ -91,7 +91,7 @@ class DeadLetterQueue:
         scope: the name of the app this queue writes for, in a table several apps share (the
             default SQLite file is one per user of a host): each row it writes names it, and
             its sweeps leave another app's rows of tasks it does not run to that app (see
-            :meth:`take_due`). ``None``: rows name no app, and sweeps take every row.
+            :meth:`take_due`). ``None``: rows name no app.
     """
 
     def __init__(
