@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import cpu
-from .app import IMPLEMENTATIONS, TASKS, counter_client, runs_key
+from .app import IMPLEMENTATIONS, counter_client, runs_key
+from .produce import publish
 from .run import RESULTS, flush_bench_dbs, worker
 
 #: Calls published and drained before the counted ones: imports, connections, scripts loaded.
@@ -42,21 +43,14 @@ class Drained:
 
 
 def publish_all(impl: str, n: int) -> float:
-    """Publish ``n`` calls of ``impl`` (after a warm-up) and return the CPU µs per publish."""
-    task = TASKS[impl]
-    keyed = impl in ("idempotent", "twotrips")
-
-    def send(item: int) -> Any:
-        if keyed:
-            return task.apply_async((item,), idempotency_key=f"drain-{item}")
-        return task.apply_async((item,))
-
+    """Publish ``n`` calls of ``impl`` (after a warm-up), as the throughput benchmark's
+    producer does, and return the CPU µs per publish."""
     for item in range(WARMUP):
-        send(1_000_000 + item)
+        publish(impl, 1_000_000 + item, f"drain-warmup-{item}")
     results = []  # kept, as a caller keeps them: dropping one ends its result subscription
     started = time.process_time()
     for item in range(n):
-        results.append(send(item))
+        results.append(publish(impl, item, f"drain-{item}"))
     return (time.process_time() - started) / n * 1e6
 
 

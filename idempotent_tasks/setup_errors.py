@@ -34,9 +34,9 @@ def open_dead_letter_queue(
     writable): a failure is then kept as for a database that is down (its task goes back to
     its queue), never lost."""
     try:
-        if base_delay is None:
-            return DeadLetterQueue(url, scope=scope)
-        delay = non_negative_seconds(base_delay, "idempotency_dlq_base_delay")
-        return DeadLetterQueue(url, base_delay=delay, scope=scope)
+        settings: dict[str, Any] = {"scope": scope}
+        if base_delay is not None:
+            settings["base_delay"] = non_negative_seconds(base_delay, "idempotency_dlq_base_delay")
+        return DeadLetterQueue(url, **settings)
     except SETUP_ERRORS as exc:
         raise DeadLetterQueueUnusable(f"dead-letter database unusable: {exc}") from exc

@@ -5,7 +5,7 @@ know, which its worker would refuse (a retry used each time, until the row gave 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +20,6 @@ from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
 
 def _body() -> None:
     """A stand-in task body (never run here)."""
-
-
-def _app(name: str | None, dlq_url: str, *task_names: str) -> Celery:
-    app = Celery(name, set_as_current=False, broker="memory://")
-    app.conf.update(
-        idempotency_dlq_url=dlq_url,
-        idempotency_store_url="memory://",
-        idempotency_dlq_base_delay=0,  # due at once
-    )
-    for task_name in task_names:
-        app.task(name=task_name, shared=False)(_body)
-    app.finalize()
-    _made.append(app)
-    return app
 
 
 def _failure(task_name: str) -> Failure:
@@ -52,20 +38,44 @@ def _failure(task_name: str) -> Failure:
     )
 
 
-_made: list[Celery] = []
+MakeApp = Callable[..., Celery]
 
 
 @pytest.fixture()
-def dlq_url(tmp_path: Path) -> Iterator[str]:
-    yield f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
-    while _made:
-        dlq_for(_made.pop()).dispose()
+def dlq_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'dead_letters.sqlite3'}"
 
 
-def test_an_apps_sweep_sends_its_own_rows_and_leaves_another_apps(dlq_url: str) -> None:
+@pytest.fixture()
+def make_app(dlq_url: str) -> Iterator[MakeApp]:
+    """Apps named ``name`` on the test's table, registering ``task_names``; their queues are
+    disposed afterwards."""
+    made: list[Celery] = []
+
+    def make(name: str | None, *task_names: str) -> Celery:
+        app = Celery(name, set_as_current=False, broker="memory://")
+        app.conf.update(
+            idempotency_dlq_url=dlq_url,
+            idempotency_store_url="memory://",
+            idempotency_dlq_base_delay=0,  # due at once
+        )
+        for task_name in task_names:
+            app.task(name=task_name, shared=False)(_body)
+        app.finalize()
+        made.append(app)
+        return app
+
+    yield make
+    for app in made:
+        dlq_for(app).dispose()
+
+
+def test_an_apps_sweep_sends_its_own_rows_and_leaves_another_apps(
+    dlq_url: str, make_app: MakeApp
+) -> None:
     # Given two apps on one table, each with a dead letter of its own task
-    shop = _app("shop", dlq_url, "shop.charge")
-    mail = _app("mail", dlq_url, "mail.send")
+    shop = make_app("shop", "shop.charge")
+    mail = make_app("mail", "mail.send")
     own = dlq_for(shop).add(_failure("shop.charge"))
     others = dlq_for(mail).add(_failure("mail.send"))
     # When the shop's sweep runs
@@ -87,11 +97,11 @@ def test_an_apps_sweep_sends_its_own_rows_and_leaves_another_apps(dlq_url: str) 
 
 
 def test_an_app_without_a_name_names_none_and_leaves_named_rows_of_tasks_it_does_not_know(
-    dlq_url: str,
+    dlq_url: str, make_app: MakeApp
 ) -> None:
     # Given an app without a name (Celery()) and a named one on one table
-    unnamed = _app(None, dlq_url, "tools.report")
-    shop = _app("shop", dlq_url, "shop.charge")
+    unnamed = make_app(None, "tools.report")
+    shop = make_app("shop", "shop.charge")
     assert (dlq_for(unnamed).scope, dlq_for(shop).scope) == (None, "shop")
     its_own = dlq_for(unnamed).add(_failure("tools.report"))
     shops = dlq_for(shop).add(_failure("shop.charge"))
@@ -113,13 +123,15 @@ def test_an_app_without_a_name_names_none_and_leaves_named_rows_of_tasks_it_does
         table.dispose()
 
 
-def test_a_renamed_app_recovers_the_stuck_rows_its_old_name_wrote(dlq_url: str) -> None:
+def test_a_renamed_app_recovers_the_stuck_rows_its_old_name_wrote(
+    dlq_url: str, make_app: MakeApp
+) -> None:
     # Given a dead letter its app, under its old name, took and never ended (its sweep died)
-    old = _app("shop-v1", dlq_url, "shop.charge")
+    old = make_app("shop-v1", "shop.charge")
     row = dlq_for(old).add(_failure("shop.charge"))
     assert old.tasks[SWEEP_TASK].apply().get() == 1
     # When the app, renamed, sweeps once that row has been retrying past its timeout
-    shop = _app("shop", dlq_url, "shop.charge")
+    shop = make_app("shop", "shop.charge")
     shop.conf.idempotency_dlq_retrying_timeout = 0.01
     time.sleep(0.05)
     # Then it makes the row due again and sends it (a row of a task it runs)
@@ -133,11 +145,11 @@ def test_a_renamed_app_recovers_the_stuck_rows_its_old_name_wrote(dlq_url: str) 
         table.dispose()
 
 
-def test_a_renamed_app_sweeps_the_rows_its_old_name_wrote(dlq_url: str) -> None:
+def test_a_renamed_app_sweeps_the_rows_its_old_name_wrote(dlq_url: str, make_app: MakeApp) -> None:
     # Given a dead letter written by the app under its old name
-    old = dlq_for(_app("shop-v1", dlq_url, "shop.charge")).add(_failure("shop.charge"))
+    old = dlq_for(make_app("shop-v1", "shop.charge")).add(_failure("shop.charge"))
     # When the app, renamed, sweeps: it runs the row's task, so the row is its own to send
-    assert _app("shop", dlq_url, "shop.charge").tasks[SWEEP_TASK].apply().get() == 1
+    assert make_app("shop", "shop.charge").tasks[SWEEP_TASK].apply().get() == 1
     table = DeadLetterQueue(dlq_url)
     try:
         found = table.get(old.id)
