@@ -47,10 +47,21 @@ def short_pickup(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture()
 def worker_and_beat(it_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
+    """Starts a ``-c 1`` worker (and beat) of its own: the default queue is emptied of earlier
+    tests' leftovers first, and dead letters go to a table of this test alone. Else the sweep
+    sends earlier tests' pending rows again, every half second, to the one pool process this
+    test waits on."""
     started: list[Any] = []
+    redis.Redis.from_url(app.conf.broker_url).delete("celery")
+    own_dead_letters = f"sqlite:///{tmp_path / 'dead-letters.db'}"
 
     def start(beat: bool = True, queue: str | None = None, **extra_env: str) -> WorkerProcess:
-        env = {**it_env, "IT_PICKUP_TIMEOUT": str(PICKUP_TIMEOUT), **extra_env}
+        env = {
+            **it_env,
+            "IT_PICKUP_TIMEOUT": str(PICKUP_TIMEOUT),
+            "IT_DLQ_URL": own_dead_letters,
+            **extra_env,
+        }
         worker = WorkerProcess(
             f"pickup{len(started)}",
             env,
