@@ -9,6 +9,8 @@ enqueue; workers read it again when they run the job.
 from __future__ import annotations
 
 import inspect
+import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
@@ -143,14 +145,28 @@ def options_of(func: object) -> IdempotencyOptions | None:
     return found if isinstance(found, IdempotencyOptions) else None
 
 
+#: Signatures of plain functions, read once each: every enqueue and every job binds its
+#: arguments, and ``inspect.signature`` costs more than the binding itself. Weakly keyed, so a
+#: function that goes (a reloaded module's) takes its entry along.
+_signatures: weakref.WeakKeyDictionary[Callable[..., Any], inspect.Signature] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def signature_of(func: object) -> inspect.Signature | None:
     """The call signature used to bind arguments (``None`` when there is none to read)."""
     if func is None or not callable(func):
         return None
+    plain = isinstance(func, types.FunctionType)
+    if plain and (known := _signatures.get(func)) is not None:
+        return known
     try:
-        return inspect.signature(func)
+        signature = inspect.signature(func)
     except (TypeError, ValueError):
         return None
+    if plain:  # not bound methods (made anew at each look) nor callable objects
+        _signatures[func] = signature
+    return signature
 
 
 def scoped_name(func: object) -> str:
