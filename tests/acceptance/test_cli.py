@@ -28,6 +28,7 @@ from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import ClaimRequest, Pickup
 from idempotent_tasks.stores.redis import RedisStore
 from tests.acceptance import cli_app
+from tests.claim_requests import claim_request
 from tests.services import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,10 +162,10 @@ def seed_three(queue: DeadLetterQueue, clock: Clock) -> list[DeadLetter]:
 
 
 def claim(store: RedisStore, task_name: str, key: str) -> tuple[ClaimRequest, int]:
-    request = ClaimRequest(
-        storage_key=storage_key(task_name, key),
+    request = claim_request(
         key=key,
         task_name=task_name,
+        storage_key=storage_key(task_name, key),
         task_id=f"id-of-{key}",
         owner=f"owner-of-{key}",
         fingerprint="ab" * 32,

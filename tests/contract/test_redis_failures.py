@@ -25,6 +25,7 @@ from idempotent_tasks.records import (
     Status,
 )
 from idempotent_tasks.stores.redis import _KEPT_ATTRIBUTE, RedisStore
+from tests.claim_requests import claim_request
 from tests.contract.conftest import CONTRACT_REDIS_DB
 from tests.contract.test_store_owed_messages import RESULT, owing_claim
 from tests.integration.redis_server import RedisServer, free_port
@@ -32,16 +33,7 @@ from tests.services import answers
 
 
 def _request(key: str) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key=key,
-        key=key,
-        task_name="t",
-        task_id="x",
-        owner=uuid.uuid4().hex,
-        fingerprint="fp",
-        lease_seconds=30,
-        ttl_seconds=60,
-    )
+    return claim_request(key=key, storage_key=key, task_id="x")
 
 
 @pytest.fixture()

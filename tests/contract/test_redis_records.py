@@ -18,6 +18,7 @@ from idempotent_tasks.records import (
     Status,
 )
 from idempotent_tasks.stores.redis import RedisStore
+from tests.claim_requests import claim_request
 from tests.contract.conftest import CONTRACT_REDIS_DB
 
 #: Fields the scripts compute as numbers and write as text.
@@ -33,16 +34,7 @@ def client(redis_url: str) -> redis.Redis:
 
 
 def _request(**changes: Any) -> ClaimRequest:
-    request = ClaimRequest(
-        storage_key="t:k",
-        key="k",
-        task_name="t",
-        task_id="task-1",
-        owner="owner-1",
-        fingerprint="fp",
-        lease_seconds=30,
-        ttl_seconds=600,
-    )
+    request = claim_request(owner="owner-1", ttl_seconds=600)
     return dataclasses.replace(request, **changes)
 
 

@@ -19,6 +19,7 @@ from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, Outcome
 from idempotent_tasks.stores.sql import SqlStore
 from idempotent_tasks.stores.sql_clock import ServerClock
+from tests.claim_requests import claim_request
 
 from .conftest import store_url
 
@@ -46,15 +47,12 @@ def engine_of(sql_urls: dict[str, str]) -> Iterator[Callable[[str], sa.Engine]]:
 
 
 def _request(key: str, lease: float) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key=key,
+    return claim_request(
         key=key,
         task_name="clock.task",
+        storage_key=key,
         task_id=uuid.uuid4().hex,
-        owner=uuid.uuid4().hex,
-        fingerprint="fp",
         lease_seconds=lease,
-        ttl_seconds=60,
     )
 
 

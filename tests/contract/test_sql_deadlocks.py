@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from idempotent_tasks.dlq.schema import claims, pickups
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
+from tests.claim_requests import claim_request
 
 from .conftest import store_url
 
@@ -26,13 +27,10 @@ BALLAST_ROWS = 50
 
 
 def _request(task_id: str) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key="charge:o-1",
+    return claim_request(
         key="o-1",
         task_name="charge",
         task_id=task_id,
-        owner=uuid.uuid4().hex,
-        fingerprint="fp",
         lease_seconds=60,
         ttl_seconds=600,
     )

@@ -28,6 +28,7 @@ from idempotent_tasks.dlq.schema import (
 from idempotent_tasks.errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult, Outcome, Pickup
 from idempotent_tasks.stores.sql import SqlStore
+from tests.claim_requests import claim_request
 from tests.integration.databases import fresh_mariadb_database, version_one_dead_letter
 
 from .conftest import store_url
@@ -37,16 +38,7 @@ DUE_NOW = Pickup(envelope=b"{}", due_in=0.0, timeout=60)
 
 
 def _request(key: str = "k") -> ClaimRequest:
-    return ClaimRequest(
-        storage_key=key,
-        key=key,
-        task_name="t",
-        task_id="x",
-        owner=uuid.uuid4().hex,
-        fingerprint="fp",
-        lease_seconds=30,
-        ttl_seconds=60,
-    )
+    return claim_request(key=key, storage_key=key, task_id="x")
 
 
 def _garble_pickup(store: SqlStore, storage_key: str, column: str) -> None:
@@ -181,14 +173,10 @@ def _completed_version_one_claim(engine: sa.Engine, old_claims: sa.Table, key: s
                 result=V1_RESULT.body,
             )
         )
-    return ClaimRequest(
-        storage_key=f"t:{key}",
+    return claim_request(
         key=key,
-        task_name="t",
         task_id="x",
         owner="o2",
-        fingerprint="fp",
-        lease_seconds=30,
         ttl_seconds=600,
     )
 
@@ -344,14 +332,10 @@ def latin1_url() -> str:
 
 
 def _gift_request(owner: str = "o") -> ClaimRequest:
-    return ClaimRequest(
-        storage_key=f"t:{GIFT}",
+    return claim_request(
         key=GIFT,
-        task_name="t",
         task_id="x",
         owner=owner,
-        fingerprint="fp",
-        lease_seconds=30,
         ttl_seconds=600,
     )
 

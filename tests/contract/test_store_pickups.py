@@ -31,6 +31,7 @@ from idempotent_tasks.stores import MemoryStore, Store
 from idempotent_tasks.stores import sql as sql_store_module
 from idempotent_tasks.stores.redis import RedisStore
 from idempotent_tasks.stores.sql import SqlStore
+from tests.claim_requests import claim_request
 from tests.contract.conftest import SERVER_STORES, open_store, store_url
 
 Make = Callable[..., ClaimRequest]
@@ -1250,16 +1251,7 @@ RACE_PREFIX = "pickup-race"
 
 
 def _request(storage_key: str, task_id: str) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key=storage_key,
-        key=storage_key,
-        task_name="t",
-        task_id=task_id,
-        owner=uuid.uuid4().hex,
-        fingerprint="fp",
-        lease_seconds=30,
-        ttl_seconds=60,
-    )
+    return claim_request(key=storage_key, storage_key=storage_key, task_id=task_id)
 
 
 def _sweep_all(kind: str, url: str, start: multiprocessing.synchronize.Event) -> list[str]:

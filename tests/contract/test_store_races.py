@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.records import Outcome
+from tests.claim_requests import claim_request
 from tests.contract.conftest import SERVER_STORES, open_store, store_url
 
 PROCESSES = 6
@@ -23,16 +24,7 @@ def _claim_all(
     start.wait()
     outcomes = []
     for key in keys:
-        request = ClaimRequest(
-            storage_key=key,
-            key=key,
-            task_name="t",
-            task_id="x",
-            owner=uuid.uuid4().hex,
-            fingerprint="fp",
-            lease_seconds=lease,
-            ttl_seconds=60,
-        )
+        request = claim_request(key=key, storage_key=key, task_id="x", lease_seconds=lease)
         outcomes.append(store.claim(request).outcome.value)
     store.close()
     return outcomes

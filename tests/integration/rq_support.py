@@ -26,6 +26,7 @@ from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, Failure
 from idempotent_tasks.records import ClaimRequest, Record
 from idempotent_tasks.rq import resources
 from idempotent_tasks.rq.dead_letters import row_options
+from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,10 +236,10 @@ def wait_failed(job: Job, timeout: float = 20.0) -> None:
 def taker_of(held: Record, storage_key: str, key: str) -> ClaimRequest:
     """A claim of another call taking ``held``'s key over at once (as after a lease lost to a
     stalled store), with its own owner and task id."""
-    return ClaimRequest(
-        storage_key=storage_key,
+    return claim_request(
         key=key,
         task_name=held.task_name,
+        storage_key=storage_key,
         task_id=f"taker-{uuid.uuid4().hex[:10]}",
         owner=f"taker-owner-{uuid.uuid4().hex[:10]}",
         fingerprint=held.fingerprint,

@@ -46,6 +46,7 @@ from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
 from idempotent_tasks.rq.dead_letters import mark_succeeded, row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
 from idempotent_tasks.rq.options import META_KEY, OWN_STORE, signature_of
+from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 from tests.integration.conftest import BROKER_DB
 from tests.integration.helpers import fresh, wait_until
@@ -1338,15 +1339,14 @@ def _holder(
 ) -> ClaimRequest:
     """A claim of another execution on the key ``function``'s job with ``args`` runs under."""
     task_name = f"{function.__module__}.{function.__name__}"
-    return ClaimRequest(
-        storage_key=storage_key(task_name, key),
+    return claim_request(
         key=key,
         task_name=task_name,
+        storage_key=storage_key(task_name, key),
         task_id=fresh("holder"),
         owner=fresh("holder-owner"),
         fingerprint=fingerprint(task_name, signature_of(function), args, {}),
         lease_seconds=lease_seconds,
-        ttl_seconds=60,
     )
 
 

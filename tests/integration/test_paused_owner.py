@@ -27,6 +27,7 @@ from idempotent_tasks.pickups import make_pickup
 from idempotent_tasks.records import ClaimRequest, Outcome, Status
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.stores import MemoryStore
+from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 from tests.integration.conftest import BACKEND_DB, BROKER_DB
 from tests.integration.helpers import fresh
@@ -36,15 +37,10 @@ LEASE = 2.0
 
 
 def _request(owner: str, previous_owner: str | None = None) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key="t:k",
-        key="k",
-        task_name="t",
+    return claim_request(
         task_id=f"task-{owner}",
         owner=owner,
-        fingerprint="fp",
         lease_seconds=LEASE,
-        ttl_seconds=60,
         previous_owner=previous_owner,
     )
 

@@ -26,7 +26,7 @@ from idempotent_tasks import defaults
 from idempotent_tasks.dlq import DeadLetterStatus, Failure
 from idempotent_tasks.errors import IdempotencyKeyMismatch
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import ClaimRequest, Outcome, Status
+from idempotent_tasks.records import Outcome, Status
 from idempotent_tasks.rq import (
     CachedResultJob,
     IdempotentJob,
@@ -36,6 +36,7 @@ from idempotent_tasks.rq import (
 from idempotent_tasks.rq import job as rq_job_module
 from idempotent_tasks.rq.options import META_KEY
 from idempotent_tasks.stores.redis import RedisStore
+from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 from tests.integration.rq_support import RQEnv, rq_env_fixture, taker_of
 
@@ -390,15 +391,14 @@ def _claim_by_hand(queue: IdempotentQueue, key: str, job: Any, owner_job_id: str
     """Claim ``key`` of :func:`rq_jobs.record` with ``job``'s arguments as a worker running
     job ``owner_job_id`` would."""
     claim = queue.store.claim(
-        ClaimRequest(
-            storage_key=storage_key(RECORD, key),
+        claim_request(
             key=key,
             task_name=RECORD,
+            storage_key=storage_key(RECORD, key),
             task_id=owner_job_id,
             owner="worker-attempt",
             fingerprint=job.meta[META_KEY]["fingerprint"],
             lease_seconds=60,
-            ttl_seconds=60,
         )
     )
     assert claim.outcome is Outcome.ACQUIRED

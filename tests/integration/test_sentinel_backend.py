@@ -15,8 +15,9 @@ from celery import Celery
 from redis.sentinel import Sentinel
 
 from idempotent_tasks.app_store import store_for, store_url
-from idempotent_tasks.records import ClaimRequest, Outcome
+from idempotent_tasks.records import Outcome
 from idempotent_tasks.stores.redis import RedisStore
+from tests.claim_requests import claim_request
 from tests.integration.redis_server import RedisServer
 
 MASTER_NAME = "shop"
@@ -56,15 +57,12 @@ def test_a_sentinel_result_backend_gives_the_store_the_master_it_names(tmp_path:
         store = store_for(app)
         assert isinstance(store, RedisStore)
         key = f"order-{uuid.uuid4().hex[:8]}"
-        request = ClaimRequest(
-            storage_key=key,
+        request = claim_request(
             key=key,
             task_name="charge",
+            storage_key=key,
             task_id="t-1",
             owner="o-1",
-            fingerprint="fp",
-            lease_seconds=30,
-            ttl_seconds=60,
         )
         assert store.claim(request).outcome is Outcome.ACQUIRED
         # (its Sentinels asked with the store's timeouts, not the OS's minutes)

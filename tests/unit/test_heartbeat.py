@@ -16,6 +16,7 @@ from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.heartbeat import LeaseKeeper
 from idempotent_tasks.records import ClaimRequest, Outcome
 from idempotent_tasks.stores import MemoryStore
+from tests.claim_requests import claim_request
 
 
 def test_every_registered_lease_is_renewed_until_removed() -> None:
@@ -150,16 +151,7 @@ def test_a_forked_child_renews_its_own_leases_only_even_if_the_lock_was_held() -
 
 def _claimed_attempt(store: MemoryStore, lease_seconds: float) -> Attempt:
     """An attempt that claimed key ``k`` of task ``t`` in ``store``."""
-    request = ClaimRequest(
-        storage_key="t:k",
-        key="k",
-        task_name="t",
-        task_id="task-1",
-        owner="owner-1",
-        fingerprint="fp",
-        lease_seconds=lease_seconds,
-        ttl_seconds=60.0,
-    )
+    request = claim_request(owner="owner-1", lease_seconds=lease_seconds)
     attempt = Attempt(
         store=store, request=request, codec=ResultCodec(serializer="json", max_bytes=1024)
     )

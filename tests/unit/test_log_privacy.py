@@ -15,8 +15,8 @@ from idempotent_tasks import IdempotencyKeyMismatch, IdempotentTask
 from idempotent_tasks.app_store import dlq_for, store_for
 from idempotent_tasks.core import new_owner
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import ClaimRequest
 from idempotent_tasks.task import KEY_HEADER
+from tests.claim_requests import claim_request
 
 
 def test_no_path_of_a_keyed_call_logs_its_arguments(
@@ -57,15 +57,14 @@ def test_no_path_of_a_keyed_call_logs_its_arguments(
         charge.apply((secret, 3), headers={KEY_HEADER: "big"}).get()
         declined.apply((secret,), headers={KEY_HEADER: "declined"})
         store_for(app).claim(
-            ClaimRequest(
-                storage_key=storage_key(skipping.name, "held"),
+            claim_request(
                 key="held",
                 task_name=skipping.name,
+                storage_key=storage_key(skipping.name, "held"),
                 task_id=str(uuid.uuid4()),
                 owner=new_owner(),
                 fingerprint="another call",
                 lease_seconds=60,
-                ttl_seconds=60,
                 validate=False,
             )
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from idempotent_tasks.records import ClaimRequest, EncodedResult
 from idempotent_tasks.stores.memory import SWEEP_EVERY, MemoryStore
+from tests.claim_requests import claim_request
 
 RESULT = EncodedResult(content_type="application/json", content_encoding="utf-8", body=b"1")
 
@@ -17,13 +18,11 @@ class Clock:
 
 
 def _request(key: str, lease_seconds: float = 10.0) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key=f"t:{key}",
+    return claim_request(
         key=key,
-        task_name="t",
+        storage_key=f"t:{key}",
         task_id=f"id-{key}",
         owner=f"owner-{key}",
-        fingerprint="fp",
         lease_seconds=lease_seconds,
         ttl_seconds=30.0,
     )

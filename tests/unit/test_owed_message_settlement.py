@@ -10,21 +10,19 @@ from idempotent_tasks.core import Attempt
 from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, Outcome, Pickup
 from idempotent_tasks.stores import MemoryStore
+from tests.claim_requests import claim_request
 
 ENVELOPE = b"the lost call's message"
 CODEC = ResultCodec(serializer="json", max_bytes=1024)
 
 
 def _request(task_id: str, owner: str, lease_seconds: float = 10.0) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key="tasks.charge:k",
-        key="k",
+    return claim_request(
         task_name="tasks.charge",
         task_id=task_id,
         owner=owner,
         fingerprint=f"fp-{task_id}",
         lease_seconds=lease_seconds,
-        ttl_seconds=60.0,
         validate=False,
     )
 

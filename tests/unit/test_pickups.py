@@ -33,6 +33,7 @@ from idempotent_tasks.pickups import (
 from idempotent_tasks.records import ClaimRequest, DuePickup, Status
 from idempotent_tasks.stores import MemoryStore
 from idempotent_tasks.task import KEY_HEADER
+from tests.claim_requests import claim_request
 
 
 def _app(**conf: Any) -> Celery:
@@ -282,14 +283,11 @@ def test_a_sweep_that_meets_an_unreachable_broker_ends_and_hands_every_key_back_
     store = MemoryStore(clock=lambda: now[0])
     now = [1000.0]
     for index in range(5):
-        request = ClaimRequest(
-            storage_key=f"t:k{index}",
+        request = claim_request(
             key=f"k{index}",
-            task_name="t",
+            storage_key=f"t:k{index}",
             task_id=f"task-{index}",
             owner="",
-            fingerprint="fp",
-            lease_seconds=30,
             ttl_seconds=3600,
         )
         assert store.reserve(request, make_pickup([index], {}, {}, 10.0, wait=0)) is None
@@ -467,14 +465,11 @@ def test_a_sweep_frees_the_key_of_a_call_that_expired_instead_of_sending_it_agai
     now = [1000.0]
     store = MemoryStore(clock=lambda: now[0])
     for name, expires in (("expired", 1), ("lasting", 3600)):
-        request = ClaimRequest(
-            storage_key=f"t:{name}",
+        request = claim_request(
             key=name,
-            task_name="t",
+            storage_key=f"t:{name}",
             task_id=f"task-{name}",
             owner="",
-            fingerprint="fp",
-            lease_seconds=30,
             ttl_seconds=3600,
         )
         pickup = make_pickup([name], {}, {"expires": expires}, 10.0, wait=0)
@@ -502,16 +497,7 @@ def test_a_sweep_drops_the_expired_message_a_completed_key_keeps_for_its_call(
     store = MemoryStore(clock=lambda: now[0])
 
     def request(task_id: str) -> ClaimRequest:
-        return ClaimRequest(
-            storage_key="t:k",
-            key="k",
-            task_name="t",
-            task_id=task_id,
-            owner=task_id,
-            fingerprint="fp",
-            lease_seconds=30,
-            ttl_seconds=3600,
-        )
+        return claim_request(task_id=task_id, owner=task_id, ttl_seconds=3600)
 
     owner = request("task-owner")
     token = store.claim(owner).token

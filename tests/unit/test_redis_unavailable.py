@@ -13,9 +13,9 @@ from redis.client import Pipeline
 from redis.exceptions import ResponseError
 
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
-from idempotent_tasks.records import ClaimRequest
 from idempotent_tasks.redis_unavailable import is_read_only, is_refusal, is_unavailable
 from idempotent_tasks.stores.redis import RedisStore, _translated_errors
+from tests.claim_requests import claim_request
 
 NOT_NOW = [
     "READONLY You can't write against a read only replica.",
@@ -100,10 +100,7 @@ def test_a_claim_answered_with_no_token_is_refused_not_acquired(
     monkeypatch.setattr(store, "_run", lambda *_: reply)
     with pytest.raises(CorruptRecord, match="not a token"):
         store.claim(
-            ClaimRequest(
-                storage_key="t:k",
-                key="k",
-                task_name="t",
+            claim_request(
                 task_id="id",
                 owner="o",
                 fingerprint="f",

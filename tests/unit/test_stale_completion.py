@@ -10,19 +10,11 @@ from idempotent_tasks.core import Attempt
 from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.records import ClaimRequest, Outcome
 from idempotent_tasks.stores import MemoryStore
+from tests.claim_requests import claim_request
 
 
 def _request(owner: str) -> ClaimRequest:
-    return ClaimRequest(
-        storage_key="tasks.charge:k",
-        key="k",
-        task_name="tasks.charge",
-        task_id="task-1",
-        owner=owner,
-        fingerprint="fp",
-        lease_seconds=10.0,
-        ttl_seconds=60.0,
-    )
+    return claim_request(task_name="tasks.charge", owner=owner, lease_seconds=10.0)
 
 
 def test_a_refused_completion_whose_winner_cannot_be_read_waits_for_it(
