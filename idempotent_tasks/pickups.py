@@ -263,7 +263,8 @@ def make_pickup(
         # Expired, the message may be dropped unseen (RabbitMQ does): its key is due then, for
         # the next call of the key (or the sweep) to find it ended.
         due_in = min(due_in, max(left, 0.0))
-    return Pickup(envelope=body, due_in=due_in, timeout=timeout)
+    retries = int(options.get("retries") or 0)  # a retry's, or a requeued one's
+    return Pickup(envelope=body, due_in=due_in, timeout=timeout, retries=retries)
 
 
 def _json_faithful(value: Any) -> bool:

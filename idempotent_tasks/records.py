@@ -78,6 +78,9 @@ class ClaimRequest:
     ttl_seconds: float
     validate: bool = True
     previous_owner: str | None = None
+    #: How many retries the claiming message counts (Celery's ``request.retries``): a key
+    #: queued for a later retry of the same call is not taken by it (see :func:`retry_marker`).
+    retries: int = 0
     #: How long a key not completed yet outlives its lease, or its due time while queued
     #: (``None``: ``ttl_seconds``). The pickup guard looks for a key whose message counts as
     #: lost at its due time, or a pickup timeout after a dead owner's lease: a TTL shorter than
@@ -98,6 +101,8 @@ class Record:
     key: str
     task_name: str
     status: Status
+    #: The claim's owner; of a ``queued`` record, the message it waits for (see
+    #: :func:`retry_marker`), or ``""``.
     owner: str
     token: int
     task_id: str
@@ -157,6 +162,9 @@ class Pickup:
     envelope: bytes
     due_in: float
     timeout: float
+    #: How many retries the message counts: a release with this pickup queues the key for it
+    #: (see :func:`retry_marker`).
+    retries: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,3 +180,22 @@ class DuePickup:
     task_id: str
     envelope: bytes
     republished: int
+
+
+def retry_marker(retries: int) -> str:
+    """What a ``queued`` record keeps as its owner while it waits for the message of a retry
+    counting ``retries`` retries (``""`` for a message counting none: it waits for any).
+
+    A message of the same call that counts fewer retries is an older one (redelivered after a
+    visibility timeout, or the guard's copy of a message slow to arrive): taking the key, it
+    would run the call before the retry's countdown is over, its retries counted anew.
+    """
+    return f"retry {retries}" if retries > 0 else ""
+
+
+def older_message(owner: str, retries: int) -> bool:
+    """Whether a message of a ``queued`` record's own call, counting ``retries`` retries, is
+    older than the one the record waits for (its ``owner``: see :func:`retry_marker`). An
+    owner that does not read as a marker waits for no particular message."""
+    count = owner.removeprefix("retry ")
+    return count != owner and count.isascii() and count.isdigit() and retries < int(count)

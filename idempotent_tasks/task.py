@@ -1242,6 +1242,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.error("dead letter %s stays retrying: %s", dead_letter_id, exc)
 
     def _on_in_progress(self, key: str, record: Record) -> NoReturn:
+        if record.status is Status.QUEUED and record.task_id == self.request.id:
+            self._drop_older_copy(key)
         owed = self._owed_a_value()
         mode = "wait" if owed or record.task_id == self.request.id else self.on_duplicate
         if mode == "skip" and self._awaited_by_a_canvas():
@@ -1258,6 +1260,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if owed:
             headers[SUPERSEDED_HEADER] = True  # its copies are owed it too
         self._republish_self(wait_for_owner(record, waits), None, headers)
+
+    def _drop_older_copy(self, key: str) -> NoReturn:
+        """An older message of this call (redelivered, or the guard's copy of a slow one) came
+        while the key is queued for a retry of the call (see
+        :func:`~idempotent_tasks.records.retry_marker`): the retry's message runs the call, its
+        retries counted, and the guard keeps it should it be lost. This copy would run it early,
+        its retries counted anew: it is dropped."""
+        logger.warning(
+            "%s[%s] (key %r): an older copy of the call's message, dropped: its retry runs it",
+            self.name,
+            self.request.id,
+            key,
+        )
+        raise Ignore()
 
     def _owed_a_value(self) -> bool:
         """Whether this call is no duplicate to drop or fail, whatever ``on_duplicate`` says,
@@ -1380,6 +1396,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             request.id,
             owner=issued_owner(request) or new_owner(),
             previous_owner=request_header(request, PREVIOUS_OWNER_HEADER),
+            retries=int(request.retries or 0),
         )
         return Attempt(store=store_for(self.app), request=claim, codec=self._codec, log=logger)
 
@@ -1392,6 +1409,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         *,
         owner: str,
         previous_owner: str | None = None,
+        retries: int = 0,
     ) -> ClaimRequest:
         lease_seconds, ttl_seconds = self._lease_and_ttl
         _ = self._codec  # its settings checked too, before anything is published
@@ -1407,6 +1425,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             validate=bool(self.idempotency_validate),
             previous_owner=previous_owner,
             claim_ttl_seconds=self._claim_ttl,
+            retries=retries,
         )
 
     def _celery_result(self, value: Any) -> SideWrite | None:

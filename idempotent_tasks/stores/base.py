@@ -90,7 +90,8 @@ class Store(Protocol):
         """Atomically claim ``request.storage_key`` for ``request.owner``.
 
         Acquired when there is no record or a ``queued`` one (the fingerprint is still
-        compared), when the record is ``processing`` under an expired
+        compared; one queued for a retry of the same call, not by an older message of it: see
+        :meth:`release`), when the record is ``processing`` under an expired
         lease or under ``request.previous_owner`` (a takeover: the fencing token is incremented),
         or when it is already held by this very owner (a retried call); replacing another task
         id's ``queued`` or ``processing`` record, it names that id (``taken_from_task_id``),
@@ -162,8 +163,10 @@ class Store(Protocol):
         the key then goes back to that call, ``queued`` for its message and due now, so the
         pickup guard publishes it again rather than lose it. With a pickup (a retry is being
         published) it becomes ``queued`` for ``request.task_id`` with that pickup, as
-        :meth:`reserve` writes it. Returns whether the claim was held; the fencing counter is
-        kept, so tokens keep growing.
+        :meth:`reserve` writes it, its owner :func:`~idempotent_tasks.records.retry_marker`
+        of the pickup's retries: a claim of the same call whose message counts fewer (an
+        older message) is answered ``IN_PROGRESS``. Returns whether the claim was held; the
+        fencing counter is kept, so tokens keep growing.
         """
         ...
 

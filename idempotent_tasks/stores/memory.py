@@ -22,6 +22,8 @@ from ..records import (
     Record,
     SideWrite,
     Status,
+    older_message,
+    retry_marker,
 )
 from .base import Store, refuse_side_write
 
@@ -216,8 +218,11 @@ class MemoryStore(Store):
             if found.status is Status.QUEUED:
                 if mismatch:
                     return ClaimResult(outcome=Outcome.MISMATCH, record=found)
-                if not same_call and found.lease_expires_at > now:
-                    # Its own message runs it (see claim.lua): this one waits.
+                if (not same_call and found.lease_expires_at > now) or (
+                    same_call and older_message(found.owner, request.retries)
+                ):
+                    # Its own message runs it (see claim.lua): another one, or an older message
+                    # of the call while it is queued for a retry, waits.
                     return ClaimResult(outcome=Outcome.IN_PROGRESS, record=found)
                 # The pickup stays (its count too): should this owner die with its message, it
                 # is sent again.
@@ -344,7 +349,13 @@ class MemoryStore(Store):
             found = self._records[request.storage_key]
             # The key keeps the arguments it stands for (a retry may run with others).
             self._queue(
-                request, pickup, self._clock(), found.created_at, found.token, found.fingerprint
+                request,
+                pickup,
+                self._clock(),
+                found.created_at,
+                found.token,
+                found.fingerprint,
+                owner=retry_marker(pickup.retries),
             )
             return True
 
@@ -463,13 +474,14 @@ class MemoryStore(Store):
         created_at: float,
         token: int,
         fingerprint: str | None = None,
+        owner: str = "",
     ) -> None:
         self._records[request.storage_key] = Record(
             storage_key=request.storage_key,
             key=request.key,
             task_name=request.task_name,
             status=Status.QUEUED,
-            owner="",
+            owner=owner,
             token=token,
             task_id=request.task_id,
             fingerprint=request.fingerprint if fingerprint is None else fingerprint,

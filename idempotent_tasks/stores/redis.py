@@ -49,6 +49,7 @@ from ..records import (
     Record,
     SideWrite,
     Status,
+    retry_marker,
 )
 from ..redis_unavailable import is_read_only, is_refusal, is_unavailable
 from .base import Store
@@ -299,6 +300,8 @@ class RedisStore(Store):
                 request.previous_owner or "",
                 request.key,
                 request.task_name,
+                # (only a retry's: the usual claim carries one argument fewer)
+                *([request.retries] if request.retries else []),
             ],
         )
         if isinstance(reply, int):  # the usual claim: acquired, its token alone
@@ -391,6 +394,7 @@ class RedisStore(Store):
                 pickup.envelope,
                 request.task_id,
                 request.storage_key,
+                retry_marker(pickup.retries),
             ]
         return bool(self._run("release", keys, args))
 

@@ -65,6 +65,8 @@ from ..records import (
     Pickup,
     Record,
     SideWrite,
+    older_message,
+    retry_marker,
 )
 from .base import Store, refuse_side_write
 from .sql_clock import ServerClock
@@ -400,7 +402,10 @@ class SqlStore(Store):
                 return ClaimResult(
                     outcome=Outcome.MISMATCH, record=record_of(request.storage_key, row, now)
                 )
-            if not same_call and row["lease_expires_at"] > now:
+            if (not same_call and row["lease_expires_at"] > now) or (
+                # Queued for a retry, and this an older message of the call (see claim.lua).
+                same_call and older_message(row["owner"], request.retries)
+            ):
                 return ClaimResult(
                     outcome=Outcome.IN_PROGRESS, record=record_of(request.storage_key, row, now)
                 )
@@ -515,6 +520,7 @@ class SqlStore(Store):
                 return True
         # The key keeps the arguments it stands for (see claim): no fingerprint written.
         values = self._queued_values(request, pickup.due_in, now)
+        values["owner"] = retry_marker(pickup.retries)
         return self._write_queued(
             update_held(claim_id, request.owner, token, now, values), request, pickup, now
         )

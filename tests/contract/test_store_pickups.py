@@ -1185,6 +1185,45 @@ def test_a_retry_with_other_arguments_leaves_the_keys_fingerprint_as_its_caller_
     assert (record.status, record.fingerprint) == (Status.QUEUED, "fp-1")
 
 
+def test_a_key_queued_for_a_retry_is_not_taken_by_an_older_message_of_the_call(
+    store: Store, make_request: Make
+) -> None:
+    # Given a call whose first run gave its claim up to its first retry, sitting out a
+    # countdown of a minute
+    first = make_request(task_id="task-1")
+    token = store.claim(first).token
+    assert store.release(first, token, dataclasses.replace(make_pickup(due_in=60), retries=1))
+    record = store.get(first.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.QUEUED, "task-1")
+
+    def of_the_call(retries: int, previous_owner: str | None = None) -> ClaimRequest:
+        return make_request(
+            storage_key=first.storage_key,
+            task_id="task-1",
+            retries=retries,
+            previous_owner=previous_owner,
+        )
+
+    # When the call's first message claims the key again (redelivered, or the guard's copy of
+    # it, slow to arrive), then it finds the key in progress: queued for the retry, which it
+    # would run early, its retries counted anew
+    stale = store.claim(of_the_call(retries=0))
+    assert stale.outcome is Outcome.IN_PROGRESS
+    assert stale.record is not None
+    assert (stale.record.status, stale.record.task_id) == (Status.QUEUED, "task-1")
+    # And the retry's message takes it, or any copy of it (the guard's, or the one a worker
+    # sends again when it found the store down, naming itself as previous owner)
+    retry = of_the_call(retries=1, previous_owner="a-worker-that-found-the-store-down")
+    taken = store.claim(retry)
+    assert taken.outcome is Outcome.ACQUIRED
+    assert taken.token > token
+    # And once that run retries in turn, the first retry's message is an older one too
+    assert store.release(retry, taken.token, dataclasses.replace(make_pickup(), retries=2))
+    assert store.claim(of_the_call(retries=1)).outcome is Outcome.IN_PROGRESS
+    assert store.claim(of_the_call(retries=2)).outcome is Outcome.ACQUIRED
+
+
 def test_release_with_a_pickup_needs_the_claim_held(store: Store, make_request: Make) -> None:
     owner = make_request()
     token = store.claim(owner).token

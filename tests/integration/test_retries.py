@@ -11,8 +11,11 @@ from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Status
 from tests.integration import worker_app
 from tests.integration.helpers import fresh, ledger_events, wait_until
+from tests.integration.workers import WorkerProcess
 
 pytestmark = pytest.mark.usefixtures("two_workers")
+#: What a worker logs when it drops an older copy of a call's message.
+OLDER_COPY_DROPPED = "an older copy of the call's message, dropped"
 
 
 def _record(task: object, key: str) -> object:
@@ -48,10 +51,11 @@ def test_claim_is_free_between_a_failure_and_its_retry() -> None:
     wait_until(lambda: ledger_events(name, "start") == 1, 10, "the first attempt")
     time.sleep(0.5)
     # Then, while the retry waits for its countdown, no claim holds the key: it is queued for
-    # the retry (so a lost retry message is published again), and the retry claims it
+    # the retry (so a lost retry message is published again; an older message of the call
+    # does not take it), and the retry claims it
     record = _record(worker_app.slow_retry, key)
     assert record is not None and record.status is Status.QUEUED, record
-    assert record.owner == "" and record.task_id == result.id
+    assert record.owner == "retry 1" and record.task_id == result.id
     assert result.get(timeout=30) == f"{name} ok"
     assert ledger_events(name, "start") == 2
 
@@ -68,13 +72,50 @@ def test_a_duplicate_does_not_run_the_body_while_a_retry_sits_out_its_countdown(
     # Then the duplicate waits for the retry: the body runs a second time only once the
     # countdown is over, and both calls get its value
     assert result.get(timeout=30) == duplicate.get(timeout=30) == f"{name} ok"
-    starts = [
+    starts = _start_times(name)
+    assert len(starts) == 2
+    assert starts[1] - starts[0] >= 1.5  # default_retry_delay=2.0
+
+
+def test_an_older_copy_of_a_calls_message_does_not_run_its_retry_early(
+    two_workers: list[WorkerProcess],
+) -> None:
+    # Given a call that fails once and is retried 5 s later
+    name, key = fresh("older-copy"), fresh("key")
+    task = worker_app.retried_later
+    result = task.apply_async((name,), idempotency_key=key)
+
+    def queued_for_the_retry() -> bool:
+        record = _record(task, key)
+        return record is not None and record.status is Status.QUEUED  # type: ignore[attr-defined]
+
+    wait_until(queued_for_the_retry, 10, "the retry to be queued")
+    # When an older copy of the call's first message arrives meanwhile (a redelivery after the
+    # visibility timeout, or the guard's copy of a message slow to arrive): the call's task id
+    # and key, none of its retries counted
+    worker_app.app.send_task(
+        task.name, (name,), task_id=result.id, headers={"idempotency_key": key}
+    )
+    # Then that copy is dropped, and the retry alone runs the body again: after its countdown,
+    # counted as the call's first retry
+    wait_until(
+        lambda: any(OLDER_COPY_DROPPED in worker.log() for worker in two_workers),
+        10,
+        "the older copy to be dropped",
+    )
+    assert result.get(timeout=30) == f"{name} ok after 1 retries"
+    starts = _start_times(name)
+    assert len(starts) == 2
+    assert starts[1] - starts[0] >= 4  # its countdown: 5 s
+
+
+def _start_times(name: str) -> list[float]:
+    """When each run of the call ``name`` began (its ledger's start entries)."""
+    return [
         float(entry.decode().rsplit(":", 1)[1])
         for entry in worker_app.ledger.lrange(f"ledger:{name}", 0, -1)
         if entry.startswith(b"start:")
     ]
-    assert len(starts) == 2
-    assert starts[1] - starts[0] >= 1.5  # default_retry_delay=2.0
 
 
 def test_a_retry_with_other_arguments_continues_the_same_call() -> None:

@@ -159,6 +159,15 @@ def slow_retry(self: Any, name: str) -> str:
     return f"{name} ok"
 
 
+@app.task(base=IdempotentTask, bind=True, max_retries=2)
+def retried_later(self: Any, name: str) -> str:
+    """Fails on a run that counts no retries, retried 5 s later."""
+    note("start", name)
+    if self.request.retries == 0:
+        raise self.retry(countdown=5.0)
+    return f"{name} ok after {self.request.retries} retries"
+
+
 @app.task(base=IdempotentTask, max_retries=0)
 def no_retries(name: str, sleep: float) -> str:
     """Allows no retries at all, so a waiting duplicate must not spend any."""

@@ -10,6 +10,7 @@
 -- ARGV[7]  previous owner whose claim may be taken over at once ("" for none)
 -- ARGV[8]  the caller's key (for display)
 -- ARGV[9]  task name
+-- ARGV[10] how many retries the claiming message counts (absent: none)
 -- Returns  the token alone when acquired with nothing more to say (no takeover, no other call
 --          replaced, no message owed: the usual claim);
 --          {outcome, token, takeover, field, value, ...}, or when acquired
@@ -117,6 +118,14 @@ if found[1] == 'queued' then
   -- owner die and its message be lost too, the sweep publishes it again.
   if mismatch then
     return answer('mismatch')
+  end
+  if same_call and found[2] and found[2] ~= '' then
+    -- Queued for a retry (release.lua): a message of the call counting fewer retries is an
+    -- older one, which would run the call early, its retries counted anew.
+    local waits_for = tonumber(string.match(found[2], '^retry (%d+)$'))
+    if waits_for and (tonumber(ARGV[10]) or 0) < waits_for then
+      return answer('in_progress')
+    end
   end
   if not same_call and (tonumber(found[4]) or 0) > now then
     return answer('in_progress')

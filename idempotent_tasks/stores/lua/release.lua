@@ -9,6 +9,8 @@
 -- ARGV[3]  due in, ms ("" for no pickup)    ARGV[4]  re-publication timeout, ms
 -- ARGV[5]  how long the record outlives its due time, ms    ARGV[6]  envelope
 -- ARGV[7]  task id           ARGV[8]  storage key
+-- ARGV[9]  with a pickup: the queued record's owner, the message it waits for ("retry N", or
+--          "": see records.retry_marker)
 -- Returns  1 if released, 0 if the claim is not (or no longer) this owner's
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'envelope_of')
 if found[1] ~= 'processing' or found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
@@ -34,7 +36,8 @@ if hand_back then
   task_id, due_in = kept_of, 0
 end
 local due_at = int(now + due_in)
-local fields = {'status', 'queued', 'owner', '', 'task_id', task_id, 'lease_expires_at', due_at,
+local fields = {'status', 'queued', 'owner', hand_back and '' or ARGV[9], 'task_id', task_id,
+  'lease_expires_at', due_at,
   'updated_at', int(now), 'expires_at', int(now + due_in + ttl), 'due_at', due_at}
 if not hand_back then
   for _, item in ipairs({'envelope', ARGV[6], 'pickup_timeout', ARGV[4], 'republished', '0'}) do
