@@ -182,6 +182,12 @@ class DuePickup:
     republished: int
 
 
+#: The retries a message counts that is newer than every retry of its call: a dead letter's
+#: re-publication, which its sweep orders after every earlier message of the call (a worker
+#: drops a dead letter's message of an earlier sweep before it claims).
+LATEST_MESSAGE = 2**53 - 1
+
+
 def retry_marker(retries: int) -> str:
     """What a ``queued`` record keeps as its owner while it waits for the message of a retry
     counting ``retries`` retries (``""`` for a message counting none: it waits for any).

@@ -90,7 +90,15 @@ from .pickups import (
     seconds_until,
 )
 from .publishing import RESERVED_HEADER
-from .records import ClaimRequest, DuePickup, Outcome, Record, SideWrite, Status
+from .records import (
+    LATEST_MESSAGE,
+    ClaimRequest,
+    DuePickup,
+    Outcome,
+    Record,
+    SideWrite,
+    Status,
+)
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
 from .settings import app_setting, byte_count, positive_seconds, resolve, switch
 from .startup import WORKER_TIME_LIMIT
@@ -856,6 +864,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # that would drop the task, so hand the message back to the broker instead.
             if rejected.requeue:
                 raise
+            if (
+                attempt is not None
+                and will_publish
+                and getattr(self.request, "idempotency_retrying", None) is None
+            ):
+                # The key is queued for the retry's message, which did not go out (the message
+                # handed back, an older one, is dropped when it comes): the guard sends it as
+                # soon as it can, its countdown kept, not at its due time.
+                hand_to_guard(store_for(self.app), attempt.request.storage_key, self.request.id)
             raise Reject(rejected.reason, requeue=True) from rejected
         finally:
             unreleased = getattr(self.request, "idempotency_retrying", None)
@@ -1396,7 +1413,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             request.id,
             owner=issued_owner(request) or new_owner(),
             previous_owner=request_header(request, PREVIOUS_OWNER_HEADER),
-            retries=int(request.retries or 0),
+            retries=_claimed_as_retry(request),
         )
         return Attempt(store=store_for(self.app), request=claim, codec=self._codec, log=logger)
 
@@ -1665,6 +1682,14 @@ def _dumped_models(
         return args, kwargs
     dumped_args, dumped_kwargs = dump(args, kwargs)
     return tuple(dumped_args or ()), dict(dumped_kwargs or {})
+
+
+def _claimed_as_retry(request: Any) -> int:
+    """How many retries a delivered message counts for its claim (see
+    :func:`~idempotent_tasks.records.retry_marker`): a dead letter's counts as the latest."""
+    if request_header(request, DEAD_LETTER_HEADER) is not None:
+        return LATEST_MESSAGE
+    return int(request.retries or 0)
 
 
 def _taking_back_headers(attempt: Attempt) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def test_an_older_copy_of_a_calls_message_does_not_run_its_retry_early(
 
     def queued_for_the_retry() -> bool:
         record = _record(task, key)
-        return record is not None and record.status is Status.QUEUED  # type: ignore[attr-defined]
+        return record is not None and record.owner == "retry 1"  # type: ignore[attr-defined]
 
     wait_until(queued_for_the_retry, 10, "the retry to be queued")
     # When an older copy of the call's first message arrives meanwhile (a redelivery after the
@@ -99,7 +99,11 @@ def test_an_older_copy_of_a_calls_message_does_not_run_its_retry_early(
     # Then that copy is dropped, and the retry alone runs the body again: after its countdown,
     # counted as the call's first retry
     wait_until(
-        lambda: any(OLDER_COPY_DROPPED in worker.log() for worker in two_workers),
+        lambda: any(
+            f"[{result.id}]" in line and OLDER_COPY_DROPPED in line
+            for worker in two_workers
+            for line in worker.log().splitlines()
+        ),
         10,
         "the older copy to be dropped",
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 
@@ -317,10 +317,15 @@ def _kept_message(task: Any, key: str = "k") -> dict[str, Any]:
 
 
 def _run_delivered(
-    task: Any, args: list[Any], task_id: str, ends_with: type[BaseException], **request: Any
+    task: Any,
+    args: list[Any],
+    task_id: str,
+    ends_with: type[BaseException],
+    publish: Any = lambda *args, **kwargs: None,
+    **request: Any,
 ) -> Any:
-    """Run ``task`` as a worker runs a delivered message of key ``k`` (publishing nothing),
-    which ends with ``ends_with``; what it raised."""
+    """Run ``task`` as a worker runs a delivered message of key ``k`` (``publish`` taking
+    what it sends: nothing is sent), which ends with ``ends_with``; what it raised."""
     task.push_request(
         id=task_id,
         args=args,
@@ -333,7 +338,7 @@ def _run_delivered(
     )
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(task, "apply_async", lambda *a, **kw: None)
+            patch.setattr(task, "apply_async", publish)
             with pytest.raises(ends_with) as raised:
                 task(*args)
     finally:
@@ -372,6 +377,30 @@ def test_a_retrys_pickup_is_the_message_celery_sends(
     )
     for name, value in extra.items():
         assert message["options"][name] == value
+
+
+def test_a_retry_the_broker_cannot_take_is_handed_to_the_guard_at_once() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, bind=True, shared=False)
+    def charge(self: Any, order: str) -> str:
+        if self.request.retries == 0:
+            raise self.retry(countdown=60)
+        return order
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("the broker is down")
+
+    # Given a call whose retry the broker cannot take: its message goes back to the broker
+    _run_delivered(charge, ["o"], "t-9", Reject, publish=broker_down)
+    # Then the key is due at once, for the guard to send the retry's message (its countdown
+    # kept), not in a minute and a pickup timeout
+    [due] = store_for(app).take_due(10)
+    options = loads(due.envelope.decode())["options"]
+    assert (due.task_id, options["retries"]) == ("t-9", 1)
+    assert options["eta"] is not None
+    # And the message handed back, which counts no retries, is dropped when it comes
+    _run_delivered(charge, ["o"], "t-9", Ignore)
 
 
 def test_a_call_that_hands_its_message_back_keeps_its_key_queued_for_it() -> None:
