@@ -82,6 +82,7 @@ class Op:
     ttl: float = 30.0
     validate: bool = True
     previous_owner: str | None = None
+    retries: int = 0
     token: str = "own"
     result: int = 0
     pickup: Pickup | None = None
@@ -101,7 +102,7 @@ class Op:
             "cancel": ("task_id",),
             "claim": (
                 *("owner", "task_id", "fingerprint", "lease", "ttl"),
-                *("validate", "previous_owner"),
+                *("validate", "previous_owner", "retries"),
             ),
             "complete": ("owner", "token", "task_id", "fingerprint", "lease", "ttl", "result"),
             "release": ("owner", "token", "task_id", "fingerprint", "ttl", "pickup"),
@@ -140,8 +141,11 @@ def generate(seed: int, steps: int = STEPS) -> list[Op]:
     or token): the stores must agree either way.
     """
     rng = random.Random(seed)
+    # Retry counts drawn apart, so that the operations are those of the seed without them.
+    retry_rng = random.Random(f"retries of {seed}")
     keys = KEYS[: rng.choice((2, 3))]
-    reserved: dict[str, tuple[str, str]] = {}  # key: task id and fingerprint of its message
+    # key: task id, fingerprint and retries of its message
+    reserved: dict[str, tuple[str, str, int]] = {}
     claimed: dict[str, tuple[str, str, str]] = {}  # key: its last claimer, task id, fingerprint
     ops: list[Op] = []
     while len(ops) < steps:
@@ -149,8 +153,11 @@ def generate(seed: int, steps: int = STEPS) -> list[Op]:
         key = rng.choice(keys)
         owner = rng.choice(OWNERS)
         task_id, fingerprint = rng.choice(TASK_IDS), rng.choice(FINGERPRINTS)
+        retries = retry_rng.choice((0, 0, 1, 2))
         if kind in ("claim", "cancel") and key in reserved and rng.random() < 0.7:
-            task_id, fingerprint = reserved[key]
+            task_id, fingerprint, queued_for = reserved[key]
+            # that message, or an older or newer one of its call
+            retries = max(queued_for + retry_rng.choice((0, 0, -1, 1)), 0)
         if kind in ("complete", "release", "extend") and key in claimed and rng.random() < 0.8:
             owner, task_id, fingerprint = claimed[key]
         op = Op(
@@ -175,17 +182,24 @@ def generate(seed: int, steps: int = STEPS) -> list[Op]:
             )[0]
             op = Op(kind="advance", seconds=round(seconds * 4) / 4)
         elif kind == "reserve":
-            op = dataclasses.replace(op, pickup=make_pickup(rng))
-            reserved[key] = (task_id, fingerprint)
+            op = dataclasses.replace(op, pickup=make_pickup(rng, retries=0))
+            reserved[key] = (task_id, fingerprint, 0)
         elif kind == "claim":
             previous = rng.choice((None, None, *OWNERS))
-            op = dataclasses.replace(op, previous_owner=previous, validate=rng.random() < 0.8)
+            op = dataclasses.replace(
+                op,
+                previous_owner=previous,
+                validate=rng.random() < 0.8,
+                retries=retries,
+            )
             claimed[key] = (owner, task_id, fingerprint)
         elif kind == "complete":
             op = dataclasses.replace(op, result=rng.randrange(len(RESULTS)))
         elif kind == "release" and rng.random() < 0.5:
-            op = dataclasses.replace(op, pickup=make_pickup(rng))
-            reserved[key] = (task_id, fingerprint)
+            # a requeued message, or a retry's (its call's message counting one or two more)
+            pickup = make_pickup(rng, retries=retry_rng.choice((0, 1, 2)))
+            op = dataclasses.replace(op, pickup=pickup)
+            reserved[key] = (task_id, fingerprint, pickup.retries)
         elif kind == "take_due":
             # Limit above the number of keys: each store takes due keys in its own order.
             op = Op(kind="take_due", limit=10)
@@ -196,11 +210,12 @@ def generate(seed: int, steps: int = STEPS) -> list[Op]:
     return ops[:steps]
 
 
-def make_pickup(rng: random.Random) -> Pickup:
+def make_pickup(rng: random.Random, retries: int) -> Pickup:
     return Pickup(
         envelope=rng.choice(ENVELOPES),
         due_in=rng.choice((5.0, 15.0)),
         timeout=rng.choice((4.0, 10.0)),
+        retries=retries,
     )
 
 
@@ -297,6 +312,7 @@ def request(op: Op, storage_key: str) -> ClaimRequest:
         ttl_seconds=op.ttl,
         validate=op.validate,
         previous_owner=op.previous_owner,
+        retries=op.retries,
     )
 
 
@@ -384,6 +400,21 @@ REGRESSIONS: dict[str, tuple[Op, ...]] = {
         Op(kind="claim", lease=10.0, ttl=30.0),
         advance(14.0),
         Op(kind="take_due"),
+    ),
+    # Not a disagreement found, but the older-message rule walked through on both stores: a key
+    # queued for a retry is not taken by an older message of the call (fewer retries), is by
+    # the retry's, and is by another call once due.
+    "older-messages-of-a-retried-call": (
+        Op(kind="claim", owner="o1", retries=0),
+        Op(kind="release", owner="o1", pickup=dataclasses.replace(PICKUP, retries=1)),
+        Op(kind="claim", owner="o2", retries=0),
+        Op(kind="claim", owner="o3", retries=1),
+        Op(kind="release", owner="o3", pickup=dataclasses.replace(PICKUP, retries=2)),
+        Op(kind="claim", owner="o2", retries=1),
+        Op(kind="claim", owner="o2", retries=0, previous_owner="o3"),
+        advance(6.0),
+        Op(kind="claim", owner="o1", retries=1),
+        Op(kind="claim", owner="o2", task_id="t2"),
     ),
 }
 
