@@ -7,6 +7,7 @@ shared with other processes (a prefork worker's children each get their own).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -71,7 +72,8 @@ class MemoryStore(Store):
         self._fences_until: dict[str, float] = {}
         self._pending: dict[str, _Pending] = {}
         self._taken: dict[str, _Taken] = {}
-        self._next_sweep = 0.0
+        # (``math.inf``: not even once, at the first call)
+        self._next_sweep = math.inf if sweep_every == math.inf else 0.0
 
     def reserve(self, request: ClaimRequest, pickup: Pickup) -> Record | None:
         with self._lock:

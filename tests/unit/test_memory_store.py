@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from idempotent_tasks.records import ClaimRequest, EncodedResult
+import dataclasses
+import math
+
+from idempotent_tasks.records import ClaimRequest, CompleteOutcome, EncodedResult
 from idempotent_tasks.stores.memory import SWEEP_EVERY, MemoryStore
 from tests.claim_requests import claim_request
 
@@ -58,3 +61,16 @@ def test_a_released_keys_fencing_counter_outlives_its_record_as_on_redis() -> No
     # Then the key's next claim gets a higher token, not the first one again
     again = _request("r")
     assert store.claim(again).token == token + 1
+
+
+def test_a_store_that_never_sweeps_keeps_a_keys_tokens_growing_past_its_expiry() -> None:
+    # (math.inf, as the differential test runs it beside a SQL store whose cleanup does not
+    # run: it swept once, at its first claim, and gave a token again)
+    clock = Clock()
+    store = MemoryStore(clock=clock, sweep_every=math.inf)
+    # Given a key written by a completion whose claim the store lost (token 1), then expired
+    lost = _request("k")
+    assert store.complete(lost, 1, RESULT) is CompleteOutcome.RECOVERED
+    clock.now += 3600
+    # When the store's first claim comes, then its token is still the next one
+    assert store.claim(dataclasses.replace(lost, owner="next")).token == 2
