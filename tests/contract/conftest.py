@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ from idempotent_tasks.records import ClaimRequest
 from idempotent_tasks.stores import MemoryStore, Store
 from idempotent_tasks.stores.redis import RedisStore
 from idempotent_tasks.stores.sql import SqlStore
+from tests.claim_requests import claim_request
 from tests.services import require
 
 CONTRACT_REDIS_DB = 14
@@ -86,19 +88,9 @@ def make_request() -> Callable[..., ClaimRequest]:
     """Build claim requests for one fresh key; keyword arguments override any field."""
     key = f"key-{uuid.uuid4().hex[:8]}"
 
-    def build(**overrides: object) -> ClaimRequest:
-        fields: dict[str, object] = {
-            "storage_key": f"tasks.charge:{key}",
-            "key": key,
-            "task_name": "tasks.charge",
-            "task_id": "task-1",
-            "owner": uuid.uuid4().hex,
-            "fingerprint": "fp-1",
-            "lease_seconds": 30.0,
-            "ttl_seconds": 60.0,
-            **overrides,
-        }
-        return ClaimRequest(**fields)  # type: ignore[arg-type]
+    def build(**overrides: Any) -> ClaimRequest:
+        fields: dict[str, Any] = {"key": key, "task_name": "tasks.charge", "fingerprint": "fp-1"}
+        return claim_request(**{**fields, **overrides})
 
     return build
 
