@@ -5,8 +5,10 @@ taken the key over and even completed it."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError
 from celery.result import AsyncResult
+from celery.signals import task_received
 from rq import SimpleWorker
 
 from idempotent_tasks import IdempotentTask, defaults
@@ -24,16 +27,20 @@ from idempotent_tasks.dlq import DeadLetterQueue
 from idempotent_tasks.errors import StoreUnavailable
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import make_pickup
-from idempotent_tasks.records import ClaimRequest, Outcome, Status
+from idempotent_tasks.records import ClaimRequest, Outcome, Status, retry_marker
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.stores import MemoryStore
 from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 from tests.integration.conftest import BACKEND_DB, BROKER_DB
-from tests.integration.helpers import fresh
+from tests.integration.helpers import fresh, wait_until
 from tests.integration.rq_support import RQ_DB
 
 LEASE = 2.0
+#: The expiry the expiry tests send a call with: long enough for the worker to receive it
+#: before it, even on a loaded machine (a message received past it Celery drops unseen, which
+#: is not what those tests are about).
+EXPIRES = 2.0
 
 
 def _request(owner: str, previous_owner: str | None = None) -> ClaimRequest:
@@ -124,10 +131,11 @@ def test_a_call_taken_over_while_its_body_ran_past_its_expiry_gets_the_keys_valu
 ) -> None:
     key = fresh("key")
     taken: list[tuple[ClaimRequest, int]] = []
+    body_ends = threading.Event()
 
     @app.task(base=IdempotentTask, bind=True, name=fresh("paused.expiring"), shared=False)
     def charge(self: Any, order: str) -> str:
-        # While its body runs past the call's 1 s expiry, another execution takes its key over
+        # While its body runs past the call's expiry, another execution takes its key over
         # (its lease lapsed in a long pause, say), and has not finished when the body ends
         store = store_for(app)
         record = store.get(storage_key(self.name, key))
@@ -135,20 +143,69 @@ def test_a_call_taken_over_while_its_body_ran_past_its_expiry_gets_the_keys_valu
         taker = self._claim_request(
             key, (order,), {}, "the-taker", owner="taker", previous_owner=record.owner
         )
+        taker = dataclasses.replace(taker, lease_seconds=60.0)
         taken.append((taker, store.claim(taker).token))
-        time.sleep(1.5)
+        time.sleep(EXPIRES + 0.5)  # the body began after the call was sent
+        body_ends.set()
         return f"charged {order} here"
 
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        result = charge.apply_async(("o-1",), idempotency_key=key, expires=1.0)
-        # When the taker completes the key, after the call's body ended (1.5 s) and began to
-        # wait, within the taker's own 2 s lease
-        time.sleep(1.8)
+        result = _sent_and_received(
+            lambda task_id: charge.apply_async(
+                ("o-1",), idempotency_key=key, expires=EXPIRES, task_id=task_id
+            )
+        )
+        # When the taker completes the key, after the call's body ended and began to wait
+        assert body_ends.wait(30), "the body never ended"
+        time.sleep(0.3)
         (taker, token), store = taken[0], store_for(app)
         store.complete(taker, token, charge._codec.encode("charged by the other")[0])
         # Then the copy the call waits with, sent past its expiry, was not dropped as expired:
         # its body had run, and its caller gets the key's value (not TaskRevokedError)
         assert result.get(timeout=30) == "charged by the other"
+
+
+def _sent_and_received(send: Callable[[str], AsyncResult]) -> AsyncResult:
+    """The call ``send(task_id)`` sends, once the worker (in this process) has received it.
+
+    A worker drops a message received past its expiry unseen; the expiry tests need one
+    received before it, whose copies then wait past it."""
+    task_id, received = str(uuid.uuid4()), threading.Event()
+
+    def on_received(request: Any, **_: Any) -> None:
+        if request.id == task_id:
+            received.set()
+
+    task_received.connect(on_received, weak=False)
+    try:
+        result = send(task_id)
+        assert received.wait(EXPIRES), "the worker did not receive the call before its expiry"
+    finally:
+        task_received.disconnect(on_received)
+    return result
+
+
+def _sent_duplicate(app: Celery, charge: Any, key: str) -> AsyncResult:
+    """A duplicate of ``charge``'s call under ``key``, sent with an expiry of ``EXPIRES`` (not
+    through apply_async, which would answer with the owner's result), once the worker received
+    it; returns past that expiry, its first look at the key long done."""
+    sent = time.monotonic()
+    duplicate = _sent_and_received(
+        lambda task_id: app.send_task(
+            charge.name,
+            ("o-1",),
+            headers={"idempotency_key": key},
+            expires=EXPIRES,
+            task_id=task_id,
+        )
+    )
+    time.sleep(max(0.0, sent + EXPIRES + 0.5 - time.monotonic()))
+    return duplicate
+
+
+def _owner_dies(app: Celery, owner: ClaimRequest, token: int) -> None:
+    """The key's owner renews its lease a last time, for 0.2 s, and is gone."""
+    assert store_for(app).extend(dataclasses.replace(owner, lease_seconds=0.2), token)
 
 
 def _counting_charge(app: Celery, runs: list[str]) -> Any:
@@ -188,12 +245,8 @@ def test_a_duplicate_waiting_past_its_calls_expiry_gets_the_value_or_ends_expire
         # Given a key another execution holds, alive throughout
         owner, token = _held_by_the_owner(app, charge, key, lease=60.0)
         store = store_for(app)
-        # When a duplicate sent with a 0.5 s expiry (published: sent by other means than
-        # apply_async, which would answer with the owner's result) waits for it past that
-        duplicate = app.send_task(
-            charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5
-        )
-        time.sleep(1.5)
+        # When a duplicate sent with an expiry waits for it past that
+        duplicate = _sent_duplicate(app, charge, key)
         if owner_ends == "completes":
             # Then once the owner completes, the duplicate's caller gets its value: the copies
             # it waited with were not dropped as expired
@@ -214,13 +267,12 @@ def test_a_copy_past_its_calls_expiry_that_takes_a_dead_owners_key_over_runs_it(
     runs: list[str] = []
     charge, key = _counting_charge(app, runs), fresh("key")
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        # Given a key another call holds, reserved with its message for the pickup guard, whose
-        # owner dies (a 1 s lease, never renewed)
-        _held_by_the_owner(app, charge, key, lease=1.0, reserved=True)
-        # When a duplicate sent with a 0.5 s expiry waits, and takes the key over past it
-        duplicate = app.send_task(
-            charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5
-        )
+        # Given a key another call holds, reserved with its message for the pickup guard
+        owner, token = _held_by_the_owner(app, charge, key, lease=60.0, reserved=True)
+        # When a duplicate sent with an expiry waits past it, and its owner then dies, so that
+        # the duplicate takes the key over
+        duplicate = _sent_duplicate(app, charge, key)
+        _owner_dies(app, owner, token)
         # Then it runs the key (ended as expired, its release would drop the other call's
         # message with the key, and that call would never be answered), and both calls get
         # its value
@@ -248,12 +300,11 @@ def test_a_copy_past_its_calls_expiry_that_retries_without_it_runs_the_retry(
 
     key = fresh("key")
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        # Given a copy of a call sent with a 0.5 s expiry that takes a dead owner's key over past
-        # it (so runs), and retries itself with no expiry of its own
-        _held_by_the_owner(app, charge, key, lease=1.0, reserved=True)
-        duplicate = app.send_task(
-            charge.name, ("o-1",), headers={"idempotency_key": key}, expires=0.5
-        )
+        # Given a copy of a call sent with an expiry that takes a dead owner's key over past it
+        # (so runs), and retries itself with no expiry of its own
+        owner, token = _held_by_the_owner(app, charge, key, lease=60.0, reserved=True)
+        duplicate = _sent_duplicate(app, charge, key)
+        _owner_dies(app, owner, token)
         # Then the retry runs, though it comes past the call's expiry: it was sent without it
         assert duplicate.get(timeout=30) == "charged o-1"
     assert runs == ["o-1", "o-1"]
@@ -266,12 +317,24 @@ def test_a_retry_sent_without_its_calls_expiry_keeps_its_key_queued_past_it(app:
 
     key = fresh("key")
     with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
-        # Given a call sent with a 1 s expiry, which retries itself in a minute without it
-        charge.apply_async(("o-1",), idempotency_key=key, expires=1.0)
-        time.sleep(1.5)
+        # Given a call sent with an expiry, which retries itself in a minute without it
+        sent = time.monotonic()
+        _sent_and_received(
+            lambda task_id: charge.apply_async(
+                ("o-1",), idempotency_key=key, expires=EXPIRES, task_id=task_id
+            )
+        )
+        store, stored_as = store_for(app), storage_key(charge.name, key)  # the worker's store
+
+        def queued_for_the_retry() -> bool:
+            record = store.get(stored_as)
+            return record is not None and record.owner == retry_marker(1)
+
+        wait_until(queued_for_the_retry, 10, "the key queued for the retry")
+        time.sleep(max(0.0, sent + EXPIRES + 0.5 - time.monotonic()))
         # Then past that expiry the key stays queued for the retry, not due as if it expired
         # (the guard or a call of the key would free it, and the retry go unguarded)
-        record = store_for(app).get(storage_key(charge.name, key))  # the worker's store
+        record = store.get(stored_as)
         assert record is not None and record.status is Status.QUEUED
         assert record.lease_expires_at > record.store_time() + 30
 
