@@ -317,7 +317,18 @@ class Attempt:
         A store that cannot say is taken as a yes (logged): a message sent twice is answered
         twice from the cache, one never sent leaves its callbacks waiting."""
         stored = self.completion in (CompleteOutcome.STORED, CompleteOutcome.RECOVERED)
-        if not (stored and self._owes_message()):
+        return stored and self._settle()
+
+    def settle_owed_message_before_release(self) -> bool:
+        """Whether this attempt, about to give its held claim up for a later message of its
+        call (a retry, a requeue, a replacement: the key stays queued for it), publishes the
+        message its claim owes now. That release keeps the later message in its place: owed by
+        no one, the owed message would never go out, its callbacks never run. Published now,
+        it waits for the key's value as any message of another call does."""
+        return not self.given_up and bool(self.token) and self._settle()
+
+    def _settle(self) -> bool:
+        if not self._owes_message():
             return False
         try:
             return self.store.settle_owed_message(self.request)

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from functools import cached_property
 from traceback import format_exception
@@ -95,6 +95,7 @@ from .records import (
     ClaimRequest,
     DuePickup,
     Outcome,
+    Pickup,
     Record,
     SideWrite,
     Status,
@@ -572,7 +573,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 self._dead_letter_succeeded()
             elif self._requeued(ended):
                 pickup = self._requeued_pickup(attempt.request.key, args, kwargs)
-                despite_time_limit(SoftTimeLimitExceeded, lambda: attempt.release_quietly(pickup))
+                despite_time_limit(
+                    SoftTimeLimitExceeded, lambda: self._release_for_next_message(attempt, pickup)
+                )
             elif (
                 replacement := getattr(self.request, "idempotency_replacement", None)
             ) is not None:
@@ -688,15 +691,34 @@ class IdempotentTask(Task):  # type: ignore[misc]
         counted as lost), now that the key is completed: that call then answers with the key's
         value, as a slow copy of it would, and its callbacks, chord part and ``rpc://`` reply
         follow, which no stored result alone brings."""
-        envelope = attempt.taken_over_envelope
-        task_id = attempt.owed_task_id
-        if envelope is None or task_id is None or self.request.is_eager:
-            return
         if not attempt.result_cached:
             # Not stored (the store down, a corrupt record), the copy would find the key
             # unfinished and run it again; not cached (too big, not serializable), it would
             # answer None. That call keeps the value stored as its result.
             return
+        self._publish_owed_message(attempt, attempt.settle_owed_message)
+
+    def _release_for_next_message(self, attempt: Attempt, pickup: Pickup) -> None:
+        """Give the key up, queued for this call's next message (``pickup``: a retry, a
+        requeue, a replacement), having first published the message of another call its claim
+        owes: the release keeps the next message in that one's place. Published now, that
+        message waits for the key's value, which this call's next message brings.
+
+        If it cannot be published (the broker refused it), the claim stays, still owing it: the
+        next message takes it over (it names this attempt as its previous owner), or the guard
+        publishes the owed message once the lease ends."""
+        if not self._publish_owed_message(attempt, attempt.settle_owed_message_before_release):
+            return
+        attempt.release_quietly(pickup)
+
+    def _publish_owed_message(self, attempt: Attempt, settle: Callable[[], bool]) -> bool:
+        """Publish the message ``attempt``'s claim owes, if ``settle`` says it still does (the
+        store clearing the debt); ``False`` only when it was owed and could not go out (it is
+        then owed again: see :func:`~idempotent_tasks.pickups.republish_taken`)."""
+        envelope = attempt.taken_over_envelope
+        task_id = attempt.owed_task_id
+        if envelope is None or task_id is None or self.request.is_eager:
+            return True
         lost = DuePickup(
             storage_key=attempt.request.storage_key,
             task_name=self.name,
@@ -705,10 +727,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             republished=1,
         )
         if call_expired(lost):
-            return  # a worker would drop it unrun (REVOKED): its stored result stands
-        if not attempt.settle_owed_message():
-            return  # the guard published it meanwhile (this call was slow past its lease)
-        republish_taken(self.app, attempt.store, lost)
+            return True  # a worker would drop it unrun (REVOKED): its stored result stands
+        if not settle():
+            return True  # the guard published it meanwhile (this call was slow past its lease)
+        return republish_taken(self.app, attempt.store, lost)
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,
@@ -779,7 +801,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             expires=_expiry_of(replacement),
         )
         if pickup is not None:
-            attempt.release_quietly(pickup)
+            self._release_for_next_message(attempt, pickup)
 
     def _eager_replacement_value(self, claim: ClaimRequest) -> Any:
         """The replacement's value of a key completed as replaced, for an eager call."""
@@ -897,7 +919,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt=attempt,
             expires=_retry_expiry(signature, self.request),
         )
-        attempt.release_quietly(pickup)
+        if pickup is None:
+            attempt.release_quietly()
+        else:
+            self._release_for_next_message(attempt, pickup)
 
     def _message_pickup(
         self,

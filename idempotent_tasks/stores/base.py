@@ -140,13 +140,15 @@ class Store(Protocol):
         ...
 
     def settle_owed_message(self, request: ClaimRequest) -> bool:
-        """Whether the completed claim of ``request.owner`` (one execution attempt) still owes the
-        message it took over (:attr:`~idempotent_tasks.records.ClaimResult.owed_task_id`),
-        clearing that debt in the same atomic step: the caller then publishes it, once.
+        """Whether the claim of ``request.owner`` (one execution attempt), completed or still
+        held, still owes the message it took over
+        (:attr:`~idempotent_tasks.records.ClaimResult.owed_task_id`), clearing that debt in the
+        same atomic step: the caller then publishes it, once. A held claim settles before it
+        is released with a pickup (a retry), which keeps the retry's message in its place.
 
         ``False`` when the pickup guard took that message meanwhile (the owner was slow past
         its lease and a re-publication timeout, and the guard published it), when the claim
-        owes none, or when the key is no longer that completed claim's.
+        owes none, or when the key is no longer that claim's.
         """
         ...
 

@@ -331,7 +331,7 @@ class MemoryStore(Store):
             taken = self._taken.get(request.storage_key)
             if (
                 found is None
-                or found.status is not Status.COMPLETED
+                or found.status not in (Status.COMPLETED, Status.PROCESSING)
                 or found.owner != request.owner
                 or taken is None
                 or not taken.owes_message

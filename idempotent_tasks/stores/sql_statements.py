@@ -93,10 +93,14 @@ def update_held(
 
 
 def settle_owed(claim_id: str, owner: str, now: float) -> Update:
-    """Clear the debt of a live ``completed`` row of ``owner`` that owes the message it took
-    over (one row updated: it did)."""
-    owing = _live_row(
-        claim_id, COMPLETED, now, claims.c.owner == owner, claims.c.owes_message.is_(True)
+    """Clear the debt of a live ``completed`` or ``processing`` row of ``owner`` that owes the
+    message it took over (one row updated: it did)."""
+    owing = and_(
+        claims.c.id == claim_id,
+        claims.c.status.in_((COMPLETED, PROCESSING)),
+        claims.c.expires_at > now,
+        claims.c.owner == owner,
+        claims.c.owes_message.is_(True),
     )
     return claims.update().where(owing).values(owes_message=False)
 

@@ -1,8 +1,9 @@
 """A claim that took over another call's lost message owes it; the message goes out once.
 
-Every store answers the same: the owing claim, once completed, settles its debt once
-(``settle_owed_message``: it then publishes the message), unless the pickup guard took the
-message first because the owner was slow past its lease and a re-publication timeout.
+Every store answers the same: the owing claim, once completed (or about to be released for a
+retry), settles its debt once (``settle_owed_message``: it then publishes the message), unless
+the pickup guard took the message first because the owner was slow past its lease and a
+re-publication timeout.
 """
 
 from __future__ import annotations
@@ -49,11 +50,8 @@ def owing_claim(
 
 
 def test_a_completed_owing_claim_settles_its_debt_once(store: Store, make_request: Make) -> None:
-    # Given a claim owing a lost call's message, still running
+    # Given a claim owing a lost call's message, when it completes
     taker, token = owing_claim(store, make_request)
-    # Then it settles nothing before it completes
-    assert store.settle_owed_message(taker) is False
-    # When it completes
     assert store.complete(taker, token, RESULT, owes_message=True) is CompleteOutcome.STORED
     # Then it owes the message once: the first to ask publishes it, no one else
     assert store.settle_owed_message(taker) is True
@@ -61,6 +59,34 @@ def test_a_completed_owing_claim_settles_its_debt_once(store: Store, make_reques
     # and the guard never publishes it either
     time.sleep(TIMEOUT + 0.15)
     assert store.take_due(10) == []
+
+
+def test_a_held_owing_claim_settles_its_debt_once_before_its_release_for_a_retry(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim owing a lost call's message, still held, about to give the key up for its
+    # retry (whose release keeps the retry's message in the lost one's place)
+    taker, token = owing_claim(store, make_request)
+    # Then only its owner settles the debt, once: it publishes the message, no one else
+    assert store.settle_owed_message(make_request(task_id="t-taker")) is False
+    assert store.settle_owed_message(taker) is True
+    assert store.settle_owed_message(taker) is False
+    # When it is released for its retry
+    retry = Pickup(envelope=b"the retry's message", due_in=5.0, timeout=TIMEOUT, retries=1)
+    assert store.release(taker, token, retry) is True
+    # Then the key is queued for the retry, the guard never publishes the lost call's message,
+    # and the retry's claim owes nothing
+    record = store.get(taker.storage_key)
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.QUEUED, "t-taker")
+    time.sleep(TIMEOUT + 0.15)
+    assert store.take_due(10) == []
+    again = store.claim(make_request(task_id="t-taker", retries=1))
+    assert (again.outcome, again.owed_task_id, again.taken_over_envelope) == (
+        Outcome.ACQUIRED,
+        None,
+        None,
+    )
 
 
 def test_a_slow_owner_owes_nothing_once_the_guard_published_the_message(

@@ -269,6 +269,34 @@ def test_a_lost_message_whose_key_another_message_ran_still_runs_its_link(
     assert ledger_events(name, "callback") == 1
 
 
+@pytest.mark.usefixtures("short_pickup")
+def test_a_lost_message_whose_key_a_retrying_message_ran_still_runs_its_link(
+    worker_and_beat: Any,
+) -> None:
+    # Given a keyed call with a link whose message the broker lost, and no beat to sweep for it
+    name, key = fresh("lost-retried"), fresh("key")
+    lost = worker_app.flaky.apply_async(
+        (name, 1), idempotency_key=key, link=worker_app.noted_callback.s(name)
+    )
+    _lose_message("celery", lost.id)
+    time.sleep(PICKUP_TIMEOUT + 0.2)  # the message now counts as lost
+
+    # When another message of the key, sent with no look at the key (by name), takes it over,
+    # fails once and retries (the key queued for its retry, which then completes it)
+    worker_and_beat(beat=False)
+    other = app.send_task(worker_app.flaky.name, (name, 1), idempotency_key=key)
+    value = f"{name} ok after 2 runs"
+    assert other.get(timeout=30) == value
+
+    # Then the lost call's caller gets the value, and the lost message, published again, answers
+    # with it and runs its link (the retry's release did not drop it with the claim's debt)
+    assert lost.get(timeout=30) == value
+    wait_until(lambda: ledger_events(name, "callback") == 1, 30, "the lost call's link")
+    assert ledger_events(name, "start") == 2
+    time.sleep(1)
+    assert ledger_events(name, "callback") == 1
+
+
 def _lost_and_taken_by_a_dead_taker(prefix: str) -> tuple[str, str, Any, str]:
     """A keyed call of ``ledgered`` with a link, whose message the broker lost, and whose key
     a call of another task id then took over under an owner whose 0.2 s lease is over now:

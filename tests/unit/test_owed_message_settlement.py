@@ -120,3 +120,30 @@ def test_a_refused_completion_publishes_nothing(store: MemoryStore, clock: list[
     assert winner.claim().outcome is Outcome.ACQUIRED
     attempt.finish("value", patience_seconds=1)
     assert attempt.settle_owed_message() is False
+
+
+def test_an_attempt_about_to_be_released_for_a_retry_publishes_the_message_once(
+    store: MemoryStore, clock: list[float]
+) -> None:
+    # Given an owing attempt, still holding its claim, about to give it up for its retry
+    attempt = _owing_attempt(store, clock)
+    # Then it publishes the message now, once (the release keeps the retry's in its place)
+    assert attempt.settle_owed_message_before_release() is True
+    assert attempt.settle_owed_message_before_release() is False
+    # and once it gave the key up, it settles nothing
+    other = _owing_attempt(MemoryStore(clock=lambda: clock[0]), clock)
+    other.release()
+    assert other.settle_owed_message_before_release() is False
+
+
+def test_an_attempt_taken_over_before_its_release_publishes_nothing(
+    store: MemoryStore, clock: list[float]
+) -> None:
+    # Given an owing attempt whose claim another execution took over after its lease ended
+    # (the debt passed on to it)
+    attempt = _owing_attempt(store, clock)
+    clock[0] += 11
+    winner = Attempt(store=store, request=_request("taker", "winner-owner"), codec=CODEC)
+    assert winner.claim().outcome is Outcome.ACQUIRED
+    # Then it does not publish the message as it gives the key up: the new owner owes it
+    assert attempt.settle_owed_message_before_release() is False

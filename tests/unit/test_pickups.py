@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from idempotent_tasks.pickups import (
     republish_lost,
     seconds_until,
 )
-from idempotent_tasks.records import ClaimRequest, DuePickup, Status
+from idempotent_tasks.records import ClaimRequest, DuePickup, Outcome, Status
 from idempotent_tasks.stores import MemoryStore
 from idempotent_tasks.task import KEY_HEADER
 from tests.claim_requests import claim_request
@@ -401,6 +402,81 @@ def test_a_retry_the_broker_cannot_take_is_handed_to_the_guard_at_once() -> None
     assert options["eta"] is not None
     # And the message handed back, which counts no retries, is dropped when it comes
     _run_delivered(charge, ["o"], "t-9", Ignore)
+
+
+def _retrying_taker_of_a_lost_call(app: Celery, requeues: bool = False) -> Any:
+    """A task whose first run retries (``requeues``: hands its message back), and a lost call
+    "t-lost" of it, whose message its key kept (counted as lost): a delivered message of the
+    task takes the key over and owes it."""
+
+    @app.task(base=IdempotentTask, bind=True, shared=False)
+    def charge(self: Any, order: str) -> str:
+        if requeues:
+            raise Reject("not now", requeue=True)
+        if self.request.retries == 0:
+            raise self.retry(countdown=60)
+        return order
+
+    lost = charge._claim_request("k", ("o",), {}, "t-lost", owner="lost-owner")
+    pickup = make_pickup(("o",), {}, {"headers": {KEY_HEADER: "k"}}, 60.0, 0.0)
+    assert pickup is not None
+    store_for(app).reserve(lost, dataclasses.replace(pickup, due_in=0.0))
+    time.sleep(0.01)  # counted as lost
+    return charge
+
+
+@pytest.mark.parametrize("broker", ["takes it", "refuses it"])
+def test_a_retry_publishes_the_lost_message_its_claim_owes_before_its_release(
+    broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = _app(idempotency_store_url="memory://")
+    charge = _retrying_taker_of_a_lost_call(app)
+    sent: list[str] = []
+
+    def send_task(name: str, *args: Any, task_id: str, **kwargs: Any) -> None:
+        if broker == "refuses it":
+            raise OperationalError("the broker is down")
+        sent.append(task_id)
+
+    monkeypatch.setattr(app, "send_task", send_task)
+    retries: list[dict[str, Any]] = []
+    # When a message of the key takes it over from the lost call, and retries
+    _run_delivered(charge, ["o"], "t-taker", Retry, publish=lambda *a, **o: retries.append(o))
+    store, stored_as = store_for(app), storage_key(charge.name, "k")
+    record = store.get(stored_as)
+    assert record is not None
+    if broker == "takes it":
+        # Then the lost call's message went out first (it waits for the key's value), and the
+        # key is queued for the retry, which owes nothing more
+        assert sent == ["t-lost"]
+        assert (record.status, record.task_id) == (Status.QUEUED, "t-taker")
+        assert store.take_due(10) == []
+    else:
+        # Then the claim stays, still owing that message: the retry takes it over at once
+        # (it names the claim's owner) and owes it in turn
+        assert (record.status, record.task_id) == (Status.PROCESSING, "t-taker")
+        previous = retries[0]["_idempotency_republish"]["idempotency_previous_owner"]
+        assert record.owner == previous
+        retry = charge._claim_request(
+            "k", ("o",), {}, "t-taker", owner="retry", previous_owner=previous
+        )
+        claim = store.claim(dataclasses.replace(retry, retries=1))
+        assert (claim.outcome, claim.owed_task_id) == (Outcome.ACQUIRED, "t-lost")
+
+
+def test_a_message_handed_back_publishes_the_lost_message_its_claim_owes_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = _app(idempotency_store_url="memory://")
+    charge = _retrying_taker_of_a_lost_call(app, requeues=True)
+    sent: list[str] = []
+    monkeypatch.setattr(app, "send_task", lambda *args, task_id, **kwargs: sent.append(task_id))
+    # When a message of the key takes it over from the lost call, and hands itself back
+    _run_delivered(charge, ["o"], "t-taker", Reject)
+    # Then the lost call's message went out, and the key is queued for the message handed back
+    assert sent == ["t-lost"]
+    record = store_for(app).get(storage_key(charge.name, "k"))
+    assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-taker")
 
 
 def test_a_call_that_hands_its_message_back_keeps_its_key_queued_for_it() -> None:

@@ -1,6 +1,8 @@
--- The completed claim of this owner (one execution attempt) settles the message it owes (see
--- claim.lua): whether it still owes it, the debt cleared in the same step (its caller
--- publishes it now). take.lua clears the debt when the guard publishes that message instead.
+-- The claim of this owner (one execution attempt), completed or still held, settles the message
+-- it owes (see claim.lua): whether it still owes it, the debt cleared in the same step (its
+-- caller publishes it now: the key completed, or the claim about to be given up for a later
+-- message of its call, whose release keeps that message in place of the one owed). take.lua
+-- clears the debt when the guard publishes that message instead.
 -- KEYS[1]  record hash
 -- ARGV[1]  owner id
 -- ARGV[2]  id of this settlement: the debt is cleared to it, so that the same script sent
@@ -8,7 +10,7 @@
 --          another settlement answers 0
 -- Returns  1 if it owed the message, else 0
 local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'owes_message')
-if found[1] ~= 'completed' or found[2] ~= ARGV[1] then
+if (found[1] ~= 'completed' and found[1] ~= 'processing') or found[2] ~= ARGV[1] then
   return 0
 end
 if found[3] == 'settled:' .. ARGV[2] then
