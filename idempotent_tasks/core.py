@@ -129,6 +129,9 @@ class Attempt:
     #: id and its envelope (see :class:`~idempotent_tasks.records.ClaimResult`).
     owed_task_id: str | None = None
     taken_over_envelope: bytes | None = None
+    #: Set once this attempt settled that message before giving its claim up (a retry): a
+    #: completion it makes after all (``retry(throw=False)``) owes it no more.
+    owed_message_settled: bool = False
     #: When this attempt last asked for its claim (:func:`lease_clock`): its lease runs from no
     #: earlier.
     asked_at: float = 0.0
@@ -317,18 +320,7 @@ class Attempt:
         A store that cannot say is taken as a yes (logged): a message sent twice is answered
         twice from the cache, one never sent leaves its callbacks waiting."""
         stored = self.completion in (CompleteOutcome.STORED, CompleteOutcome.RECOVERED)
-        return stored and self._settle()
-
-    def settle_owed_message_before_release(self) -> bool:
-        """Whether this attempt, about to give its held claim up for a later message of its
-        call (a retry, a requeue, a replacement: the key stays queued for it), publishes the
-        message its claim owes now. That release keeps the later message in its place: owed by
-        no one, the owed message would never go out, its callbacks never run. Published now,
-        it waits for the key's value as any message of another call does."""
-        return not self.given_up and bool(self.token) and self._settle()
-
-    def _settle(self) -> bool:
-        if not self._owes_message():
+        if not (stored and self._owes_message()):
             return False
         try:
             return self.store.settle_owed_message(self.request)
@@ -341,8 +333,27 @@ class Attempt:
             )
             return True
 
+    def settle_owed_message_before_release(self) -> bool:
+        """Whether this attempt, about to give its held claim up for a later message of its
+        call (a retry, a requeue, a replacement: the key stays queued for it), publishes the
+        message its claim owes now. That release keeps the later message in its place: owed by
+        no one, the owed message would never go out, its callbacks never run. Published now,
+        it waits for the key's value as any message of another call does.
+
+        Raises StoreUnavailable or CorruptRecord when the store cannot say: the claim is then
+        best kept, still owing the message, for the next message to take over."""
+        if self.given_up or not self.token or not self._owes_message():
+            return False
+        settled = self.store.settle_owed_message(self.request)
+        self.owed_message_settled = True  # published now, or by the guard, or owed by another
+        return settled
+
     def _owes_message(self) -> bool:
-        return self.owed_task_id is not None and self.taken_over_envelope is not None
+        return (
+            self.owed_task_id is not None
+            and self.taken_over_envelope is not None
+            and not self.owed_message_settled
+        )
 
     def release_quietly(self, pickup: Pickup | None = None) -> None:
         """Release, logging (not raising) a store error: the lease frees the key anyway."""

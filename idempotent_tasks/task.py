@@ -704,17 +704,36 @@ class IdempotentTask(Task):  # type: ignore[misc]
         owes: the release keeps the next message in that one's place. Published now, that
         message waits for the key's value, which this call's next message brings.
 
-        If it cannot be published (the broker refused it), the claim stays, still owing it: the
-        next message takes it over (it names this attempt as its previous owner), or the guard
-        publishes the owed message once the lease ends."""
-        if not self._publish_owed_message(attempt, attempt.settle_owed_message_before_release):
+        If the store cannot say whether it is still owed, or the broker cannot take it for now,
+        the claim is left as it is, still owing it, its lease no longer renewed: a retry or a
+        replacement (naming this attempt as its previous owner) takes it over at once, a
+        message handed back once the lease ends; or the guard publishes the owed message a
+        pickup timeout after that."""
+        try:
+            left_owing = not self._publish_owed_message(
+                attempt, attempt.settle_owed_message_before_release, before_release=True
+            )
+        except (StoreUnavailable, CorruptRecord) as exc:
+            logger.warning(
+                "could not ask whether key %r still owes the message of %s (%s): its claim is "
+                "left for the next message to take over",
+                attempt.request.key,
+                attempt.owed_task_id,
+                exc,
+            )
+            left_owing = True
+        if left_owing:
+            attempt.given_up = True  # its lease ends: not taken over, only handed on
             return
         attempt.release_quietly(pickup)
 
-    def _publish_owed_message(self, attempt: Attempt, settle: Callable[[], bool]) -> bool:
+    def _publish_owed_message(
+        self, attempt: Attempt, settle: Callable[[], bool], *, before_release: bool = False
+    ) -> bool:
         """Publish the message ``attempt``'s claim owes, if ``settle`` says it still does (the
-        store clearing the debt); ``False`` only when it was owed and could not go out (it is
-        then owed again: see :func:`~idempotent_tasks.pickups.republish_taken`)."""
+        store clearing the debt); ``False`` only when it was owed, ``before_release``, and the
+        broker could not take it for now (it is then owed again: see
+        :func:`~idempotent_tasks.pickups.republish_taken`)."""
         envelope = attempt.taken_over_envelope
         task_id = attempt.owed_task_id
         if envelope is None or task_id is None or self.request.is_eager:
@@ -730,7 +749,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return True  # a worker would drop it unrun (REVOKED): its stored result stands
         if not settle():
             return True  # the guard published it meanwhile (this call was slow past its lease)
-        return republish_taken(self.app, attempt.store, lost)
+        try:
+            republish_taken(self.app, attempt.store, lost, raise_unreachable=before_release)
+        except OperationalError:  # the broker cannot take it for now: owed again (logged)
+            return False
+        return True  # sent, or refused for good (logged)
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,

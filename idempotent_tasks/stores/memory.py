@@ -301,12 +301,15 @@ class MemoryStore(Store):
                     # pickup, as long as the reservation would have lived (see complete.lua)
                     kept = pending
                     expires_at = max(expires_at, found.expires_at)
+                # The debt of the claim the store lost, unless a later claim queued the key
+                # since (it took the debt over, and settled it: see complete.lua).
+                owes_message = owes_message and (found is None or found.token <= token)
                 # Tokens never go back: the record keeps the key's highest token given.
                 token = max(token, self._fences.get(request.storage_key, 0))
                 self._fences[request.storage_key] = token
                 found = self._new_record(request, token, now, created_at=now)
                 self._taken.pop(request.storage_key, None)
-                if owes_message:  # the debt of the claim the store lost
+                if owes_message:
                     self._taken[request.storage_key] = _Taken("", owes_message=True)
             elif found.status is Status.COMPLETED and found.owner == request.owner:
                 return CompleteOutcome.STORED  # a repeated completion

@@ -462,7 +462,14 @@ class SqlStore(Store):
             # row is the key's fencing counter: its token never goes back.
             highest = token if found is None else max(token, int(found["token"]))
             row = {**self._processing_row(request, now, token=highest, takeover=False), **done}
-            row["owes_message"] = owes_message  # the debt of the claim the store lost
+            # The debt of the claim the store lost, unless a later claim queued the key since
+            # (it took the debt over, and settled it: see complete.lua).
+            row["owes_message"] = owes_message and not (
+                found is not None
+                and is_live(found, now)
+                and found["status"] == QUEUED
+                and int(found["token"]) > token
+            )
             with self._begin() as connection:
                 kept = self._kept_pickup(connection, request, found, now)
                 if kept is not None:

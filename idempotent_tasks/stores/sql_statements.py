@@ -102,7 +102,9 @@ def settle_owed(claim_id: str, owner: str, now: float) -> Update:
         claims.c.owner == owner,
         claims.c.owes_message.is_(True),
     )
-    return claims.update().where(owing).values(owes_message=False)
+    # updated_at too: a claim or completion that read the row before must not write its
+    # older debt back (replace_if_unchanged compares it).
+    return claims.update().where(owing).values(owes_message=False, updated_at=now)
 
 
 def set_debt(claim_id: str, task_id: str, now: float, *, owes: bool) -> Update:
@@ -110,7 +112,7 @@ def set_debt(claim_id: str, task_id: str, now: float, *, owes: bool) -> Update:
     its pickup row keeps that message and that call is not the row's own."""
     kept = select(pickups.c.id).where(_keeps_message_of(claim_id, task_id)).exists()
     others = _live_row(claim_id, PROCESSING, now, claims.c.task_id != task_id, kept)
-    return claims.update().where(others).values(owes_message=owes)
+    return claims.update().where(others).values(owes_message=owes, updated_at=now)
 
 
 def forget_claim(claim_id: str, now: float) -> Update:

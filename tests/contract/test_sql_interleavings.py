@@ -85,6 +85,26 @@ def test_owner_completing_during_a_takeover_is_not_overwritten(
     assert (record.status, record.owner, record.result) == (Status.COMPLETED, owner.owner, RESULT)
 
 
+def test_owner_settling_its_debt_during_a_takeover_leaves_the_taker_owing_nothing(
+    clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
+) -> None:
+    # Given a claim that took the key over from a lost call's message (so owes it), whose
+    # lease ended while it was about to give the key up for its retry
+    store, clock = clocked_store
+    lost = request_for(make_request, owner="", task_id="task-lost")
+    assert store.reserve(lost, Pickup(envelope=b"{}", due_in=0.0, timeout=5.0)) is None
+    clock.now += 1
+    owner = request_for(make_request, lease_seconds=10.0)
+    assert store.claim(owner).owed_task_id == "task-lost"
+    clock.now += 11
+    # When it settles the debt (it publishes the message) between a taker's read and write
+    settled = write_after_next_read(store, lambda: store.settle_owed_message(owner))
+    taken = store.claim(request_for(make_request, task_id="task-2"))
+    # Then the taker owes the message no more: it was sent
+    assert settled == [True]
+    assert (taken.outcome, taken.owed_task_id) == (Outcome.ACQUIRED, None)
+
+
 def test_owner_renewing_during_a_takeover_keeps_its_key(
     clocked_store: tuple[SqlStore, Clock], make_request: Callable[..., ClaimRequest]
 ) -> None:

@@ -71,22 +71,45 @@ def test_a_held_owing_claim_settles_its_debt_once_before_its_release_for_a_retry
     assert store.settle_owed_message(make_request(task_id="t-taker")) is False
     assert store.settle_owed_message(taker) is True
     assert store.settle_owed_message(taker) is False
-    # When it is released for its retry
-    retry = Pickup(envelope=b"the retry's message", due_in=5.0, timeout=TIMEOUT, retries=1)
+    # When it is released for its retry, whose message is then lost too
+    retry = Pickup(envelope=b"the retry's message", due_in=0.0, timeout=TIMEOUT, retries=1)
     assert store.release(taker, token, retry) is True
-    # Then the key is queued for the retry, the guard never publishes the lost call's message,
-    # and the retry's claim owes nothing
+    # Then the key is queued for the retry, the guard publishes the retry's message alone (the
+    # lost call's is kept no more), and the retry's claim owes nothing
     record = store.get(taker.storage_key)
     assert record is not None
     assert (record.status, record.task_id) == (Status.QUEUED, "t-taker")
-    time.sleep(TIMEOUT + 0.15)
-    assert store.take_due(10) == []
+    time.sleep(0.01)
+    due = [(due.task_id, due.envelope) for due in store.take_due(10)]
+    assert due == [("t-taker", b"the retry's message")]
     again = store.claim(make_request(task_id="t-taker", retries=1))
     assert (again.outcome, again.owed_task_id, again.taken_over_envelope) == (
         Outcome.ACQUIRED,
         None,
         None,
     )
+
+
+def test_a_stalled_owner_whose_taker_settled_before_its_retry_owes_nothing_on_completing(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim owing a lost call's message, whose owner stalls past its lease; a claim of
+    # another call takes the key over (owing the message in its place), settles the debt and
+    # gives the key up for its retry
+    stalled, stalled_token = owing_claim(store, make_request, lease_seconds=0.2)
+    time.sleep(0.3)
+    taker = make_request(task_id="t-other")
+    claim = store.claim(taker)
+    assert (claim.outcome, claim.owed_task_id) == (Outcome.ACQUIRED, "t-lost")
+    assert store.settle_owed_message(taker) is True
+    retry = Pickup(envelope=b"the retry's message", due_in=5.0, timeout=TIMEOUT, retries=1)
+    assert store.release(taker, claim.token, retry) is True
+    # When the stalled owner wakes and completes, writing the key anew over the key queued
+    # for that retry
+    completed = store.complete(stalled, stalled_token, RESULT, owes_message=True)
+    assert completed is CompleteOutcome.RECOVERED
+    # Then it owes the message no more: the taker sent it
+    assert store.settle_owed_message(stalled) is False
 
 
 def test_a_slow_owner_owes_nothing_once_the_guard_published_the_message(

@@ -15,11 +15,11 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 from kombu import Exchange, Queue
-from kombu.exceptions import OperationalError
+from kombu.exceptions import EncodeError, OperationalError
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.app_store import store_for
-from idempotent_tasks.errors import CorruptRecord
+from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.pickups import (
     REPUBLISHED_HEADER,
@@ -404,7 +404,7 @@ def test_a_retry_the_broker_cannot_take_is_handed_to_the_guard_at_once() -> None
     _run_delivered(charge, ["o"], "t-9", Ignore)
 
 
-def _retrying_taker_of_a_lost_call(app: Celery, requeues: bool = False) -> Any:
+def _retrying_taker_of_a_lost_call(app: Celery, *, requeues: bool = False) -> Any:
     """A task whose first run retries (``requeues``: hands its message back), and a lost call
     "t-lost" of it, whose message its key kept (counted as lost): a delivered message of the
     task takes the key over and owes it."""
@@ -425,42 +425,55 @@ def _retrying_taker_of_a_lost_call(app: Celery, requeues: bool = False) -> Any:
     return charge
 
 
-@pytest.mark.parametrize("broker", ["takes it", "refuses it"])
+@pytest.mark.parametrize(
+    "publish", ["goes out", "finds the broker down", "is refused for good", "meets a store down"]
+)
 def test_a_retry_publishes_the_lost_message_its_claim_owes_before_its_release(
-    broker: str, monkeypatch: pytest.MonkeyPatch
+    publish: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = _app(idempotency_store_url="memory://")
     charge = _retrying_taker_of_a_lost_call(app)
+    store, stored_as = store_for(app), storage_key(charge.name, "k")
     sent: list[str] = []
 
     def send_task(name: str, *args: Any, task_id: str, **kwargs: Any) -> None:
-        if broker == "refuses it":
+        if publish == "finds the broker down":
             raise OperationalError("the broker is down")
+        if publish == "is refused for good":
+            raise EncodeError("cannot be encoded")
         sent.append(task_id)
 
+    def store_down(request: ClaimRequest) -> bool:
+        raise StoreUnavailable("restarting")
+
     monkeypatch.setattr(app, "send_task", send_task)
+    if publish == "meets a store down":
+        monkeypatch.setattr(store, "settle_owed_message", store_down)
     retries: list[dict[str, Any]] = []
     # When a message of the key takes it over from the lost call, and retries
     _run_delivered(charge, ["o"], "t-taker", Retry, publish=lambda *a, **o: retries.append(o))
-    store, stored_as = store_for(app), storage_key(charge.name, "k")
     record = store.get(stored_as)
     assert record is not None
-    if broker == "takes it":
-        # Then the lost call's message went out first (it waits for the key's value), and the
-        # key is queued for the retry, which owes nothing more
-        assert sent == ["t-lost"]
+    previous = retries[0]["_idempotency_republish"]["idempotency_previous_owner"]
+    retry = charge._claim_request(
+        "k", ("o",), {}, "t-taker", owner="retry", previous_owner=previous
+    )
+    claim = store.claim(dataclasses.replace(retry, retries=1))
+    if publish in ("goes out", "is refused for good"):
+        # Then the lost call's message went out first (it waits for the key's value), or was
+        # refused for good (logged), and the key is queued for the retry, which owes nothing
+        assert sent == (["t-lost"] if publish == "goes out" else [])
         assert (record.status, record.task_id) == (Status.QUEUED, "t-taker")
-        assert store.take_due(10) == []
+        assert (claim.outcome, claim.owed_task_id) == (Outcome.ACQUIRED, None)
     else:
         # Then the claim stays, still owing that message: the retry takes it over at once
         # (it names the claim's owner) and owes it in turn
-        assert (record.status, record.task_id) == (Status.PROCESSING, "t-taker")
-        previous = retries[0]["_idempotency_republish"]["idempotency_previous_owner"]
-        assert record.owner == previous
-        retry = charge._claim_request(
-            "k", ("o",), {}, "t-taker", owner="retry", previous_owner=previous
+        assert sent == []
+        assert (record.status, record.task_id, record.owner) == (
+            Status.PROCESSING,
+            "t-taker",
+            previous,
         )
-        claim = store.claim(dataclasses.replace(retry, retries=1))
         assert (claim.outcome, claim.owed_task_id) == (Outcome.ACQUIRED, "t-lost")
 
 

@@ -11,7 +11,9 @@
 --          (ARGV[8..11] rebuild the record if it vanished)
 -- ARGV[12] storage key (index member)
 -- ARGV[13] "1" if this claim owes the message it took over (see claim.lua): a record written
---          anew keeps that debt, for settle.lua; else "0"
+--          anew keeps that debt, for settle.lua, unless a later claim queued the key since (its
+--          token higher: it took the debt over, and settled it as it gave the key up for its
+--          retry); else "0"
 -- KEYS[4], ARGV[14], ARGV[15]  optional side write: a key, its value and ttl in ms (0: none),
 --          set and published on that key when the outcome is "stored", never otherwise
 -- Returns  "stored" | "recovered" (the record had vanished and was written anew) | "stale"
@@ -64,7 +66,7 @@ if not found[1] or found[1] == 'queued' then
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'fingerprint', ARGV[8],
     'task_id', ARGV[9], 'key', ARGV[10], 'task_name', ARGV[11], 'created_at', int(now),
     'lease_expires_at', int(now))
-  if ARGV[13] == '1' then
+  if ARGV[13] == '1' and (tonumber(found[3]) or 0) <= tonumber(ARGV[2]) then
     redis.call('HSET', KEYS[1], 'owes_message', '1')
   end
 elseif found[1] == 'completed' and found[2] == ARGV[1] then
