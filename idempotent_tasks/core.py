@@ -129,9 +129,10 @@ class Attempt:
     #: id and its envelope (see :class:`~idempotent_tasks.records.ClaimResult`).
     owed_task_id: str | None = None
     taken_over_envelope: bytes | None = None
-    #: Set once this attempt settled that message before giving its claim up (a retry): a
-    #: completion it makes after all (``retry(throw=False)``) owes it no more.
-    owed_message_settled: bool = False
+    #: Set once this attempt sent that message (or the broker refused it for good) before
+    #: giving its claim up for a retry: a completion it makes after all
+    #: (``retry(throw=False)``) owes it no more.
+    owed_message_sent: bool = False
     #: When this attempt last asked for its claim (:func:`lease_clock`): its lease runs from no
     #: earlier.
     asked_at: float = 0.0
@@ -344,15 +345,13 @@ class Attempt:
         best kept, still owing the message, for the next message to take over."""
         if self.given_up or not self.token or not self._owes_message():
             return False
-        settled = self.store.settle_owed_message(self.request)
-        self.owed_message_settled = True  # published now, or by the guard, or owed by another
-        return settled
+        return self.store.settle_owed_message(self.request)
 
     def _owes_message(self) -> bool:
         return (
             self.owed_task_id is not None
             and self.taken_over_envelope is not None
-            and not self.owed_message_settled
+            and not self.owed_message_sent
         )
 
     def release_quietly(self, pickup: Pickup | None = None) -> None:

@@ -616,7 +616,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         elif attempt.side_write_refused:
             # Redis will not take it (a cluster proxy, an ACL): Celery writes, from now on.
             self.__dict__["_completion_writes_result"] = False
-        taken_from = _taken_from(self.request)
+        # (This attempt's: a retry(throw=False) of its body has made it the running one no more.)
+        taken_from = _taken_from(self.request, attempt)
         if taken_from is not None and not (attempt.superseded or is_replaced(value)):
             self._answer_taken_over_call(taken_from, value)
             if attempt.owed_task_id not in (None, taken_from):
@@ -709,6 +710,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         replacement (naming this attempt as its previous owner) takes it over at once, a
         message handed back once the lease ends; or the guard publishes the owed message a
         pickup timeout after that."""
+        if attempt.given_up:
+            return  # released already, or left owing (a retry whose publish failed, requeued)
         try:
             left_owing = not self._publish_owed_message(
                 attempt, attempt.settle_owed_message_before_release, before_release=True
@@ -753,7 +756,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             republish_taken(self.app, attempt.store, lost, raise_unreachable=before_release)
         except OperationalError:  # the broker cannot take it for now: owed again (logged)
             return False
-        return True  # sent, or refused for good (logged)
+        attempt.owed_message_sent = True  # or refused for good (logged)
+        return True
 
     def _requeued(self, ended: Exception) -> bool:
         """Whether the body handed its message back to the broker: ``Reject(requeue=True)``,

@@ -167,8 +167,13 @@ class Store(Protocol):
         published) it becomes ``queued`` for ``request.task_id`` with that pickup, as
         :meth:`reserve` writes it, its owner :func:`~idempotent_tasks.records.retry_marker`
         of the pickup's retries: a claim of the same call whose message counts fewer (an
-        older message) is answered ``IN_PROGRESS``. Returns whether the claim was held; the
-        fencing counter is kept, so tokens keep growing.
+        older message) is answered ``IN_PROGRESS``. Returns whether the claim was held and
+        released; the fencing counter is kept, so tokens keep growing.
+
+        A claim that still owes another call's message it keeps is not released with a pickup
+        (``False``): the pickup would take that message's place, and nothing would publish it.
+        Its owner settles the debt first (:meth:`settle_owed_message`, then publishes it);
+        else the claim stays for the next message of its call to take over, owing it in turn.
         """
         ...
 

@@ -351,6 +351,9 @@ class MemoryStore(Store):
                 if not self._hand_back(request, self._clock()):
                     self._drop(request.storage_key)
                 return True
+            taken = self._taken.get(request.storage_key)
+            if taken is not None and taken.owes_message:
+                return False  # the pickup would take the owed message's place (release.lua)
             found = self._records[request.storage_key]
             # The key keeps the arguments it stands for (a retry may run with others).
             self._queue(

@@ -528,8 +528,10 @@ class SqlStore(Store):
         # The key keeps the arguments it stands for (see claim): no fingerprint written.
         values = self._queued_values(request, pickup.due_in, now)
         values["owner"] = retry_marker(pickup.retries)
+        # Not while it owes another call's message: the pickup would take its place (release.lua).
+        held = update_held(claim_id, request.owner, token, now, values)
         return self._write_queued(
-            update_held(claim_id, request.owner, token, now, values), request, pickup, now
+            held.where(claims.c.owes_message.is_not(True)), request, pickup, now
         )
 
     @run_again_after_deadlock

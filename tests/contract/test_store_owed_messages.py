@@ -90,6 +90,23 @@ def test_a_held_owing_claim_settles_its_debt_once_before_its_release_for_a_retry
     )
 
 
+def test_an_owing_claim_is_not_released_for_a_retry_before_it_settles(
+    store: Store, make_request: Make
+) -> None:
+    # Given a claim owing a lost call's message, still held
+    taker, token = owing_claim(store, make_request)
+    retry = Pickup(envelope=b"the retry's message", due_in=5.0, timeout=TIMEOUT, retries=1)
+    # Then a release for its retry is refused: the retry's message would take the owed one's
+    # place, which nothing would publish then
+    assert store.release(taker, token, retry) is False
+    record = store.get(taker.storage_key)
+    assert record is not None
+    assert (record.status, record.owner) == (Status.PROCESSING, taker.owner)
+    # and once it settled the debt (its owner publishes the message), it is released
+    assert store.settle_owed_message(taker) is True
+    assert store.release(taker, token, retry) is True
+
+
 def test_a_stalled_owner_whose_taker_settled_before_its_retry_owes_nothing_on_completing(
     store: Store, make_request: Make
 ) -> None:

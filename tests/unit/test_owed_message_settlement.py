@@ -147,17 +147,3 @@ def test_an_attempt_taken_over_before_its_release_publishes_nothing(
     assert winner.claim().outcome is Outcome.ACQUIRED
     # Then it does not publish the message as it gives the key up: the new owner owes it
     assert attempt.settle_owed_message_before_release() is False
-
-
-def test_an_attempt_that_settled_before_its_release_and_completes_after_all_owes_nothing(
-    store: MemoryStore, clock: list[float]
-) -> None:
-    # Given an owing attempt that published the message as it gave its key up for its retry,
-    # and then completed after all (retry(throw=False)), writing the key anew over the key
-    # queued for that retry
-    attempt = _owing_attempt(store, clock)
-    assert attempt.settle_owed_message_before_release() is True
-    assert attempt.release(Pickup(envelope=b"the retry's message", due_in=60, timeout=5))
-    attempt.finish("value", patience_seconds=1)
-    # Then it does not publish the message a second time
-    assert attempt.settle_owed_message() is False

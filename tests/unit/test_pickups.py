@@ -404,16 +404,22 @@ def test_a_retry_the_broker_cannot_take_is_handed_to_the_guard_at_once() -> None
     _run_delivered(charge, ["o"], "t-9", Ignore)
 
 
-def _retrying_taker_of_a_lost_call(app: Celery, *, requeues: bool = False) -> Any:
-    """A task whose first run retries (``requeues``: hands its message back), and a lost call
-    "t-lost" of it, whose message its key kept (counted as lost): a delivered message of the
-    task takes the key over and owes it."""
+def _retrying_taker_of_a_lost_call(
+    app: Celery, *, requeues: bool = False, throw: bool = True
+) -> Any:
+    """A task whose first run retries (``requeues``: hands its message back; ``throw=False``:
+    sends its retry without raising, and returns), and a lost call "t-lost" of it, whose
+    message its key kept (counted as lost): a delivered message of the task takes the key
+    over and owes it."""
 
     @app.task(base=IdempotentTask, bind=True, shared=False)
     def charge(self: Any, order: str) -> str:
         if requeues:
             raise Reject("not now", requeue=True)
         if self.request.retries == 0:
+            if not throw:
+                self.retry(countdown=60, throw=False)
+                return order
             raise self.retry(countdown=60)
         return order
 
@@ -475,6 +481,72 @@ def test_a_retry_publishes_the_lost_message_its_claim_owes_before_its_release(
             previous,
         )
         assert (claim.outcome, claim.owed_task_id) == (Outcome.ACQUIRED, "t-lost")
+
+
+@pytest.mark.parametrize("first_publish", ["goes out", "finds the broker down"])
+def test_a_call_retrying_without_raising_then_completing_sends_the_owed_message_once(
+    first_publish: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = _app(idempotency_store_url="memory://")
+    charge = _retrying_taker_of_a_lost_call(app, throw=False)
+    attempts: list[str] = []
+
+    def send_task(name: str, *args: Any, task_id: str, **kwargs: Any) -> None:
+        attempts.append(task_id)
+        if first_publish == "finds the broker down" and len(attempts) == 1:
+            raise OperationalError("the broker is down for a moment")
+
+    monkeypatch.setattr(app, "send_task", send_task)
+    # When a message of the key takes it over from the lost call, sends a retry without
+    # raising (throw=False) and then returns a value
+    charge.push_request(
+        id="t-taker",
+        args=["o"],
+        kwargs={},
+        retries=0,
+        headers={KEY_HEADER: "k"},
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(charge, "apply_async", lambda *args, **kwargs: None)
+            assert charge("o") == "o"
+    finally:
+        charge.pop_request()
+    # Then the lost call's message goes out once: before the retry's release, or (the broker
+    # down then, the claim kept owing it) once the key completed
+    if first_publish == "goes out":
+        assert attempts == ["t-lost"]
+    else:
+        assert attempts == ["t-lost", "t-lost"]
+    record = store_for(app).get(storage_key(charge.name, "k"))
+    assert record is not None and record.status is Status.COMPLETED
+
+
+def test_a_retry_the_broker_cannot_take_keeps_the_claim_owing_the_lost_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = _app(idempotency_store_url="memory://")
+    charge = _retrying_taker_of_a_lost_call(app)
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("the broker is down")
+
+    monkeypatch.setattr(app, "send_task", broker_down)
+    # When a message of the key takes it over from the lost call and retries, while the
+    # broker takes neither the lost call's message nor the retry (the message is handed back)
+    _run_delivered(charge, ["o"], "t-taker", Reject, publish=broker_down)
+    # Then the claim stays, still owing the lost call's message (the message handed back did
+    # not take its place): the next claim of the call takes it over and owes it in turn
+    store = store_for(app)
+    record = store.get(storage_key(charge.name, "k"))
+    assert record is not None
+    assert (record.status, record.task_id) == (Status.PROCESSING, "t-taker")
+    again = charge._claim_request(
+        "k", ("o",), {}, "t-taker", owner="again", previous_owner=record.owner
+    )
+    assert store.claim(again).owed_task_id == "t-lost"
 
 
 def test_a_message_handed_back_publishes_the_lost_message_its_claim_owes_first(

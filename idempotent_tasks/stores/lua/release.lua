@@ -11,9 +11,16 @@
 -- ARGV[7]  task id           ARGV[8]  storage key
 -- ARGV[9]  with a pickup: the queued record's owner, the message it waits for ("retry N", or
 --          "": see records.retry_marker)
--- Returns  1 if released, 0 if the claim is not (or no longer) this owner's
-local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'envelope_of')
+-- Returns  1 if released, 0 if the claim is not (or no longer) this owner's, or if, given a
+--          pickup, it still owes another call's message it keeps (see settle.lua): the pickup
+--          would take that message's place, and nothing would publish it; the claim stays,
+--          for the next message to take over, owing it in turn
+local found = redis.call('HMGET', KEYS[1], 'status', 'owner', 'token', 'envelope_of',
+  'owes_message')
 if found[1] ~= 'processing' or found[2] ~= ARGV[1] or found[3] ~= ARGV[2] then
+  return 0
+end
+if ARGV[3] ~= '' and found[5] == '1' then
   return 0
 end
 -- Without a pickup, and no other call's message kept: the claim goes, before any more work.
