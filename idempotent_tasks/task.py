@@ -699,11 +699,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return
         self._publish_owed_message(attempt, attempt.settle_owed_message)
 
-    def _release_for_next_message(self, attempt: Attempt, pickup: Pickup) -> None:
+    def _release_for_next_message(self, attempt: Attempt, pickup: Pickup | None) -> None:
         """Give the key up, queued for this call's next message (``pickup``: a retry, a
         requeue, a replacement), having first published the message of another call its claim
         owes: the release keeps the next message in that one's place. Published now, that
-        message waits for the key's value, which this call's next message brings.
+        message waits for the key's value, which this call's next message brings. (Without a
+        pickup, the release hands the key back to that call, whose message the guard sends.)
 
         If the store cannot say whether it is still owed, or the broker cannot take it for now,
         the claim is left as it is, still owing it, its lease no longer renewed: a retry or a
@@ -712,6 +713,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         pickup timeout after that."""
         if attempt.given_up:
             return  # released already, or left owing (a retry whose publish failed, requeued)
+        if pickup is None:
+            attempt.release_quietly()
+            return
         try:
             left_owing = not self._publish_owed_message(
                 attempt, attempt.settle_owed_message_before_release, before_release=True
@@ -748,10 +752,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             envelope=envelope,
             republished=1,
         )
-        if call_expired(lost):
-            return True  # a worker would drop it unrun (REVOKED): its stored result stands
+        expired = call_expired(lost)  # a worker would drop it unrun (REVOKED)
+        if expired and not before_release:
+            return True  # its stored result stands
         if not settle():
             return True  # the guard published it meanwhile (this call was slow past its lease)
+        if expired:
+            # Settled all the same, or the store would refuse the release its pickup.
+            attempt.owed_message_sent = True
+            return True
         try:
             republish_taken(self.app, attempt.store, lost, raise_unreachable=before_release)
         except OperationalError:  # the broker cannot take it for now: owed again (logged)
@@ -1132,7 +1141,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         process is gone, under the owner id this worker issued to it (never a claim a later
         delivery took over). Its body's own code releases it when the process ends through it
         (SIGTERM); one killed outright (SIGKILL) cannot. A requeued call's key stays queued
-        for the guard, should its message be lost on the way back. Called by
+        for the guard, should its message be lost on the way back; unless its claim owes
+        another call's message the key keeps (this process cannot publish it, knowing not its
+        envelope): the store then refuses, and the claim stays until its lease ends, for the
+        message coming back to take over, owing it in turn. Called by
         :class:`~idempotent_tasks.worker_request.IdempotentRequest` in the worker's main
         process."""
         self.push_request(request_dict, called_directly=False)

@@ -405,12 +405,12 @@ def test_a_retry_the_broker_cannot_take_is_handed_to_the_guard_at_once() -> None
 
 
 def _retrying_taker_of_a_lost_call(
-    app: Celery, *, requeues: bool = False, throw: bool = True
+    app: Celery, *, requeues: bool = False, throw: bool = True, lost_expires: float | None = None
 ) -> Any:
     """A task whose first run retries (``requeues``: hands its message back; ``throw=False``:
     sends its retry without raising, and returns), and a lost call "t-lost" of it, whose
-    message its key kept (counted as lost): a delivered message of the task takes the key
-    over and owes it."""
+    message its key kept (counted as lost; ``lost_expires``: sent with that expiry): a
+    delivered message of the task takes the key over and owes it."""
 
     @app.task(base=IdempotentTask, bind=True, shared=False)
     def charge(self: Any, order: str) -> str:
@@ -424,7 +424,8 @@ def _retrying_taker_of_a_lost_call(
         return order
 
     lost = charge._claim_request("k", ("o",), {}, "t-lost", owner="lost-owner")
-    pickup = make_pickup(("o",), {}, {"headers": {KEY_HEADER: "k"}}, 60.0, 0.0)
+    options = {"headers": {KEY_HEADER: "k"}, "expires": lost_expires}
+    pickup = make_pickup(("o",), {}, options, 60.0, 0.0)
     assert pickup is not None
     store_for(app).reserve(lost, dataclasses.replace(pickup, due_in=0.0))
     time.sleep(0.01)  # counted as lost
@@ -522,6 +523,42 @@ def test_a_call_retrying_without_raising_then_completing_sends_the_owed_message_
         assert attempts == ["t-lost", "t-lost"]
     record = store_for(app).get(storage_key(charge.name, "k"))
     assert record is not None and record.status is Status.COMPLETED
+
+
+def test_a_retry_after_taking_an_expired_calls_key_over_keeps_its_own_pickup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = _app(idempotency_store_url="memory://")
+    charge = _retrying_taker_of_a_lost_call(app, lost_expires=0.005)
+    time.sleep(0.01)  # the lost call expired
+    sent: list[str] = []
+    monkeypatch.setattr(app, "send_task", lambda *args, task_id, **kwargs: sent.append(task_id))
+    # When a message of the key takes it over from the lost call, and retries
+    _run_delivered(charge, ["o"], "t-taker", Retry)
+    # Then the expired call's message is not sent (a worker would drop it unrun), yet its debt
+    # is settled: the key is queued for the retry, whose pickup the guard keeps
+    assert sent == []
+    record = store_for(app).get(storage_key(charge.name, "k"))
+    assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-taker")
+
+
+def test_a_message_handed_back_with_no_pickup_gives_the_key_back_to_the_owed_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a worker whose guard is off (its next message cannot be kept for the guard)
+    app = _app(idempotency_store_url="memory://", idempotency_pickup_timeout=0)
+    charge = _retrying_taker_of_a_lost_call(app, requeues=True)
+    sent: list[str] = []
+    monkeypatch.setattr(app, "send_task", lambda *args, task_id, **kwargs: sent.append(task_id))
+    # When a message of the key takes it over from the lost call, and hands itself back
+    _run_delivered(charge, ["o"], "t-taker", Reject)
+    # Then the lost call's message is not sent from here: the key goes back to that call,
+    # queued and due now, for the guard to send it once
+    assert sent == []
+    store = store_for(app)
+    record = store.get(storage_key(charge.name, "k"))
+    assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-lost")
+    assert [due.task_id for due in store.take_due(10)] == ["t-lost"]
 
 
 def test_a_retry_the_broker_cannot_take_keeps_the_claim_owing_the_lost_message(
