@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from functools import cached_property
 from traceback import format_exception
@@ -697,7 +697,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # unfinished and run it again; not cached (too big, not serializable), it would
             # answer None. That call keeps the value stored as its result.
             return
-        self._publish_owed_message(attempt, attempt.settle_owed_message)
+        self._publish_owed_message(attempt)
 
     def _release_for_next_message(self, attempt: Attempt, pickup: Pickup | None) -> None:
         """Give the key up, queued for this call's next message (``pickup``: a retry, a
@@ -717,9 +717,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt.release_quietly()
             return
         try:
-            left_owing = not self._publish_owed_message(
-                attempt, attempt.settle_owed_message_before_release, before_release=True
-            )
+            left_owing = not self._publish_owed_message(attempt, before_release=True)
         except (StoreUnavailable, CorruptRecord) as exc:
             logger.warning(
                 "could not ask whether key %r still owes the message of %s (%s): its claim is "
@@ -734,13 +732,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return
         attempt.release_quietly(pickup)
 
-    def _publish_owed_message(
-        self, attempt: Attempt, settle: Callable[[], bool], *, before_release: bool = False
-    ) -> bool:
-        """Publish the message ``attempt``'s claim owes, if ``settle`` says it still does (the
-        store clearing the debt); ``False`` only when it was owed, ``before_release``, and the
-        broker could not take it for now (it is then owed again: see
-        :func:`~idempotent_tasks.pickups.republish_taken`)."""
+    def _publish_owed_message(self, attempt: Attempt, *, before_release: bool = False) -> bool:
+        """Publish the message ``attempt``'s claim owes, if the store says it still does
+        (clearing the debt): once the key completed, or ``before_release`` of the held claim.
+        ``False`` only when it was owed, ``before_release``, and the broker could not take it
+        for now (it is then owed again: see :func:`~idempotent_tasks.pickups.republish_taken`).
+        """
         envelope = attempt.taken_over_envelope
         task_id = attempt.owed_task_id
         if envelope is None or task_id is None or self.request.is_eager:
@@ -755,6 +752,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         expired = call_expired(lost)  # a worker would drop it unrun (REVOKED)
         if expired and not before_release:
             return True  # its stored result stands
+        settle = (
+            attempt.settle_owed_message_before_release
+            if before_release
+            else attempt.settle_owed_message
+        )
         if not settle():
             return True  # the guard published it meanwhile (this call was slow past its lease)
         if expired:
@@ -955,10 +957,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             attempt=attempt,
             expires=_retry_expiry(signature, self.request),
         )
-        if pickup is None:
-            attempt.release_quietly()
-        else:
-            self._release_for_next_message(attempt, pickup)
+        self._release_for_next_message(attempt, pickup)
 
     def _message_pickup(
         self,

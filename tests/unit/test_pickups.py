@@ -327,6 +327,20 @@ def _run_delivered(
 ) -> Any:
     """Run ``task`` as a worker runs a delivered message of key ``k`` (``publish`` taking
     what it sends: nothing is sent), which ends with ``ends_with``; what it raised."""
+    with pytest.raises(ends_with) as raised:
+        _call_delivered(task, args, task_id, publish, **request)
+    return raised.value
+
+
+def _call_delivered(
+    task: Any,
+    args: list[Any],
+    task_id: str,
+    publish: Any = lambda *args, **kwargs: None,
+    **request: Any,
+) -> Any:
+    """Run ``task`` as a worker runs a delivered message of key ``k`` (``publish`` taking
+    what it sends: nothing is sent); what it returned."""
     task.push_request(
         id=task_id,
         args=args,
@@ -340,11 +354,9 @@ def _run_delivered(
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(task, "apply_async", publish)
-            with pytest.raises(ends_with) as raised:
-                task(*args)
+            return task(*args)
     finally:
         task.pop_request()
-    return raised.value
 
 
 def _publish(task: Any, task_id: str, **options: Any) -> None:
@@ -500,21 +512,7 @@ def test_a_call_retrying_without_raising_then_completing_sends_the_owed_message_
     monkeypatch.setattr(app, "send_task", send_task)
     # When a message of the key takes it over from the lost call, sends a retry without
     # raising (throw=False) and then returns a value
-    charge.push_request(
-        id="t-taker",
-        args=["o"],
-        kwargs={},
-        retries=0,
-        headers={KEY_HEADER: "k"},
-        called_directly=False,
-        delivery_info={"exchange": "", "routing_key": "celery"},
-    )
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(charge, "apply_async", lambda *args, **kwargs: None)
-            assert charge("o") == "o"
-    finally:
-        charge.pop_request()
+    assert _call_delivered(charge, ["o"], "t-taker") == "o"
     # Then the lost call's message goes out once: before the retry's release, or (the broker
     # down then, the claim kept owing it) once the key completed
     if first_publish == "goes out":
