@@ -355,14 +355,28 @@ class Attempt:
         )
 
     def release_quietly(self, pickup: Pickup | None = None) -> None:
-        """Release, logging (not raising) a store error: the lease frees the key anyway."""
+        """Release, logging (not raising) a store error: the lease frees the key anyway.
+
+        A release keeping ``pickup`` that the store refuses is logged too: the claim is no
+        longer this owner's, or it still owes another call's kept message, which the pickup
+        would replace. The key then stays claimed until its lease ends, and the message it
+        was to keep takes it over then."""
         try:
-            self.release(pickup)
+            released = self.release(pickup)
         except (StoreUnavailable, CorruptRecord) as exc:
             self.log.warning(
                 "could not release key %r (%s); it frees itself when its lease ends",
                 self.request.key,
                 exc,
+            )
+            return
+        if not released and pickup is not None and self.token:
+            self.log.warning(
+                "the release of key %r for the next message of %s was refused: the claim is "
+                "no longer this owner's, or it still owes the message of another call; the "
+                "key frees itself when its lease ends",
+                self.request.key,
+                self.request.task_id,
             )
 
     def release_dead_owner(self, pickup: Pickup | None = None) -> None:

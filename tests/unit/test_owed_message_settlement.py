@@ -147,3 +147,25 @@ def test_an_attempt_taken_over_before_its_release_publishes_nothing(
     assert winner.claim().outcome is Outcome.ACQUIRED
     # Then it does not publish the message as it gives the key up: the new owner owes it
     assert attempt.settle_owed_message_before_release() is False
+
+
+def test_a_release_refused_while_the_claim_owes_a_message_is_logged(
+    store: MemoryStore, clock: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given an owing attempt released for its next message without settling first (as the
+    # worker's main process releases a terminated call that is requeued)
+    attempt = _owing_attempt(store, clock)
+    retry = Pickup(envelope=b"the taker's next message", due_in=1, timeout=5)
+    with caplog.at_level("WARNING", logger="idempotent_tasks.core"):
+        attempt.release_quietly(retry)
+    # Then the store refuses, the key stays claimed for its lease, and the log says so
+    assert store.get(attempt.request.storage_key).status == "processing"
+    assert "was refused" in caplog.text and repr(attempt.request.key) in caplog.text
+    # while a release that settled first is taken, quietly
+    caplog.clear()
+    settled = _owing_attempt(MemoryStore(clock=lambda: clock[0]), clock)
+    assert settled.settle_owed_message_before_release() is True
+    with caplog.at_level("WARNING", logger="idempotent_tasks.core"):
+        settled.release_quietly(retry)
+    assert settled.store.get(settled.request.storage_key).status == "queued"
+    assert caplog.text == ""
