@@ -213,16 +213,17 @@ def test_a_call_keyed_by_its_caller_that_replaces_itself_keeps_that_key_to_its_e
 
 
 def test_a_polling_loop_sent_with_an_expiry_keeps_its_key_past_it() -> None:
-    # Given a keyed polling loop whose call expires 2 s after it was sent (time enough for a
-    # worker to receive it on a loaded machine: one received past it is dropped unseen); Celery
-    # sends its replacements (3 s apart) without that expiry
+    # Given a keyed polling loop whose call expires 4 s after it was sent (time enough for the
+    # subprocess worker to receive it on a loaded machine: one received past it is dropped
+    # unseen); Celery sends its replacements (4 s apart) without that expiry
     name, key = fresh("polls"), fresh("key")
     sent = time.monotonic()
-    first = worker_app.polls.apply_async((name, 2, 3.0), idempotency_key=key, expires=2.0)
+    first = worker_app.polls.apply_async((name, 2, 4.0), idempotency_key=key, expires=4.0)
     wait_until(lambda: ledger_events(name, "start") == 1, 10, "the loop's first turn")
-    time.sleep(max(0.0, sent + 2.5 - time.monotonic()))
+    time.sleep(max(0.0, sent + 4.5 - time.monotonic()))
     # When the key is called again past that expiry, while the loop waits for its next turn
-    again = worker_app.polls.apply_async((name, 2, 3.0), idempotency_key=key)
+    # (its last begins 8 s after the first, which began after the call was sent)
+    again = worker_app.polls.apply_async((name, 2, 4.0), idempotency_key=key)
     # Then it is answered with the loop's result: no run of the loop began anew
     assert again.id == first.id
     assert first.get(timeout=30) == again.get(timeout=30) == name
