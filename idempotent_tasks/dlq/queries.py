@@ -110,7 +110,8 @@ def skips_locked_rows(dialect: Dialect) -> bool:
     """Whether a database takes ``FOR UPDATE SKIP LOCKED``: PostgreSQL does, MariaDB from 10.6
     and MySQL from 8.0.1 (older ones refuse the statement); SQLite has no row locks to skip.
     Without it, sweeps still never take one item twice (:func:`claim_for_sweep` marks only
-    items still pending, and each sweep reads back its own), they only meet more often."""
+    items still pending and due, and each sweep reads back its own), they only meet more
+    often."""
     if dialect.name not in ("mysql", "mariadb"):
         return True
     version = tuple(part for part in dialect.server_version_info or () if isinstance(part, int))
@@ -118,10 +119,16 @@ def skips_locked_rows(dialect: Dialect) -> bool:
 
 
 def claim_for_sweep(ids: Sequence[str], sweep_id: str, now: datetime) -> Update:
-    """Mark the given items ``retrying`` for one sweep, only those still pending."""
+    """Mark the given items ``retrying`` for one sweep, only those still pending and due: where
+    the server locks no rows (SQLite, older MySQL and MariaDB), another sweep may have taken
+    one since it was picked, and sent it, and its retry failed, putting it off again."""
     return (
         update(dead_letters)
-        .where(dead_letters.c.id.in_(ids), dead_letters.c.status == PENDING)
+        .where(
+            dead_letters.c.id.in_(ids),
+            dead_letters.c.status == PENDING,
+            dead_letters.c.next_retry_at <= now,
+        )
         .values(status=RETRYING, sweep_id=sweep_id, updated_at=now)
     )
 

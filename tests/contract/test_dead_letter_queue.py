@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.dlq import queries
 from idempotent_tasks.dlq.arguments import stored_arguments
 from idempotent_tasks.dlq.queries import SCOPE_OPTION
 from idempotent_tasks.dlq.schema import (
@@ -743,6 +744,37 @@ def test_take_due_takes_due_pending_items_oldest_first_up_to_limit(
     still = dlq.get(future.id)
     assert still is not None and still.status is Statuses.PENDING
     assert dlq.stats()["retrying"] == 3
+
+
+def test_a_sweep_that_picked_an_item_another_sweep_retried_meanwhile_leaves_it_to_its_backoff(
+    dlq: DeadLetterQueue, make_queue: MakeQueue, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a due item, and a sweep that picks it, then stalls before it marks it; meanwhile
+    # another sweep takes it, sends it, and its retry fails, putting it off by its backoff
+    # (where the server locks no rows: SQLite here; elsewhere the other sweep skips it)
+    item = dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    other = make_queue()
+    mark = queries.claim_for_sweep
+    stalled: list[bool] = []
+
+    def stalled_mark(ids: Any, sweep_id: str, now: datetime) -> Any:
+        if not stalled:
+            stalled.append(True)
+            for taken in other.take_due():
+                other.record_retry_failure(taken.id, "Error", "failed again", None)
+        return mark(ids, sweep_id, now)
+
+    monkeypatch.setattr(queries, "claim_for_sweep", stalled_mark)
+    # When the stalled sweep goes on, then it does not send the item again before its backoff
+    taken = dlq.take_due()
+    retried = dlq.get(item.id)
+    assert retried is not None
+    if retried.retry_count == 1:  # the other sweep did take it
+        assert taken == [] and retried.status is Statuses.PENDING
+        assert _in_due_window(retried.next_retry_at, clock.now, 1)
+    else:  # it skipped the row the stalled sweep had locked, which takes it
+        assert _ids(taken) == {item.id}
 
 
 def test_take_due_leaves_other_statuses_alone(dlq: DeadLetterQueue, clock: Clock) -> None:
