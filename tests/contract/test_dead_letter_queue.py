@@ -19,8 +19,7 @@ from typing import Any, TypeAlias
 import pytest
 import sqlalchemy as sa
 
-from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
-from idempotent_tasks.dlq import queries
+from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure, queries
 from idempotent_tasks.dlq.arguments import stored_arguments
 from idempotent_tasks.dlq.queries import SCOPE_OPTION
 from idempotent_tasks.dlq.schema import (
