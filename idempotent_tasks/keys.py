@@ -7,8 +7,12 @@ import inspect
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
+
+from kombu.utils import json as kombu_json
 
 from . import defaults
 
@@ -258,6 +262,10 @@ def _key_text(key: Any) -> str:
     return repr(key)
 
 
+#: The types kombu's JSON sends by their value (not by ``__json__`` or as JSON's own types).
+_KOMBU_TYPES = (datetime, date, time, Decimal, UUID)
+
+
 def _canonical_default(value: Any) -> Any:
     """JSON stand-in for values JSON cannot hold (tuples are lists already; sets get sorted).
 
@@ -274,6 +282,10 @@ def _canonical_default(value: Any) -> Any:
     reducer = getattr(value, "__json__", None)
     if callable(reducer):
         return reducer()
+    if isinstance(value, _KOMBU_TYPES) and type(value) not in _KOMBU_TYPES:
+        # A subclass (pendulum's DateTime, freezegun's FakeDatetime): kombu sends it as its
+        # base type, which the worker gets back.
+        value = kombu_json.loads(kombu_json.dumps(value))
     if isinstance(value, datetime) and not isinstance(value.tzinfo, timezone | None):
         offset = value.utcoffset()
         if offset is not None:

@@ -6,8 +6,10 @@ import enum
 import functools
 import inspect
 import types
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -365,6 +367,22 @@ class _Money:
         return {"cents": self.cents}
 
 
+class _LocalDatetime(datetime):
+    """A subclass, as pendulum's DateTime or freezegun's FakeDatetime: sent as a datetime."""
+
+
+class _LocalDate(date):
+    pass
+
+
+class _LocalDecimal(Decimal):
+    pass
+
+
+class _LocalUUID(UUID):
+    pass
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -373,8 +391,24 @@ class _Money:
         datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
         datetime(2026, 1, 2, 3, 4, 5),
         _Money(990),
+        _LocalDatetime(2026, 1, 2, 3, 4, 5, tzinfo=ZoneInfo("Europe/Paris")),
+        _LocalDatetime(2026, 1, 2, 3, 4, 5, 6),
+        _LocalDate(2026, 1, 2),
+        _LocalDecimal("9.90"),
+        _LocalUUID("12345678-1234-5678-1234-567812345678"),
     ],
-    ids=["zoneinfo", "zoneinfo-utc", "utc", "naive", "__json__"],
+    ids=[
+        "zoneinfo",
+        "zoneinfo-utc",
+        "utc",
+        "naive",
+        "__json__",
+        "datetime subclass",
+        "naive datetime subclass",
+        "date subclass",
+        "Decimal subclass",
+        "UUID subclass",
+    ],
 )
 def test_the_publisher_and_the_worker_fingerprint_a_value_alike(value: object) -> None:
     # The worker fingerprints the arguments as they come back from the JSON message
