@@ -285,7 +285,7 @@ def _canonical_default(value: Any) -> Any:
     if isinstance(value, _KOMBU_TYPES) and type(value) not in _KOMBU_TYPES:
         # A subclass (pendulum's DateTime, freezegun's FakeDatetime): kombu sends it as its
         # base type, which the worker gets back.
-        value = kombu_json.loads(kombu_json.dumps(value))
+        value = kombu_json.loads(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
     if isinstance(value, datetime) and not isinstance(value.tzinfo, timezone | None):
         offset = value.utcoffset()
         if offset is not None:
