@@ -34,6 +34,10 @@ from .replacements import is_replaced
 if TYPE_CHECKING:
     from .task import IdempotentTask
 
+#: Header of a message that goes on with a call under its task id (a retry, a replacement it
+#: hands its key to): the owner of the claim it may take over at once.
+PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
+
 logger = get_task_logger(__name__)
 
 
@@ -94,7 +98,11 @@ def prepare(
 ) -> tuple[ClaimRequest, Pickup | None]:
     """The reservation of a call's key, and what the pickup guard keeps of its message
     (``None``: the guard is off)."""
-    request = task._claim_request(key, args, kwargs, task_id, owner="")
+    # A replacement the call hands its key on to names the call's claim (see on_replace).
+    previous_owner = (options.get("headers") or {}).get(PREVIOUS_OWNER_HEADER)
+    request = task._claim_request(
+        key, args, kwargs, task_id, owner="", previous_owner=previous_owner
+    )
     wait = seconds_until(options.get("countdown"), options.get("eta"))
     serializer = options.get("serializer") or task.serializer
     # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes. A
@@ -179,9 +187,10 @@ def answer_from_record(task: IdempotentTask, record: Record, request: ClaimReque
 
     Leases are judged by the store's clock, which wrote them, not by this host's.
     """
-    # A record of this very task id is this call (a replacement, a retry with other
-    # arguments): no mismatch, as the stores judge it.
-    same_call = record.task_id == request.task_id
+    # A record of this very task id is this call going on (a replacement it handed its key
+    # to, naming its claim's owner): no mismatch, as the stores judge it. A caller's own call
+    # under a task id it chose is judged as any other: other arguments are refused.
+    same_call = record.task_id == request.task_id and request.previous_owner is not None
     if task.idempotency_validate and record.fingerprint != request.fingerprint and not same_call:
         raise IdempotencyKeyMismatch(
             request.key, task.name, record.fingerprint, request.fingerprint

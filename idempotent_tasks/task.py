@@ -89,7 +89,7 @@ from .pickups import (
     seconds_to_expiry,
     seconds_until,
 )
-from .publishing import RESERVED_HEADER
+from .publishing import PREVIOUS_OWNER_HEADER, RESERVED_HEADER
 from .records import (
     LATEST_MESSAGE,
     ClaimRequest,
@@ -119,7 +119,6 @@ CHAIN_TASK = "celery.chain"
 #: Seconds before a call's hard time limit at which storing its result stops waiting for an
 #: unreachable store (the limit counts from the pool's start of the call, a little earlier).
 HARD_LIMIT_MARGIN = 1.0
-PREVIOUS_OWNER_HEADER = "idempotency_previous_owner"
 WAITS_HEADER = "idempotency_waits"
 #: Header of an owner whose claim was taken over while its body ran, waiting for the new owner.
 SUPERSEDED_HEADER = "idempotency_superseded"

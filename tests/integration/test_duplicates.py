@@ -314,12 +314,27 @@ def test_positional_and_keyword_calls_share_a_fingerprint() -> None:
     assert ledger_events(order, "start") == 1
 
 
-def test_key_reused_with_other_arguments_is_refused_at_publish() -> None:
+@pytest.mark.parametrize("task_id", ["a new one", "the first call's"])
+def test_key_reused_with_other_arguments_is_refused_at_publish(task_id: str) -> None:
     order, key = fresh("order"), fresh("key")
-    charge.apply_async((order, 10), idempotency_key=key).get(timeout=30)
+    first = charge.apply_async((order, 10), idempotency_key=key)
+    first.get(timeout=30)
+    # (A caller that picks its task ids is refused too: only the call's own replacement, which
+    # names the claim it goes on from, may take its key with other arguments.)
+    same_id = {"task_id": first.id} if task_id == "the first call's" else {}
     with pytest.raises(IdempotencyKeyMismatch, match="other arguments"):
-        charge.apply_async((order, 11), idempotency_key=key, queue=IDLE_QUEUE)
+        charge.apply_async((order, 11), idempotency_key=key, queue=IDLE_QUEUE, **same_id)
     assert queue_length(IDLE_QUEUE) == 0
+
+
+def test_key_queued_under_a_chosen_task_id_refuses_other_arguments_under_it() -> None:
+    order, key, task_id = fresh("order"), fresh("key"), fresh("charge")
+    first = charge.apply_async((order, 10), idempotency_key=key, task_id=task_id, countdown=2)
+    with pytest.raises(IdempotencyKeyMismatch, match="other arguments"):
+        charge.apply_async((order, 11), idempotency_key=key, task_id=task_id, queue=IDLE_QUEUE)
+    assert queue_length(IDLE_QUEUE) == 0
+    assert first.get(timeout=30)["amount"] == 10
+    assert ledger_events(order, "start") == 1
 
 
 def test_key_reused_with_other_arguments_fails_at_the_worker_when_unseen_at_publish(
