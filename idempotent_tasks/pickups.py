@@ -40,7 +40,8 @@ loads = cast(Callable[[str], Any], kombu_json.loads)
 
 #: Options kombu may give as entities: the guard keeps their names.
 _ENTITIES = (Queue, Exchange)
-#: ``apply_async`` options an envelope keeps (routing, limits, callbacks, canvas ids, headers).
+#: ``apply_async`` options an envelope keeps (routing, limits, callbacks, canvas ids, headers,
+#: the arguments' reprs, compression).
 CARRIED_OPTIONS = (
     "queue",
     "exchange",
@@ -65,6 +66,10 @@ CARRIED_OPTIONS = (
     "retries",
     "reply_to",
     "stamped_headers",
+    # What events and logs show of the arguments, where a caller hides some of them.
+    "argsrepr",
+    "kwargsrepr",
+    "compression",
 )
 #: Header of a message the guard published again: how many times it was (1 the first time).
 REPUBLISHED_HEADER = "idempotency_pickup_republished"

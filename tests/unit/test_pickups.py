@@ -17,7 +17,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from kombu import Exchange, Queue
 from kombu.exceptions import EncodeError, OperationalError
 
-from idempotent_tasks import IdempotentTask
+from idempotent_tasks import IdempotentTask, publishing
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
 from idempotent_tasks.keys import storage_key
@@ -66,6 +66,47 @@ def test_envelope_keeps_arguments_and_routing_and_drops_the_rest() -> None:
         "priority": 3,
         "headers": {"idempotency_key": "k"},
     }
+
+
+def test_envelope_keeps_what_events_and_logs_show_of_the_arguments() -> None:
+    # A caller that hides its arguments from events and logs (argsrepr, kwargsrepr) has them
+    # hidden in the guard's copy too
+    hidden = {"argsrepr": "(card: ***)", "kwargsrepr": "{}", "compression": "zlib"}
+    body = envelope(("4111 1111 1111 1111",), {}, hidden)
+    assert body is not None
+    assert loads(body.decode())["options"] == hidden
+
+
+@pytest.mark.parametrize("made", ["in a task", "outside any task"])
+def test_a_copy_of_a_call_made_in_a_task_keeps_its_root_and_parent_ids(
+    made: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a keyed call made by a running task (Celery gives its message that task's root
+    # and parent ids), or made outside any task
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order: str) -> str:
+        return order
+
+    running = SimpleNamespace(request=SimpleNamespace(id="parent-id", root_id="root-id"))
+    monkeypatch.setattr(
+        Celery, "current_worker_task", property(lambda _: running if made == "in a task" else None)
+    )
+    _, pickup = publishing.prepare(charge, "k", ("o",), {}, "call-id", {})
+    assert pickup is not None
+    carried = loads(pickup.envelope.decode())["options"]
+    # Then the copy the sweep sends keeps them (sent from the sweep task, it would get that
+    # task's), unless the caller gave its own
+    if made == "in a task":
+        assert (carried["root_id"], carried["parent_id"]) == ("root-id", "parent-id")
+        _, given = publishing.prepare(
+            charge, "k", ("o",), {}, "call-id", {"root_id": "r", "parent_id": "p"}
+        )
+        assert given is not None
+        assert loads(given.envelope.decode())["options"]["root_id"] == "r"
+    else:
+        assert "root_id" not in carried and "parent_id" not in carried
 
 
 @pytest.mark.parametrize("when", ["countdown", "eta"])
