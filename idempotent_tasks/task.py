@@ -1020,13 +1020,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         write fails, the task is re-published to write it later (raising ``Retry``), so it is
         never lost. Override to add to this; call ``super()``.
         """
+        # The body's soft time limit may fire in any step after it (a slow dump of large
+        # arguments): the row is made to its end all the same, as it is written.
+        failure = despite_time_limit(
+            SoftTimeLimitExceeded, lambda: self._dead_letter_of(exc, key, args, kwargs)
+        )
+        if failure is not None:
+            self._write_failure(failure)
+
+    def _dead_letter_of(
+        self, exc: Exception, key: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Failure | None:
+        """The dead letter of a call failed for good with ``exc`` (logged); ``None`` when the
+        task keeps none."""
         request = self.request
         message = error_text(exc)
         logger.error("failed for good: %s: %s", type(exc).__name__, message)
         if not self.dlq and request_header(request, DEAD_LETTER_HEADER) is None:
             # (A dead letter's retry records its failure on its row all the same, the task's
             # dead-letter queue turned off since: unrecorded, the row would be sent for ever.)
-            return
+            return None
         stored_args, stored_kwargs, faithful = self._table_arguments(args, kwargs)
         max_retries = int(
             resolve(
@@ -1042,7 +1055,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # runs under a shorter one naming it. A keyless call's retry keeps its id (its callers
         # wait on it): the table keeps it whole in the row's options.
         task_id = request.id if key is None else publishing.fitted_task_id(request.id)
-        failure = Failure(
+        return Failure(
             failure_id=f"{task_id}:{request.retries}",
             task_name=self.name,
             task_id=task_id,
@@ -1057,7 +1070,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Arguments kept as text would run the task with the wrong values: kept, not retried.
             max_retries=max_retries if faithful else 0,
         )
-        self._write_failure(failure)
 
     def end_killed_call(self, request_dict: dict[str, Any], exc: Exception) -> None:
         """End a call whose pool process was killed at its hard time limit, as a failure of

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 
 from idempotent_tasks import IdempotentTask
 from idempotent_tasks.dlq import DeadLetterQueue
@@ -95,6 +96,55 @@ def test_a_failure_whose_arguments_and_error_defy_text_is_still_dead_lettered(
     queue.dispose()
     assert (row.task_id, row.args) == ("failing-task", ["{(1, 2): 'x'}"])
     assert row.error_message == "<UnprintableError; str() failed>"
+
+
+def test_a_soft_time_limit_firing_as_the_dead_letter_is_made_still_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a call failed for good, whose soft time limit fires while its dead letter is made
+    # (as its arguments are dumped for the table)
+    app = Celery("late-limit", set_as_current=False, broker="memory://")
+    url = f"sqlite:///{tmp_path}/dead.sqlite3"
+    app.conf.update(
+        idempotency_store_url="memory://", idempotency_dlq_url=url, result_backend="cache+memory://"
+    )
+
+    @app.task(base=IdempotentTask, shared=False)
+    def fails(order: str) -> None:
+        raise ValueError(order)
+
+    dump = IdempotentTask._table_arguments
+    fired: list[bool] = []
+
+    def dump_as_the_limit_fires(task: Any, args: Any, kwargs: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            raise SoftTimeLimitExceeded()
+        return dump(task, args, kwargs)
+
+    monkeypatch.setattr(IdempotentTask, "_table_arguments", dump_as_the_limit_fires)
+    fails.push_request(
+        id="late-task",
+        args=("o-1",),
+        kwargs={},
+        headers={},
+        called_directly=False,
+        delivery_info={"routing_key": "celery", "exchange": ""},
+        retries=0,
+    )
+    # When it fails, then its own error goes on, and its dead letter is written all the same
+    try:
+        with pytest.raises(ValueError):
+            fails("o-1")
+    finally:
+        fails.pop_request()
+    queue = DeadLetterQueue(url)
+    rows = queue.items()
+    queue.dispose()
+    assert fired
+    assert [(row.task_id, row.args, row.error_type) for row in rows] == [
+        ("late-task", ["o-1"], "ValueError")
+    ]
 
 
 def test_nan_and_infinity_which_database_json_refuses_are_kept_as_text() -> None:
