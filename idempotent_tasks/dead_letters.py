@@ -26,6 +26,7 @@ from .dlq.items import ARGS_LOSSY
 from .dlq.queue import SWEEP_BATCH
 from .dlq.sweep import CannotResend, resend_due
 from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
+from .heartbeat import RETRY_AFTER_ERROR
 from .keys import validate_key
 from .pickups import republish_lost
 from .settings import app_setting
@@ -286,7 +287,9 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     queue = dlq_for(app)
     runs = frozenset(app.tasks)  # another app's rows of these are this app's to send too
     timeout = float(app_setting(app.conf, "idempotency_dlq_retrying_timeout"))
-    recovered = queue.recover_stuck(timedelta(seconds=timeout), framework="celery", runs=runs)
+    recovered = queue.recover_stuck(
+        timedelta(seconds=timeout), framework="celery", runs=runs, grace=_recovery_grace(app)
+    )
     if recovered:
         logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
     published = resend_due(
@@ -301,6 +304,16 @@ def retry_dead_letters(self: Any, batch: int = SWEEP_BATCH) -> int:
     )
     _count_rows(queue)
     return published
+
+
+def _recovery_grace(app: Any) -> timedelta:
+    """How long a row made due again as stuck waits before it is sent again: a row is also
+    "stuck" when the database was down longer than the timeout, its run's renewals lost. That
+    run, or the copy that writes its outcome later, then reaches the row within this time
+    (a renewal tried again within RETRY_AFTER_ERROR seconds, the copy every
+    ``idempotency_dlq_write_retry_delay``), and the row is not sent a second time."""
+    write_retry = float(app_setting(app.conf, "idempotency_dlq_write_retry_delay"))
+    return timedelta(seconds=2 * write_retry + RETRY_AFTER_ERROR)
 
 
 def _count_rows(queue: Any) -> None:

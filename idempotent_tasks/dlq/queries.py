@@ -147,10 +147,15 @@ def recover_stuck(
     now: datetime,
     framework: str | None,
     scoped: ColumnElement[bool] | None = None,
+    due: datetime | None = None,
 ) -> Update:
-    """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due now (only
-    ``framework``'s, when given, and those ``scoped`` lets in: each sweep judges its own rows
-    by its own timeout)."""
+    """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due at ``due``
+    (default: now; only ``framework``'s, when given, and those ``scoped`` lets in: each sweep
+    judges its own rows by its own timeout).
+
+    The sweep that sent the item stays named on the row: should that run be alive after all
+    (its renewals failed while the database was down), it takes the row back as it renews it,
+    and its outcome still counts (see :func:`renew_retrying`)."""
     stuck = (dead_letters.c.status == RETRYING) & (dead_letters.c.updated_at < stuck_before)
     if framework is not None:
         stuck = stuck & (dead_letters.c.framework == framework)
@@ -159,7 +164,7 @@ def recover_stuck(
     return (
         update(dead_letters)
         .where(stuck)
-        .values(status=PENDING, next_retry_at=now, sweep_id=None, updated_at=now)
+        .values(status=PENDING, next_retry_at=due or now, updated_at=now)
     )
 
 
@@ -206,10 +211,15 @@ def give_up(item_id: str, error_message: str, now: datetime, sweep_id: str | Non
 
 
 def record_retry_failure(
-    item_id: str, values: dict[str, Any], read_sweep_id: str | None, read_retry_count: int
+    item_id: str,
+    values: dict[str, Any],
+    read_sweep_id: str | None,
+    read_retry_count: int,
+    read_status: str = RETRYING,
 ) -> Update:
-    """Write the outcome of a failed re-publication of a ``retrying`` item, only if it is
-    still as it was read (the same sweep holds it, at the same count)."""
+    """Write the outcome of a failed re-publication of a ``retrying`` item (or of one made
+    due again while its run was alive: see :func:`recover_stuck`), only if it is still as it
+    was read (the same status, the same sweep holding it, at the same count)."""
     same_sweep = (
         dead_letters.c.sweep_id.is_(None)
         if read_sweep_id is None
@@ -219,7 +229,7 @@ def record_retry_failure(
         update(dead_letters)
         .where(
             dead_letters.c.id == item_id,
-            dead_letters.c.status == RETRYING,
+            dead_letters.c.status == read_status,
             same_sweep,
             dead_letters.c.retry_count == read_retry_count,
         )
@@ -230,12 +240,21 @@ def record_retry_failure(
 def renew_retrying(item_id: str, sweep_id: str | None, now: datetime) -> Update:
     """Mark a ``retrying`` item (of ``sweep_id``, when given) as alive at ``now``: its run
     began (or a retry of it waits until then). A later time already set stays (a retry's
-    countdown, against a renewal of the run that made it finishing after it)."""
-    held = (dead_letters.c.id == item_id) & (dead_letters.c.status == RETRYING)
-    if sweep_id is not None:
-        held = held & (dead_letters.c.sweep_id == sweep_id)
+    countdown, against a renewal of the run that made it finishing after it).
+
+    With ``sweep_id``, an item made due again as stuck while that sweep's run was alive (see
+    :func:`recover_stuck`), and not sent again since, is ``retrying`` again: no sweep sends it
+    a second time."""
+    if sweep_id is None:
+        held = (dead_letters.c.id == item_id) & (dead_letters.c.status == RETRYING)
+    else:
+        held = (
+            (dead_letters.c.id == item_id)
+            & dead_letters.c.status.in_((RETRYING, PENDING))
+            & (dead_letters.c.sweep_id == sweep_id)
+        )
     later = case((dead_letters.c.updated_at > now, dead_letters.c.updated_at), else_=now)
-    return update(dead_letters).where(held).values(updated_at=later)
+    return update(dead_letters).where(held).values(status=RETRYING, updated_at=later)
 
 
 def retry_now(item_id: str, now: datetime) -> Update:

@@ -351,11 +351,19 @@ class DeadLetterQueue:
         logger.error("%s: marked permanent_failure, not sent again", error)
 
     def recover_stuck(
-        self, timeout: timedelta, framework: str | None = None, runs: Collection[str] | None = None
+        self,
+        timeout: timedelta,
+        framework: str | None = None,
+        runs: Collection[str] | None = None,
+        grace: timedelta = timedelta(0),
     ) -> int:
-        """Return items ``retrying`` for longer than ``timeout`` to ``pending`` (only those of
-        ``framework``, when given, and those :meth:`take_due` would take with ``runs``); how
-        many."""
+        """Return items ``retrying`` for longer than ``timeout`` to ``pending``, due ``grace``
+        from now (only those of ``framework``, when given, and those :meth:`take_due` would
+        take with ``runs``); how many.
+
+        An item's run may be alive after all, its renewals lost to a database that was down:
+        until the item is sent again, that run takes it back as it renews it, and its success
+        or failure counts (the grace gives it time to)."""
         now = self._clock()
         with self._begin() as connection:
             result = connection.execute(
@@ -364,6 +372,7 @@ class DeadLetterQueue:
                     self._db(now),
                     framework,
                     self._scoped(runs, connection.dialect),
+                    self._db(now + grace),
                 )
             )
         return int(result.rowcount)
@@ -441,7 +450,9 @@ class DeadLetterQueue:
                 return None
             item = _item(found._mapping)
             held = sweep_id is None or item.sweep_id == sweep_id
-            if item.status is DeadLetterStatus.RETRYING and held:
+            # (Pending, and still its sweep's: made due again as stuck while its run was alive.)
+            recovered = sweep_id is not None and item.status is DeadLetterStatus.PENDING
+            if held and (item.status is DeadLetterStatus.RETRYING or recovered):
                 retry_count = item.retry_count + 1
                 exhausted = retry_count >= item.max_retries
                 values: dict[str, Any] = {
@@ -461,7 +472,9 @@ class DeadLetterQueue:
                     else self._db(next_retry_at(now, retry_count, self.base_delay, self._rng)),
                 }
                 connection.execute(
-                    queries.record_retry_failure(item_id, values, item.sweep_id, item.retry_count)
+                    queries.record_retry_failure(
+                        item_id, values, item.sweep_id, item.retry_count, item.status.value
+                    )
                 )
             found = connection.execute(queries.select_by_id(item_id)).one()
         return _item(found._mapping)

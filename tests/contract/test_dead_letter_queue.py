@@ -1020,22 +1020,111 @@ def test_an_item_stuck_in_retrying_returns_to_pending(dlq: DeadLetterQueue, cloc
     assert _ids(dlq.take_due(limit=1)) == {older.id}
     clock.advance(minutes=5)
     assert _ids(dlq.take_due(limit=1)) == {newer.id}
+    taken_by = dlq.get(older.id)
+    assert taken_by is not None and taken_by.sweep_id is not None
     now = clock.advance(minutes=6)
     # When stuck items are recovered with a 10-minute timeout
     assert dlq.recover_stuck(timedelta(minutes=10)) == 1
-    # Then only the older one is pending again, due now
+    # Then only the older one is pending again, due now, still naming the sweep that sent it
     back = dlq.get(older.id)
     assert back is not None
     assert (back.status, back.next_retry_at, back.sweep_id, back.updated_at) == (
         Statuses.PENDING,
         now,
-        None,
+        taken_by.sweep_id,
         now,
     )
     assert back.retry_count == 0
     kept = dlq.get(newer.id)
     assert kept is not None and kept.status is Statuses.RETRYING
     assert _ids(dlq.take_due()) == {older.id}
+
+
+def _recovered_while_its_run_lives(
+    dlq: DeadLetterQueue, clock: Clock, grace: timedelta = timedelta(minutes=1)
+) -> DeadLetter:
+    """An item a sweep sent whose run is alive, but whose renewals were lost (the database
+    down past the timeout): made due again as stuck, ``grace`` from now."""
+    dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    [taken] = dlq.take_due()
+    clock.advance(minutes=11)
+    assert dlq.recover_stuck(timedelta(minutes=10), grace=grace) == 1
+    return taken
+
+
+def test_an_item_recovered_with_a_grace_is_due_only_after_it(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    taken = _recovered_while_its_run_lives(dlq, clock, grace=timedelta(minutes=1))
+    back = dlq.get(taken.id)
+    assert back is not None and back.status is Statuses.PENDING
+    assert back.next_retry_at == clock.now + timedelta(minutes=1)
+    assert dlq.take_due() == []
+    clock.advance(minutes=1)
+    assert _ids(dlq.take_due()) == {taken.id}
+
+
+def test_a_recovered_item_whose_run_renews_it_is_retrying_again_and_not_sent_twice(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given an item made due again as stuck while its run was alive
+    taken = _recovered_while_its_run_lives(dlq, clock)
+    # When another sweep's copy renews it, nothing changes; when its own run renews it, it is
+    # retrying again, that run's, and no sweep takes it when it would have been due
+    assert dlq.renew_retrying(taken.id, "another-sweep") is False
+    assert dlq.renew_retrying(taken.id, taken.sweep_id) is True
+    back = dlq.get(taken.id)
+    assert back is not None
+    assert (back.status, back.sweep_id, back.updated_at) == (
+        Statuses.RETRYING,
+        taken.sweep_id,
+        clock.now,
+    )
+    clock.advance(minutes=2)
+    assert dlq.take_due() == []
+
+
+@pytest.mark.parametrize("outcome", ["succeeds", "fails"])
+def test_the_outcome_of_a_recovered_items_run_counts_until_it_is_sent_again(
+    dlq: DeadLetterQueue, clock: Clock, outcome: str
+) -> None:
+    # Given two items one sweep sent, made due again as stuck while their runs were alive,
+    # one of which a later sweep has sent again since
+    dlq.add(_failure(max_retries=3))
+    dlq.add(_failure(max_retries=3))
+    clock.advance(days=1)
+    sent = {item.id: item for item in dlq.take_due()}
+    clock.advance(minutes=11)
+    assert dlq.recover_stuck(timedelta(minutes=10), grace=timedelta(minutes=1)) == 2
+    clock.advance(minutes=2)
+    [again] = dlq.take_due(limit=1)
+    resent = sent.pop(again.id)
+    [taken] = sent.values()
+    assert again.sweep_id != resent.sweep_id
+    # When the first run of each reports its outcome
+    for item in (taken, resent):
+        if outcome == "succeeds":
+            dlq.mark_succeeded(item.id, item.sweep_id)
+        else:
+            dlq.record_retry_failure(item.id, "Error", "failed again", None, item.sweep_id)
+    # Then it counts for the item not sent again. A failure does not count for the one sent
+    # again (its own run's outcome does), which no renewal of the first run takes back
+    # either; a success does, as a success of the call's, whichever run made it.
+    ended = dlq.get(taken.id)
+    still = dlq.get(resent.id)
+    assert ended is not None and still is not None
+    if outcome == "succeeds":
+        assert ended.status is still.status is Statuses.SUCCEEDED
+        return
+    assert (ended.status, ended.retry_count, ended.sweep_id) == (Statuses.PENDING, 1, None)
+    assert _in_due_window(ended.next_retry_at, clock.now, 1)
+    assert (still.status, still.sweep_id, still.retry_count) == (
+        Statuses.RETRYING,
+        again.sweep_id,
+        0,
+    )
+    assert dlq.renew_retrying(resent.id, resent.sweep_id) is False
 
 
 def test_recover_stuck_touches_no_other_status(dlq: DeadLetterQueue, clock: Clock) -> None:

@@ -45,7 +45,8 @@ app.conf.update(
     ),
     idempotency_dlq_base_delay=float(os.environ.get("IT_DLQ_BASE_DELAY", "0.5")),
     idempotency_dlq_poll_interval=float(os.environ.get("IT_DLQ_POLL_INTERVAL", "1")),
-    idempotency_dlq_write_retry_delay=1.0,
+    idempotency_dlq_write_retry_delay=float(os.environ.get("IT_DLQ_WRITE_RETRY_DELAY", "1")),
+    idempotency_dlq_retrying_timeout=float(os.environ.get("IT_DLQ_RETRYING_TIMEOUT", "3600")),
     beat_max_loop_interval=1,
 )
 
