@@ -83,8 +83,10 @@ _MAX_MS = 2**50
 
 
 def connection_options() -> dict[str, Any]:
-    """The store's own timeouts, health checks and reconnect-and-retry, for a new client."""
+    """The store's own timeouts, health checks and reconnect-and-retry, for a new client; and
+    replies as bytes (a result backend URL may ask for text: results may be binary)."""
     return {
+        "decode_responses": False,
         "socket_connect_timeout": 2,
         "socket_timeout": 5,
         "health_check_interval": 15,
@@ -124,7 +126,10 @@ class RedisStore(Store):
     @classmethod
     def from_url(cls, url: str, prefix: str) -> RedisStore:
         """Connect lazily to ``redis://`` or ``rediss://`` ``url``."""
-        return cls(redis.Redis.from_url(url, **connection_options()), prefix)
+        pool = redis.ConnectionPool.from_url(url, **connection_options())
+        # The URL's own options win over those given with it: replies stay bytes all the same.
+        pool.connection_kwargs["decode_responses"] = False
+        return cls(redis.Redis(connection_pool=pool), prefix)
 
     @classmethod
     def from_connection_params(cls, params: dict[str, Any], prefix: str) -> RedisStore:
@@ -648,13 +653,14 @@ def _field(fields: dict[str, bytes], name: str, convert: Callable[[str], _T]) ->
 
 
 def _record(storage_key: str, fields: dict[str, bytes], read_at: float | None = None) -> Record:
-    cached = fields.get("result_cached") == b"1" and "result" in fields
+    # (Text from a client of the caller's that decodes its replies.)
+    cached = fields.get("result_cached") in (b"1", "1") and "result" in fields
     result = None
     if cached:
         result = EncodedResult(
             content_type=_field(fields, "content_type", str),
             content_encoding=_field(fields, "content_encoding", str),
-            body=fields["result"],
+            body=_bytes(fields["result"]),
         )
     return Record(
         storage_key=storage_key,

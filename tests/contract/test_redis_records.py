@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import uuid
 from typing import Any
 
 import pytest
@@ -93,3 +94,30 @@ def test_a_ttl_of_ages_keeps_the_record_for_ages(client: redis.Redis) -> None:
         assert re.fullmatch(r"[0-9]+", fields[name]), (name, fields[name])
     record = store.get(request.storage_key)
     assert record is not None and record.status is Status.COMPLETED
+
+
+@pytest.mark.parametrize(
+    "made", ["from a URL", "from a result backend's parameters", "on a client of the caller's"]
+)
+def test_a_store_asked_for_text_replies_still_reads_its_cached_results(
+    redis_url: str, made: str
+) -> None:
+    # Given a store built from a result backend URL that asks for text replies (Celery takes
+    # ?decode_responses=true), or handed a client that decodes them
+    url = f"{redis_url}/{CONTRACT_REDIS_DB}?decode_responses=true"
+    if made == "from a URL":
+        store = RedisStore.from_url(url, prefix="text")
+    elif made == "from a result backend's parameters":
+        params = redis.ConnectionPool.from_url(url).connection_kwargs
+        store = RedisStore.from_connection_params(params, prefix="text")
+    else:
+        store = RedisStore(redis.Redis.from_url(url), prefix="text")
+    request = _request(storage_key=f"text:{uuid.uuid4()}")
+    claim = store.claim(request)
+    assert store.complete(request, claim.token, RESULT) is CompleteOutcome.STORED
+    # Then the key's value reads back, to the store's reads and to a duplicate's claim
+    record = store.get(request.storage_key)
+    assert record is not None and (record.result_cached, record.result) == (True, RESULT)
+    duplicate = store.claim(dataclasses.replace(request, owner="owner-2"))
+    assert duplicate.outcome is Outcome.COMPLETED
+    assert duplicate.record is not None and duplicate.record.result == RESULT
