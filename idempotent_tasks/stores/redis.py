@@ -136,8 +136,11 @@ class RedisStore(Store):
         """Connect lazily with a redis-py connection pool's ``params``: those Celery's Redis
         result backend built (its TLS settings, credentials, credential provider), so the
         default store reaches the backend's server as the backend does. The store's own
-        timeouts and retries replace the backend's."""
-        kept = {name: value for name, value in params.items() if name != "retry_on_timeout"}
+        timeouts and retries replace the backend's, and the backend's cap on its own pool
+        (``redis_max_connections``) is not the store's: the store keeps one connection of its
+        pool for its scripts, and needs others besides."""
+        left_out = ("retry_on_timeout", "max_connections")
+        kept = {name: value for name, value in params.items() if name not in left_out}
         pool = redis.ConnectionPool(**{**kept, **connection_options()})
         return cls(redis.Redis(connection_pool=pool), prefix)
 
@@ -434,8 +437,24 @@ class RedisStore(Store):
                 return self._evalsha(loaded.sha, keys, args)
             except NoScriptError:
                 # Redis restarted or flushed its scripts since: load this one again and rerun.
-                self.client.script_load(loaded.script)
+                # (On the connection kept for scripts: a pool capped at one has no other.)
+                self._on_kept_connection(
+                    ("SCRIPT", "LOAD", loaded.script),
+                    lambda: self.client.script_load(loaded.script),
+                )
                 return self._evalsha(loaded.sha, keys, args)
+
+    def _on_kept_connection(self, command: tuple[Any, ...], otherwise: Callable[[], Any]) -> Any:
+        """Send ``command`` on the connection kept for scripts (see :meth:`_evalsha`), or call
+        ``otherwise`` while another thread uses it, or for clients that keep none."""
+        if self._direct:
+            kept = _kept_connection(self.client.connection_pool)
+            if kept.lock.acquire(blocking=False):
+                try:
+                    return kept.execute(command)
+                finally:
+                    kept.lock.release()
+        return otherwise()
 
     def _evalsha(self, sha: str, keys: list[Any], args: list[Any]) -> Any:
         """Run a loaded script: one round trip.
@@ -446,14 +465,10 @@ class RedisStore(Store):
         observability hooks), and a task pays for three scripts. While another thread uses
         that connection, or for other clients, the script goes through the client as usual.
         """
-        if self._direct:
-            kept = _kept_connection(self.client.connection_pool)
-            if kept.lock.acquire(blocking=False):
-                try:
-                    return kept.execute(("EVALSHA", sha, len(keys), *keys, *args))
-                finally:
-                    kept.lock.release()
-        return self.client.evalsha(sha, len(keys), *keys, *args)
+        return self._on_kept_connection(
+            ("EVALSHA", sha, len(keys), *keys, *args),
+            lambda: self.client.evalsha(sha, len(keys), *keys, *args),
+        )
 
 
 @dataclass(frozen=True)

@@ -349,12 +349,22 @@ def test_a_user_the_acl_forbids_scripts_is_an_unavailable_store(url: str) -> Non
         admin.acl_deluser(user)
 
 
-def test_scripts_are_reloaded_after_a_script_flush(url: str) -> None:
-    # A restarted Redis has forgotten every script: EVALSHA answers NOSCRIPT and must reload.
-    store = RedisStore.from_url(url, prefix="noscript")
-    assert store.claim(_request("a")).outcome is Outcome.ACQUIRED
-    store.client.script_flush()
-    assert store.claim(_request("b")).outcome is Outcome.ACQUIRED
+@pytest.mark.parametrize("pool", ["its own", "a result backend's capped at one connection"])
+def test_scripts_are_reloaded_after_a_script_flush(url: str, pool: str) -> None:
+    # A restarted Redis has forgotten every script: EVALSHA answers NOSCRIPT and must reload
+    # (also where the result backend caps its pool at one connection: redis_max_connections)
+    if pool == "its own":
+        store = RedisStore.from_url(url, prefix="noscript")
+    else:
+        params = {**redis.ConnectionPool.from_url(url).connection_kwargs, "max_connections": 1}
+        store = RedisStore.from_connection_params(params, prefix="noscript")
+    try:
+        assert store.claim(_request("a")).outcome is Outcome.ACQUIRED
+        redis.Redis.from_url(url).script_flush()
+        assert store.claim(_request("b")).outcome is Outcome.ACQUIRED
+        assert store.take_due(10) == []  # the sweep's look, on another connection of the pool
+    finally:
+        store.close()
 
 
 def test_a_keys_record_and_fence_share_one_cluster_slot(url: str) -> None:
