@@ -23,6 +23,9 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import Boolean
 
 from ..dlq.schema import claims, pickups
 
@@ -111,7 +114,7 @@ def set_debt(claim_id: str, task_id: str, now: float, *, owes: bool) -> Update:
     """Set whether a key's live ``processing`` row owes the message of call ``task_id``, when
     its pickup row keeps that message and that call is not the row's own."""
     kept = select(pickups.c.id).where(_keeps_message_of(claim_id, task_id)).exists()
-    others = _live_row(claim_id, PROCESSING, now, claims.c.task_id != task_id, kept)
+    others = _live_row(claim_id, PROCESSING, now, ~_of_task(claims.c.task_id, task_id), kept)
     return claims.update().where(others).values(owes_message=owes, updated_at=now)
 
 
@@ -140,6 +143,37 @@ def delete_orphan_pickups(before: float) -> Delete:
     return delete(pickups).where((pickups.c.due_at < before) & ~claimed)
 
 
+class _SameText(FunctionElement[bool]):
+    """``column = value``, comparing the text exactly on every database (MySQL's and
+    MariaDB's default collations ignore case, accents and trailing spaces: a call whose task
+    id differs from another's only so would release or drop that call's reservation)."""
+
+    type = Boolean()
+    name = "same_text"
+    inherit_cache = True
+
+
+@compiles(_SameText)
+def _same_text(element: _SameText, compiler: Any, **kw: Any) -> str:
+    left, right = element.clauses
+    return f"{compiler.process(left, **kw)} = {compiler.process(right, **kw)}"
+
+
+@compiles(_SameText, "mysql")
+@compiles(_SameText, "mariadb")
+def _same_bytes(element: _SameText, compiler: Any, **kw: Any) -> str:
+    left, right = element.clauses
+    return (
+        f"CAST({compiler.process(left, **kw)} AS BINARY)"
+        f" = CAST({compiler.process(right, **kw)} AS BINARY)"
+    )
+
+
+def _of_task(column: Any, task_id: str) -> Any:
+    """Rows whose ``column`` is ``task_id``, exactly."""
+    return _SameText(column, task_id)
+
+
 def _live_row(claim_id: str, status: str, now: float, *also: Any) -> Any:
     """The key's claim row, live and in ``status``, meeting the conditions ``also`` (the
     execution attempt or the call it is for, say)."""
@@ -150,18 +184,18 @@ def _live_row(claim_id: str, status: str, now: float, *also: Any) -> Any:
 
 def _keeps_message_of(claim_id: str, task_id: str) -> Any:
     """The key's pickup row, keeping the message of call ``task_id``."""
-    return (pickups.c.id == claim_id) & (pickups.c.task_id == task_id)
+    return (pickups.c.id == claim_id) & _of_task(pickups.c.task_id, task_id)
 
 
 def release_queued(claim_id: str, task_id: str, now: float) -> Update:
     """Release a live ``queued`` row reserved for ``task_id``."""
-    live = _live_row(claim_id, QUEUED, now, claims.c.task_id == task_id)
+    live = _live_row(claim_id, QUEUED, now, _of_task(claims.c.task_id, task_id))
     return claims.update().where(live).values(status=RELEASED, updated_at=now)
 
 
 def retime_queued(claim_id: str, task_id: str, now: float, due_at: float) -> Update:
     """Move the due time of a live ``queued`` row reserved for ``task_id``."""
-    live = _live_row(claim_id, QUEUED, now, claims.c.task_id == task_id)
+    live = _live_row(claim_id, QUEUED, now, _of_task(claims.c.task_id, task_id))
     return claims.update().where(live).values(lease_expires_at=due_at, updated_at=now)
 
 
@@ -172,7 +206,7 @@ def delete_pickup_of_claimed(
     ``completed`` keeping that message for the guard (see ``SqlStore.complete``), or, with
     ``processing``, ``processing`` (for that call, or another one that took the key over); one
     statement: nothing can land between the check and the delete."""
-    held = _live_row(claim_id, COMPLETED, now, claims.c.task_id != task_id)
+    held = _live_row(claim_id, COMPLETED, now, ~_of_task(claims.c.task_id, task_id))
     if processing:
         held = held | _live_row(claim_id, PROCESSING, now)
     claimed = select(claims.c.id).where(held).exists()
@@ -182,7 +216,7 @@ def delete_pickup_of_claimed(
 def select_processing(claim_id: str, task_id: str, now: float) -> Select[Any]:
     """The live ``processing`` row of ``task_id``, if there is one."""
     return select(claims.c.id).where(
-        _live_row(claim_id, PROCESSING, now, claims.c.task_id == task_id)
+        _live_row(claim_id, PROCESSING, now, _of_task(claims.c.task_id, task_id))
     )
 
 
@@ -191,7 +225,7 @@ def select_abandoned_or_keeping(claim_id: str, task_id: str, now: float) -> Sele
     ``completed`` one of another call than ``task_id``'s (whose message its pickup row may
     keep: see ``SqlStore.complete``)."""
     abandoned = _live_row(claim_id, PROCESSING, now, claims.c.lease_expires_at <= now)
-    keeping = _live_row(claim_id, COMPLETED, now, claims.c.task_id != task_id)
+    keeping = _live_row(claim_id, COMPLETED, now, ~_of_task(claims.c.task_id, task_id))
     return select(claims.c.id).where(abandoned | keeping)
 
 

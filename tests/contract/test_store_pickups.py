@@ -512,6 +512,25 @@ def test_a_kept_message_goes_with_its_calls_cancelled_publish(
     assert_completed_keeping_nothing(store, owner.storage_key, "newcomer")
 
 
+@pytest.mark.parametrize(
+    "other", ["ORDER-42", "order-42 ", "ördér-42"], ids=["case", "trailing-space", "accents"]
+)
+def test_a_task_id_differing_only_in_case_spaces_or_accents_is_another_call(
+    store: Store, make_request: Make, other: str
+) -> None:
+    # Given a key queued for call "order-42" (a task id its caller chose), its message kept
+    queued = make_request(task_id="order-42")
+    assert store.reserve(queued, make_pickup(due_in=60)) is None
+    # When a call whose id a case-, space- or accent-blind comparison takes for it cancels
+    # its reservation, or drops its kept message, then neither is that call's to take
+    assert store.cancel_reservation(queued.storage_key, other) is False
+    assert store.drop_pickup(queued.storage_key, other) is False
+    assert store.make_reservation_due(queued.storage_key, other) is False
+    record = store.get(queued.storage_key)
+    assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "order-42")
+    assert store.cancel_reservation(queued.storage_key, "order-42") is True
+
+
 def test_a_key_keeping_a_message_outlives_a_shorter_result_ttl_until_its_due_time(
     store: Store, make_request: Make
 ) -> None:
