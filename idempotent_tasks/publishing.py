@@ -133,10 +133,11 @@ def _lineage(task: IdempotentTask, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def reserve(
-    task: IdempotentTask, request: ClaimRequest, pickup: Pickup | None
+    task: IdempotentTask, request: ClaimRequest, pickup: Pickup | None, *, continues: bool = False
 ) -> tuple[ClaimRequest | None, Any]:
     """Queue the key for this message (as :func:`prepare` made them), or answer from its
-    record; with the guard off, only look at the record.
+    record; with the guard off, only look at the record. ``continues``: work waits on the
+    message (see :func:`continues`).
 
     Returns the reservation to cancel if the publish fails, and the result to return instead
     of publishing (``None``: publish).
@@ -152,7 +153,7 @@ def reserve(
         return None, None
     if record is None or own_reservation(record, request):
         return (None if pickup is None else request), None
-    return None, answer_from_record(task, record, request)
+    return None, answer_from_record(task, record, request, continues=continues)
 
 
 def own_reservation(record: Record, request: ClaimRequest) -> bool:
@@ -197,15 +198,22 @@ def publish_failed(task: IdempotentTask, storage_key: str, task_id: str, error: 
         cancel_reservation(task, storage_key, task_id)
 
 
-def answer_from_record(task: IdempotentTask, record: Record, request: ClaimRequest) -> Any:
+def answer_from_record(
+    task: IdempotentTask, record: Record, request: ClaimRequest, *, continues: bool = False
+) -> Any:
     """What a publish of a key that has a record returns instead (``None``: publish).
+    ``continues``: work waits on the message (see :func:`continues`).
 
     Leases are judged by the store's clock, which wrote them, not by this host's.
     """
-    # A record of this very task id is this call going on (a replacement it handed its key
-    # to, naming its claim's owner): no mismatch, as the stores judge it. A caller's own call
-    # under a task id it chose is judged as any other: other arguments are refused.
-    same_call = record.task_id == request.task_id and request.previous_owner is not None
+    # A record of this very task id is this call going on, as the stores judge it: a
+    # replacement it handed its key to (naming its claim's owner), or a step of a canvas
+    # published again under the id Celery fixed for it (its upstream ran twice, and gave it
+    # other arguments). A caller's own call under a task id it chose, which no work waits on,
+    # is judged as any other: other arguments are refused.
+    same_call = record.task_id == request.task_id and (
+        request.previous_owner is not None or continues
+    )
     if task.idempotency_validate and record.fingerprint != request.fingerprint and not same_call:
         raise IdempotencyKeyMismatch(
             request.key, task.name, record.fingerprint, request.fingerprint

@@ -303,7 +303,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     return answer
                 reservation, short_circuit = None, answer
             else:
-                reservation, short_circuit = publishing.reserve(self, request, pickup)
+                reservation, short_circuit = publishing.reserve(
+                    self,
+                    request,
+                    pickup,
+                    continues=publishing.continues(options, link, link_error),
+                )
             owed = short_circuit is not None and not publishing.reaches_this_caller(
                 self, short_circuit
             )

@@ -327,6 +327,20 @@ def test_key_reused_with_other_arguments_is_refused_at_publish(task_id: str) -> 
     assert queue_length(IDLE_QUEUE) == 0
 
 
+def test_a_canvas_step_sent_again_under_its_id_with_other_arguments_is_answered() -> None:
+    # Given a step that ran under the task id Celery fixed for it, sent again with other
+    # arguments and work waiting on it (its upstream ran twice and returned another value)
+    order, key, task_id = fresh("order"), fresh("key"), fresh("step")
+    value = charge.apply_async((order, 10), idempotency_key=key, task_id=task_id).get(timeout=30)
+    again = charge.apply_async(
+        (order, 11), idempotency_key=key, task_id=task_id, link=worker_app.noted_callback.s(order)
+    )
+    # Then it is the same call: published, answered with the step's value, its link run
+    wait_until(lambda: ledger_events(order, "callback") == 1, 30, "the link")
+    assert again.get(timeout=30) == value
+    assert ledger_events(order, "start") == 1
+
+
 def test_key_queued_under_a_chosen_task_id_refuses_other_arguments_under_it() -> None:
     order, key, task_id = fresh("order"), fresh("key"), fresh("charge")
     first = charge.apply_async((order, 10), idempotency_key=key, task_id=task_id, countdown=2)
