@@ -284,8 +284,12 @@ def _canonical_default(value: Any) -> Any:
         return reducer()
     if isinstance(value, _KOMBU_TYPES) and type(value) not in _KOMBU_TYPES:
         # A subclass (pendulum's DateTime, freezegun's FakeDatetime): kombu sends it as its
-        # base type, which the worker gets back.
-        value = kombu_json.loads(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
+        # base type, which the worker gets back. (One kombu cannot send so, a Decimal whose
+        # str() is no number, say, stands for itself.)
+        try:
+            value = kombu_json.loads(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
+        except Exception:
+            pass
     if isinstance(value, datetime) and not isinstance(value.tzinfo, timezone | None):
         offset = value.utcoffset()
         if offset is not None:

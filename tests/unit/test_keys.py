@@ -383,6 +383,22 @@ class _LocalUUID(UUID):
     pass
 
 
+class _DollarAmount(Decimal):
+    """A Decimal whose text is no number: kombu cannot send it as a Decimal."""
+
+    def __str__(self) -> str:
+        return f"${Decimal.__str__(self)}"
+
+
+def test_a_subclass_kombu_cannot_send_as_its_base_type_still_has_a_fingerprint() -> None:
+    assert fingerprint("t", None, [_DollarAmount("9.90")], {}) == fingerprint(
+        "t", None, [_DollarAmount("9.90")], {}
+    )
+    assert fingerprint("t", None, [_DollarAmount("9.90")], {}) != fingerprint(
+        "t", None, [_DollarAmount("9.91")], {}
+    )
+
+
 @pytest.mark.parametrize(
     "value",
     [
