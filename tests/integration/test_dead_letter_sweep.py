@@ -31,7 +31,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from idempotent_tasks import IdempotentTask, defaults
+from idempotent_tasks import IdempotentTask, dead_letters, defaults
 from idempotent_tasks.dead_letters import (
     DEAD_LETTER_HEADER,
     DEAD_LETTER_SWEEP_HEADER,
@@ -779,7 +779,14 @@ def test_a_row_left_retrying_by_a_sweep_that_died_is_sent_again_once_its_timeout
     dlq_url: str, queue: DeadLetterQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     timeout = 2.0  # a sweep's first steps (its database, the schema) well inside it
-    app = _sweeping_app("memory://", dlq_url, idempotency_dlq_retrying_timeout=timeout)
+    app = _sweeping_app(
+        "memory://",
+        dlq_url,
+        idempotency_dlq_retrying_timeout=timeout,
+        idempotency_dlq_write_retry_delay=0.1,
+    )
+    # The grace a row made due again waits (for a run alive after all): 0.5 s here
+    monkeypatch.setattr(dead_letters, "RETRY_AFTER_ERROR", 0.3)
     sent: list[str] = []
     send_task = app.send_task
 
@@ -793,8 +800,12 @@ def test_a_row_left_retrying_by_a_sweep_that_died_is_sent_again_once_its_timeout
     [taken] = queue.take_due()
     # When a sweep runs within the timeout, then it leaves the row to the sweep that took it
     assert app.tasks[SWEEP_TASK].run() == 0
-    # And when one runs after the timeout, it makes the row due again and sends it
+    # And when one runs after the timeout, it makes the row due again, after a grace in
+    # which the run it sent could still take it back; a sweep after that sends it
     time.sleep(timeout + 0.2)
+    assert app.tasks[SWEEP_TASK].run() == 0
+    assert sent == []
+    time.sleep(0.6)
     assert app.tasks[SWEEP_TASK].run() == 1
     assert sent == [row.task_id]
     found = queue.get(row.id)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 from celery import Celery
 
 import idempotent_tasks  # noqa: F401 - registers the sweep task
+from idempotent_tasks import dead_letters
 from idempotent_tasks.app_store import dlq_for
 from idempotent_tasks.dead_letters import SWEEP_TASK
 from idempotent_tasks.dlq import DeadLetterQueue, DeadLetterStatus, Failure
@@ -125,7 +125,7 @@ def test_an_app_without_a_name_names_none_and_leaves_named_rows_of_tasks_it_does
 
 
 def test_a_renamed_app_recovers_the_stuck_rows_its_old_name_wrote(
-    dlq_url: str, make_app: MakeApp
+    dlq_url: str, make_app: MakeApp, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a dead letter its app, under its old name, took and never ended (its sweep died)
     old = make_app("shop-v1", "shop.charge")
@@ -134,15 +134,19 @@ def test_a_renamed_app_recovers_the_stuck_rows_its_old_name_wrote(
     # When the app, renamed, sweeps once that row has been retrying past its timeout
     shop = make_app("shop", "shop.charge")
     shop.conf.idempotency_dlq_retrying_timeout = 0.01
+    shop.conf.idempotency_dlq_write_retry_delay = 0.05
+    monkeypatch.setattr(dead_letters, "RETRY_AFTER_ERROR", 0.1)  # a grace of 0.2 s
     time.sleep(0.05)
-    # Then it makes the row due again (a row of a task it runs), to be sent once its run,
-    # should it be alive after all, has had time to take it back
+    # Then it makes the row due again (a row of a task it runs), after the grace a run alive
+    # after all has to take it back, and sends it then
     assert shop.tasks[SWEEP_TASK].apply().get() == 0
+    time.sleep(0.25)
+    assert shop.tasks[SWEEP_TASK].apply().get() == 1
     table = DeadLetterQueue(dlq_url)
     try:
         found = table.get(row.id)
-        assert found is not None and found.status is DeadLetterStatus.PENDING
-        assert found.next_retry_at is not None and found.next_retry_at > datetime.now(timezone.utc)
+        assert found is not None and found.status is DeadLetterStatus.RETRYING
+        assert found.sweep_id is not None
     finally:
         table.dispose()
 
