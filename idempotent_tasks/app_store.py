@@ -133,9 +133,9 @@ def _sentinel_master(backend: Any, params: dict[str, Any], options: dict[str, An
 
     transport = dict(backend.app.conf.result_backend_transport_options or {})
     timeouts = {name: options[name] for name in ("socket_connect_timeout", "socket_timeout")}
-    connection = {
-        name: value for name, value in params.items() if name not in ("hosts", "retry_on_timeout")
-    }
+    # (The backend's cap on its pool is not the store's: see RedisStore.from_connection_params.)
+    left_out = ("hosts", "retry_on_timeout", "max_connections")
+    connection = {name: value for name, value in params.items() if name not in left_out}
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         [(host["host"], host["port"]) for host in params["hosts"]],
         min_other_sentinels=transport.get("min_other_sentinels", 0),

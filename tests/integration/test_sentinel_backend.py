@@ -91,13 +91,18 @@ def test_a_sentinel_result_backend_gives_the_store_the_master_it_names(tmp_path:
     ],
 )
 def test_every_redis_result_backend_is_the_default_stores(url: str, pool_class: str) -> None:
-    # Nothing connects here: the store is built as the backend would reach its server
+    # Nothing connects here: the store is built as the backend would reach its server, but
+    # for the backend's cap on its own pool (the store keeps a connection for its scripts)
     app = Celery("schemes", set_as_current=False, broker="memory://", backend=url)
     app.conf.result_backend_transport_options = {"master_name": MASTER_NAME}
+    app.conf.redis_max_connections = 1
     assert store_url(app) == url
     store = store_for(app)
     assert isinstance(store, RedisStore)
-    assert type(store.client.connection_pool).__name__ == pool_class
+    pool = store.client.connection_pool
+    assert type(pool).__name__ == pool_class
+    assert app.backend.connparams.get("max_connections") == 1
+    assert pool.max_connections > 1
 
 
 def test_a_sentinel_store_pushes_no_message_for_a_broker_behind_sentinel() -> None:
