@@ -524,11 +524,17 @@ def test_a_task_id_differing_only_in_case_spaces_or_accents_is_another_call(
     # When a call whose id a case-, space- or accent-blind comparison takes for it cancels
     # its reservation, or drops its kept message, then neither is that call's to take
     assert store.cancel_reservation(queued.storage_key, other) is False
-    assert store.drop_pickup(queued.storage_key, other) is False
     assert store.make_reservation_due(queued.storage_key, other) is False
     record = store.get(queued.storage_key)
     assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "order-42")
     assert store.cancel_reservation(queued.storage_key, "order-42") is True
+    # Nor, once another call completed the key keeping call "order-42"'s message for the
+    # guard, is that message another call's to drop
+    owner, _ = completed_over_a_reservation(store, make_request, task_id="order-42")
+    assert store.drop_pickup(owner.storage_key, other) is False
+    time.sleep(PAST_DUE)
+    due = store.take(owner.storage_key)
+    assert due is not None and due.task_id == "order-42"
 
 
 def test_a_key_keeping_a_message_outlives_a_shorter_result_ttl_until_its_due_time(
