@@ -112,19 +112,20 @@ def prepare(
         "reply_to": options.get("reply_to") or task.app.thread_oid,
         # An explicit expires=None clears the task's own, as in Celery.
         "expires": options["expires"] if "expires" in options else task.expires,
-        **_lineage(task, options),
+        **_lineage(task, task_id, options),
     }
     pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
     return request, pickup
 
 
-def _lineage(task: IdempotentTask, options: dict[str, Any]) -> dict[str, Any]:
+def _lineage(task: IdempotentTask, task_id: str, options: dict[str, Any]) -> dict[str, Any]:
     """The root and parent ids Celery gives a call made in a task (``send_task`` reads the
     running task), for the copy the sweep sends: sent from the sweep task, it would get that
-    task's instead."""
+    task's instead. A call made outside any task is its own root (its parent is the sweep
+    task then, as a dead letter's retry's is)."""
     parent = task.app.current_worker_task
     if parent is None:
-        return {}
+        return {"root_id": options.get("root_id") or task_id}
     request = parent.request
     return {
         "root_id": options.get("root_id") or request.root_id or request.id,
