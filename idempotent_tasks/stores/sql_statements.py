@@ -16,6 +16,7 @@ from sqlalchemy import (
     Select,
     Update,
     and_,
+    bindparam,
     delete,
     func,
     insert,
@@ -27,7 +28,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import Boolean
 
-from ..dlq.schema import claims, pickups
+from ..dlq.schema import ExactText, claims, pickups
 
 #: Whether the SQLite library this Python uses knows ``RETURNING`` (3.35 on).
 SQLITE_RETURNING = sqlite3.sqlite_version_info >= (3, 35)
@@ -156,22 +157,21 @@ class _SameText(FunctionElement[bool]):
 @compiles(_SameText)
 def _same_text(element: _SameText, compiler: Any, **kw: Any) -> str:
     left, right = element.clauses
-    return f"{compiler.process(left, **kw)} = {compiler.process(right, **kw)}"
+    return f"({compiler.process(left, **kw)} = {compiler.process(right, **kw)})"
 
 
 @compiles(_SameText, "mysql")
 @compiles(_SameText, "mariadb")
 def _same_bytes(element: _SameText, compiler: Any, **kw: Any) -> str:
+    # The column's utf8mb4 text as bytes, against the value sent as its UTF-8 bytes (as
+    # ExactText sends it): whatever the connection's character set.
     left, right = element.clauses
-    return (
-        f"CAST({compiler.process(left, **kw)} AS BINARY)"
-        f" = CAST({compiler.process(right, **kw)} AS BINARY)"
-    )
+    return f"(CAST({compiler.process(left, **kw)} AS BINARY) = {compiler.process(right, **kw)})"
 
 
 def _of_task(column: Any, task_id: str) -> Any:
     """Rows whose ``column`` is ``task_id``, exactly."""
-    return _SameText(column, task_id)
+    return _SameText(column, bindparam(None, task_id, type_=ExactText(column.type.length)))
 
 
 def _live_row(claim_id: str, status: str, now: float, *also: Any) -> Any:

@@ -540,3 +540,20 @@ def test_the_longest_prefix_a_claim_row_takes_works_and_a_longer_one_is_refused_
         with store.engine.begin() as connection:
             connection.execute(claims.delete().where(claims.c.id.like(f"{store.prefix}:%")))
         store.close()
+
+
+def test_a_task_id_is_found_exactly_whatever_the_connections_character_set(
+    request: pytest.FixtureRequest,
+) -> None:
+    # Given a MariaDB store whose connection speaks latin1 (the tables keep utf8mb4), and a
+    # key queued for a call whose task id is not ASCII
+    store = SqlStore(f"{store_url('mariadb', request)}?charset=latin1", prefix="latin1")
+    queued = _request(f"latin1-{uuid.uuid4().hex[:8]}")
+    queued = dataclasses.replace(queued, task_id="ördér-42")
+    try:
+        assert store.reserve(queued, Pickup(envelope=b"{}", due_in=60, timeout=60)) is None
+        # Then only that very id cancels its reservation
+        assert store.cancel_reservation(queued.storage_key, "ORDÉR-42") is False
+        assert store.cancel_reservation(queued.storage_key, "ördér-42") is True
+    finally:
+        store.close()
