@@ -457,9 +457,13 @@ class IdempotentJob(Job):
                 state["previous_owner"] = attempt.request.owner
         if will_retry:
             raise exc
-        traceback = "".join(format_exception(exc))
+        # The job's timeout may fire in any step after the function (a slow dump of large
+        # arguments): the dead letter is made to its end all the same, as it is written.
+        message, traceback = despite_time_limit(
+            JobTimeoutException, lambda: (error_text(exc), "".join(format_exception(exc)))
+        )
         requeue = self._final_failure(
-            type(exc).__name__, error_text(exc), traceback, key, options, state, attempt
+            type(exc).__name__, message, traceback, key, options, state, attempt
         )
         if requeue is not None:
             return requeue
@@ -504,13 +508,10 @@ class IdempotentJob(Job):
         logger.error("job %s (%s) failed for good: %s", self.id, self.func_name, error_type)
         if not options.dlq and state.get("dead_letter_id") is None:
             return None  # (a row's run with the queue turned off since records on its row)
-        failure = self._build_failure(
-            attempt.request.owner if attempt is not None else new_owner(),
-            error_type,
-            message,
-            traceback,
-            key,
-            options,
+        occurrence = attempt.request.owner if attempt is not None else new_owner()
+        failure = despite_time_limit(
+            JobTimeoutException,
+            lambda: self._build_failure(occurrence, error_type, message, traceback, key, options),
         )
         return self._write_failure(failure, state, only_on_row=not options.dlq)
 
