@@ -482,9 +482,14 @@ class IdempotentJob(Job):
         if attempt is not None:
             despite_time_limit(JobTimeoutException, attempt.release_quietly)
             state["previous_owner"] = attempt.request.owner
-        if (self.number_of_retries or 0) < retry.max:
+        if self._is_sync:
+            # A synchronous queue never retries (RQ ends the job finished, its value the
+            # Retry): final, as a failure there is.
+            message = "returned Retry on a synchronous queue, which never retries"
+        elif (self.number_of_retries or 0) < retry.max:
             return retry
-        message = f"returned Retry after {self.number_of_retries} retries (max {retry.max})"
+        else:
+            message = f"returned Retry after {self.number_of_retries} retries (max {retry.max})"
         requeue = self._final_failure(
             "MaxRetriesExceeded", message, None, key, options, state, attempt
         )

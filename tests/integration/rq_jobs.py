@@ -112,6 +112,14 @@ def flaky(name: str, failures: int) -> dict[str, Any]:
     return {"name": name, "run": run}
 
 
+def asks_for_a_retry(name: str) -> Any:
+    """Return RQ's ``Retry`` (its other way to ask for a retry) on every start."""
+    from rq import Retry
+
+    _start(name)
+    return Retry(max=2)
+
+
 def fails_odd_runs(name: str) -> dict[str, Any]:
     """Fail the first, third, ... starts with ValueError; succeed on the others."""
     run = _start(name)

@@ -246,6 +246,19 @@ def test_a_failing_job_with_retries_on_a_synchronous_queue_is_dead_lettered(
     assert rq_jobs.starts(name) == 1
 
 
+def test_a_job_returning_retry_on_a_synchronous_queue_is_dead_lettered(
+    sync: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # A synchronous queue never retries, a Retry the function returns included: final, and
+    # kept in the dead-letter table for its sweep (its key released), not lost
+    name, key = fresh("sync-returned-retry"), fresh("key")
+    job = sync.enqueue(rq_jobs.asks_for_a_retry, name, idempotency_key=key)
+    [row] = rq_env.rows_of(job.id)
+    assert (row.idempotency_key, row.error_type) == (key, "MaxRetriesExceeded")
+    assert "synchronous queue" in row.error_message
+    assert rq_jobs.starts(name) == 1
+
+
 def test_a_dead_letter_whose_arguments_json_gives_back_otherwise_is_said_to_be_lossy(
     sync: IdempotentQueue, rq_env: RQEnv
 ) -> None:
