@@ -580,7 +580,9 @@ class IdempotentJob(Job):
     ) -> Failure:
         # An RQ job's serializer (pickle unless set) may keep what JSON gives back otherwise.
         args, kwargs, faithful = stored_arguments(self.args, dict(self.kwargs), exact=True)
-        kept_options = row_options(self.origin, not faithful)
+        # A method's job (RQ names it by the method alone) needs its object too, which the row
+        # does not keep: as with arguments JSON cannot hold, only RQ's own copy is sent again.
+        kept_options = row_options(self.origin, not faithful or self.instance is not None)
         # What a re-enqueue needs once RQ no longer has this job: the key's scope (never the
         # stores' URLs, which may hold passwords: the sweep is given its own) and the timeout.
         found = self.meta.get(META_KEY)

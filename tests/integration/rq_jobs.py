@@ -81,6 +81,10 @@ class Billing:
         _start(order)
         return "billing opened"
 
+    def declines(self, order: str) -> None:
+        _start(order)
+        raise ValueError(f"{order} declined")
+
 
 class Refunds:
     def charge(self, order: str) -> str:

@@ -349,6 +349,19 @@ def test_methods_of_one_name_on_two_classes_never_share_a_key(sync: IdempotentQu
     assert (billing.return_value(), refunds.return_value()) == ("billing opened", "refunds opened")
 
 
+def test_a_failed_method_jobs_dead_letter_is_never_sent_again_by_its_bare_name(
+    sync: IdempotentQueue, rq_env: RQEnv
+) -> None:
+    # Given a failed job of a method (RQ names it "declines", its object apart)
+    order = fresh("order")
+    job = sync.enqueue(rq_jobs.Billing().declines, order, idempotency_key=fresh("key"))
+    [row] = rq_env.rows_of(job.id)
+    assert row.task_name == "declines"
+    # Then its row keeps that only RQ's own copy of the job, with its object, can be sent
+    # again (an enqueue by name would import no such function, or a builtin of that name)
+    assert row.options["args_lossy"] is True
+
+
 def test_a_method_job_that_came_without_its_scoped_name_is_claimed_under_it(
     idle: IdempotentQueue, rq_env: RQEnv
 ) -> None:
