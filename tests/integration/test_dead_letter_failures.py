@@ -107,11 +107,15 @@ def test_database_down_at_failure_time_loses_nothing(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("outage", ["short", "past the retrying timeout"])
 def test_a_dead_letter_retry_that_succeeds_while_the_database_is_down_is_marked_later(
-    it_env: dict[str, str], worker_app: Any, tmp_path: Path
+    it_env: dict[str, str], worker_app: Any, tmp_path: Path, outage: str
 ) -> None:
-    # Given a dead letter of a call without a key, taken by the sweep and running
-    url = fresh_pg_database("it_dlq_mark_down")
+    # Given a dead letter of a call without a key, taken by the sweep and running (in one case
+    # on a worker that takes a row retrying for 3 s without a renewal for stuck, and writes an
+    # outcome it could not write every 4 s)
+    database = "it_dlq_mark_down" if outage == "short" else "it_dlq_outage"
+    url = fresh_pg_database(database)
     queue = DeadLetterQueue(url, base_delay=0)
     order = fresh("order")
     seeded = dataclasses.replace(
@@ -123,68 +127,34 @@ def test_a_dead_letter_retry_that_succeeds_while_the_database_is_down_is_marked_
     )
     queue.add(seeded)
     queue.dispose()
-    worker = WorkerProcess("mark-down", {**it_env, "IT_DLQ_URL": url}, tmp_path)
-    try:
-        assert app.send_task(SWEEP_TASK).get(timeout=30) == 1
-        wait_until(lambda: ledger_events(order, "start") == 1, 30, "the retry's start")
-        # When the database is down as the retry succeeds
-        set_pg_database_online("it_dlq_mark_down", False)
-        wait_until(lambda: "could not mark dead letter" in worker.log(), 30, "the failed mark")
-        assert app.AsyncResult(seeded.task_id).get(timeout=30)["order_id"] == order
-        # Then once it is back, the row is marked succeeded (not left retrying, to come back
-        # and run the body again), and the caller's result is still the success
-        set_pg_database_online("it_dlq_mark_down", True)
-        queue = DeadLetterQueue(url)
-        wait_until(lambda: queue.stats()["succeeded"] == 1, 30, "the row marked succeeded")
-        assert app.AsyncResult(seeded.task_id).state == "SUCCESS"
-        assert ledger_events(order, "start") == 1
-    finally:
-        set_pg_database_online("it_dlq_mark_down", True)
-        worker.stop()
-        queue.dispose()
-
-
-@pytest.mark.slow
-def test_a_retry_that_succeeded_while_the_database_was_down_past_its_timeout_is_not_sent_again(
-    it_env: dict[str, str], worker_app: Any, tmp_path: Path
-) -> None:
-    # Given a dead letter of a call without a key, taken by the sweep and running, on a worker
-    # that takes a row retrying for 3 s without a renewal for stuck, and writes an outcome it
-    # could not write every 4 s
-    url = fresh_pg_database("it_dlq_outage")
-    queue = DeadLetterQueue(url, base_delay=0)
-    order = fresh("order")
-    seeded = dataclasses.replace(
-        _failure(order),
-        task_name=worker_app.charge.name,
-        idempotency_key=None,
-        args=[order, 10],
-        kwargs={"sleep": 2.0},
-    )
-    queue.add(seeded)
-    queue.dispose()
-    env = {**it_env, "IT_DLQ_URL": url, "IT_DLQ_RETRYING_TIMEOUT": "3"}
-    worker = WorkerProcess("outage", {**env, "IT_DLQ_WRITE_RETRY_DELAY": "4"}, tmp_path)
+    env = {**it_env, "IT_DLQ_URL": url}
+    if outage != "short":
+        env.update(IT_DLQ_RETRYING_TIMEOUT="3", IT_DLQ_WRITE_RETRY_DELAY="4")
+    worker = WorkerProcess("mark-down", env, tmp_path)
     queue = DeadLetterQueue(url)
     try:
         assert app.send_task(SWEEP_TASK).get(timeout=30) == 1
         wait_until(lambda: ledger_events(order, "start") == 1, 30, "the retry's start")
-        # When the database is down as the retry succeeds, and stays down past the timeout
-        set_pg_database_online("it_dlq_outage", False)
+        # When the database is down as the retry succeeds (and stays down past the timeout,
+        # a sweep meeting it first as it comes back, before the run's outcome is written)
+        set_pg_database_online(database, False)
         wait_until(lambda: "could not mark dead letter" in worker.log(), 30, "the failed mark")
         assert app.AsyncResult(seeded.task_id).get(timeout=30)["order_id"] == order
-        time.sleep(4)
-        # and a sweep meets it first as it comes back (before the run's outcome is written)
-        set_pg_database_online("it_dlq_outage", True)
-        # Then the sweep makes the row due again but does not send it at once; the outcome
-        # written meanwhile ends it, and the body never runs a second time
-        assert app.send_task(SWEEP_TASK).get(timeout=30) == 0
+        if outage != "short":
+            time.sleep(4)
+        set_pg_database_online(database, True)
+        if outage != "short":
+            # (the sweep makes the row due again, but does not send it at once)
+            assert app.send_task(SWEEP_TASK).get(timeout=30) == 0
+        # Then once it is back, the row is marked succeeded (not left retrying, to come back
+        # and run the body again), and the caller's result is still the success
         wait_until(lambda: queue.stats()["succeeded"] == 1, 30, "the row marked succeeded")
         assert app.send_task(SWEEP_TASK).get(timeout=30) == 0
+        assert app.AsyncResult(seeded.task_id).state == "SUCCESS"
         time.sleep(3)
         assert ledger_events(order, "start") == 1
     finally:
-        set_pg_database_online("it_dlq_outage", True)
+        set_pg_database_online(database, True)
         worker.stop()
         queue.dispose()
 

@@ -61,39 +61,56 @@ class UnprintableError(Exception):
         raise RuntimeError("no str")
 
 
-def test_a_failure_whose_arguments_and_error_defy_text_is_still_dead_lettered(
-    tmp_path: Path,
-) -> None:
-    # Given a task whose arguments JSON cannot hold even as text (pickle sent them), failing
-    # with an error whose str() fails
-    app = Celery("unprintable", set_as_current=False, broker="memory://")
+def _app_keeping_dead_letters(name: str, tmp_path: Path) -> tuple[Celery, str]:
+    """An app with its claims in memory and its dead letters in a SQLite file (its URL)."""
+    app = Celery(name, set_as_current=False, broker="memory://")
     url = f"sqlite:///{tmp_path}/dead.sqlite3"
     app.conf.update(
         idempotency_store_url="memory://", idempotency_dlq_url=url, result_backend="cache+memory://"
     )
+    return app, url
 
-    @app.task(base=IdempotentTask, shared=False)
-    def fails(mapping: dict[Any, str]) -> None:
-        raise UnprintableError()
 
-    fails.push_request(
-        id="failing-task",
-        args=({(1, 2): "x"},),
+def _failed_for_good(task: Any, task_id: str, args: tuple[Any, ...], error: type) -> None:
+    """Run ``task`` on ``args`` as a worker delivers it, its body raising ``error``."""
+    task.push_request(
+        id=task_id,
+        args=args,
         kwargs={},
         headers={},
         called_directly=False,
         delivery_info={"routing_key": "celery", "exchange": ""},
         retries=0,
     )
-    # When it fails for good, then its own error goes on, and the dead letter is written
     try:
-        with pytest.raises(UnprintableError):
-            fails({(1, 2): "x"})
+        with pytest.raises(error):
+            task(*args)
     finally:
-        fails.pop_request()
+        task.pop_request()
+
+
+def _rows(url: str) -> list[Any]:
     queue = DeadLetterQueue(url)
-    [row] = queue.items()
-    queue.dispose()
+    try:
+        return queue.items()
+    finally:
+        queue.dispose()
+
+
+def test_a_failure_whose_arguments_and_error_defy_text_is_still_dead_lettered(
+    tmp_path: Path,
+) -> None:
+    # Given a task whose arguments JSON cannot hold even as text (pickle sent them), failing
+    # with an error whose str() fails
+    app, url = _app_keeping_dead_letters("unprintable", tmp_path)
+
+    @app.task(base=IdempotentTask, shared=False)
+    def fails(mapping: dict[Any, str]) -> None:
+        raise UnprintableError()
+
+    # When it fails for good, then its own error goes on, and the dead letter is written
+    _failed_for_good(fails, "failing-task", ({(1, 2): "x"},), UnprintableError)
+    [row] = _rows(url)
     assert (row.task_id, row.args) == ("failing-task", ["{(1, 2): 'x'}"])
     assert row.error_message == "<UnprintableError; str() failed>"
 
@@ -103,11 +120,7 @@ def test_a_soft_time_limit_firing_as_the_dead_letter_is_made_still_writes_it(
 ) -> None:
     # Given a call failed for good, whose soft time limit fires while its dead letter is made
     # (as its arguments are dumped for the table)
-    app = Celery("late-limit", set_as_current=False, broker="memory://")
-    url = f"sqlite:///{tmp_path}/dead.sqlite3"
-    app.conf.update(
-        idempotency_store_url="memory://", idempotency_dlq_url=url, result_backend="cache+memory://"
-    )
+    app, url = _app_keeping_dead_letters("late-limit", tmp_path)
 
     @app.task(base=IdempotentTask, shared=False)
     def fails(order: str) -> None:
@@ -123,26 +136,10 @@ def test_a_soft_time_limit_firing_as_the_dead_letter_is_made_still_writes_it(
         return dump(task, args, kwargs)
 
     monkeypatch.setattr(IdempotentTask, "_table_arguments", dump_as_the_limit_fires)
-    fails.push_request(
-        id="late-task",
-        args=("o-1",),
-        kwargs={},
-        headers={},
-        called_directly=False,
-        delivery_info={"routing_key": "celery", "exchange": ""},
-        retries=0,
-    )
     # When it fails, then its own error goes on, and its dead letter is written all the same
-    try:
-        with pytest.raises(ValueError):
-            fails("o-1")
-    finally:
-        fails.pop_request()
-    queue = DeadLetterQueue(url)
-    rows = queue.items()
-    queue.dispose()
+    _failed_for_good(fails, "late-task", ("o-1",), ValueError)
     assert fired
-    assert [(row.task_id, row.args, row.error_type) for row in rows] == [
+    assert [(row.task_id, row.args, row.error_type) for row in _rows(url)] == [
         ("late-task", ["o-1"], "ValueError")
     ]
 
