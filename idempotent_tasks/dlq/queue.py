@@ -440,8 +440,9 @@ class DeadLetterQueue:
 
         Only an item in ``retrying`` changes, and with ``sweep_id`` (the sweep that published
         the run reporting), only while that sweep holds it: a repeated report changes nothing,
-        even once a later sweep took the item again. Returns the item as it now is, or
-        ``None`` if there is no such item.
+        even once a later sweep took the item again. (With ``sweep_id``, an item that sweep's
+        run left ``pending``, made due again as stuck, and not sent again since, changes too.)
+        Returns the item as it now is, or ``None`` if there is no such item.
         """
         now = self._clock()
         with self._begin() as connection:
