@@ -104,6 +104,8 @@ def prepare(
         key, args, kwargs, task_id, owner="", previous_owner=previous_owner
     )
     wait = seconds_until(options.get("countdown"), options.get("eta"))
+    if task._pickup_timeout <= 0:
+        return request, None  # the guard is off: no envelope to build
     serializer = options.get("serializer") or task.serializer
     # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes. A
     # task's own expiry is counted from this publish, not from the copy's (kept as a moment).

@@ -283,7 +283,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             message_options = {**options, "link": link, "link_error": link_error, "shadow": shadow}
             request, pickup = publishing.prepare(self, key, args, kwargs, task_id, message_options)
             answer = None
-            if pickup is not None and not publishing.continues(options, link, link_error):
+            # Work waits on this message (a link, a canvas): it is published whatever the key.
+            continues = publishing.continues(options, link, link_error)
+            if pickup is not None and not continues:
                 celery_apply_async = super().apply_async
                 answer = reserve_and_push.publish(
                     self,
@@ -304,10 +306,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 reservation, short_circuit = None, answer
             else:
                 reservation, short_circuit = publishing.reserve(
-                    self,
-                    request,
-                    pickup,
-                    continues=publishing.continues(options, link, link_error),
+                    self, request, pickup, continues=continues
                 )
             owed = short_circuit is not None and not publishing.reaches_this_caller(
                 self, short_circuit
@@ -316,11 +315,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # The key was not queued for it. (A call published as it cannot be handed
                 # another's result keeps the header: the worker answers it, never drops it.)
                 del options["headers"][RESERVED_HEADER]
-            if (
-                short_circuit is not None
-                and not owed
-                and not publishing.continues(options, link, link_error)
-            ):
+            if short_circuit is not None and not owed and not continues:
                 return short_circuit
             if reservation is not None:
                 try:

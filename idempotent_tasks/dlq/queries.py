@@ -145,13 +145,13 @@ def select_swept(sweep_id: str) -> Select[Any]:
 def recover_stuck(
     stuck_before: datetime,
     now: datetime,
+    due: datetime,
     framework: str | None,
     scoped: ColumnElement[bool] | None = None,
-    due: datetime | None = None,
 ) -> Update:
     """Return items ``retrying`` since before ``stuck_before`` to ``pending``, due at ``due``
-    (default: now; only ``framework``'s, when given, and those ``scoped`` lets in: each sweep
-    judges its own rows by its own timeout).
+    (only ``framework``'s, when given, and those ``scoped`` lets in: each sweep judges its own
+    rows by its own timeout).
 
     The sweep that sent the item stays named on the row: should that run be alive after all
     (its renewals failed while the database was down), it takes the row back as it renews it,
@@ -162,9 +162,7 @@ def recover_stuck(
     if scoped is not None:
         stuck = stuck & scoped
     return (
-        update(dead_letters)
-        .where(stuck)
-        .values(status=PENDING, next_retry_at=due or now, updated_at=now)
+        update(dead_letters).where(stuck).values(status=PENDING, next_retry_at=due, updated_at=now)
     )
 
 

@@ -370,9 +370,9 @@ class DeadLetterQueue:
                 queries.recover_stuck(
                     self._db(now - timeout),
                     self._db(now),
+                    self._db(now + grace),
                     framework,
                     self._scoped(runs, connection.dialect),
-                    self._db(now + grace),
                 )
             )
         return int(result.rowcount)
