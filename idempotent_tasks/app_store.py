@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
@@ -14,6 +13,7 @@ from celery.signals import worker_init, worker_process_init
 from . import defaults
 from .dlq import DeadLetterQueue
 from .dlq.engine import DEAD_LETTERS_FILE, default_sqlite_path, default_sqlite_url
+from .fork_safe import ForkSafeLock
 from .prometheus import enable_if_installed
 from .settings import app_setting
 from .setup_errors import open_dead_letter_queue
@@ -23,7 +23,7 @@ from .urls import url_text
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _STORE = "_idempotent_tasks_store"
 _DLQ = "_idempotent_tasks_dlq"
 #: The claim store's default SQLite file, in the data folder.

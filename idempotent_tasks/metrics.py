@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from typing import Any
 
 from . import signals
+from .fork_safe import ForkSafeLock
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _counts: Counter[str] = Counter()
 
 

@@ -21,16 +21,16 @@ starts, and serve a registry holding a ``MultiProcessCollector``. The gauge's
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from . import signals
+from .fork_safe import ForkSafeLock
 
 PREFIX = "idempotent_tasks"
 INSTALL_HINT = "metrics need prometheus_client: pip install 'idempotent-tasks[prometheus]'"
 
 logger = logging.getLogger(__name__)
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _enabled: dict[int, Metrics] = {}
 #: Whether :func:`enable_if_installed` ran in this process (or the one it was forked from).
 _auto_enable_tried = False

@@ -24,7 +24,6 @@ this path learns only after Celery has built the whole message). Everything else
 from __future__ import annotations
 
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -39,6 +38,7 @@ from . import publishing
 from .app_store import store_for
 from .broker_errors import broker_cannot_take
 from .errors import CorruptRecord, StoreUnavailable
+from .fork_safe import ForkSafeLock
 from .pickups import hand_to_guard
 from .records import ClaimRequest, Pickup, Record
 from .settings import app_setting, switch
@@ -56,7 +56,7 @@ RECENT_KEYS = 4096
 _KOMBU_NAMES = ("_put", "_q_for_pri", "_get_message_priority", "_expires", "global_keyprefix")
 #: Marks kombu's ``_put`` as wrapped by this module.
 _WRAPPED = "_idempotent_tasks_reserving"
-_wrap_lock = threading.Lock()
+_wrap_lock = ForkSafeLock()
 
 
 @dataclass
@@ -83,7 +83,7 @@ class _RecentKeys:
     def __init__(self, size: int) -> None:
         self._size = size
         self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def seen(self, task_name: str, key: str) -> bool:
         """Remember the key; whether it was remembered already."""

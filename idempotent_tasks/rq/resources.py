@@ -7,13 +7,13 @@ sockets are the parent's), and never closed either (closing them would cut the p
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import redis
 
 from ..dlq import DeadLetterQueue
+from ..fork_safe import ForkSafeLock
 from ..prometheus import enable_if_installed
 from ..setup_errors import open_dead_letter_queue
 from ..stores import Store, store_from_url
@@ -21,7 +21,7 @@ from ..stores.redis import RedisStore
 from .options import DLQ_URL_ENV
 
 _T = TypeVar("_T")
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _built: dict[tuple[str, ...], tuple[int, object]] = {}
 
 

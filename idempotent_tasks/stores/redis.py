@@ -38,6 +38,7 @@ from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
 from .. import defaults
 from ..errors import CorruptRecord, SideWriteRefused, StoreUnavailable
+from ..fork_safe import ForkSafeLock
 from ..records import (
     ClaimRequest,
     ClaimResult,
@@ -537,7 +538,7 @@ class _KeptConnection:
 
 
 #: Guards the creation of kept connections.
-_KEPT_LOCK = threading.Lock()
+_KEPT_LOCK = ForkSafeLock()
 #: Attribute of a connection pool holding its kept connection.
 _KEPT_ATTRIBUTE = "_idempotent_tasks_kept_connection"
 
