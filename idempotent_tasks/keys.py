@@ -337,6 +337,8 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_ca
 
 #: What a hashed storage name starts with (then ``:`` and the hex digest).
 _HASHED = "sha256"
+#: Length of a SHA-256 digest in hex.
+_DIGEST_CHARS = 64
 
 
 def storage_key(task_name: str, key: str) -> str:
@@ -347,10 +349,26 @@ def storage_key(task_name: str, key: str) -> str:
     Braces are never kept, so a Redis Cluster hash tag built around the name stays one tag. A
     task named ``sha256`` is always hashed: its readable names would look like hashed ones.
     """
-    if ":" in task_name or "%" in task_name:
-        task_name = task_name.replace("%", "%25").replace(":", "%3A")
+    task_name = _escaped(task_name)
     scoped = f"{task_name}:{key}"
     readable = len(scoped) <= defaults.KEY_MAX_STORED_CHARS and task_name != _HASHED
     if readable and "{" not in scoped and "}" not in scoped:
         return scoped
     return f"{_HASHED}:" + hashlib.sha256(scoped.encode()).hexdigest()
+
+
+def may_be_storage_key_of(name: str, task_name: str) -> bool:
+    """Whether :func:`storage_key` can give ``name`` for a key of task ``task_name``.
+
+    A store that finds its records by a prefix of their names uses it to leave alone the
+    records of a longer prefix: those of prefix ``shop:eu`` also start with ``shop:``, but
+    what follows is no name of their own task's.
+    """
+    hashed = name.startswith(f"{_HASHED}:") and len(name) == len(_HASHED) + 1 + _DIGEST_CHARS
+    return hashed or name.startswith(f"{_escaped(task_name)}:")
+
+
+def _escaped(task_name: str) -> str:
+    if ":" in task_name or "%" in task_name:
+        return task_name.replace("%", "%25").replace(":", "%3A")
+    return task_name

@@ -55,6 +55,7 @@ from ..dlq.schema import (
 )
 from ..dlq.schema_setup import ensure_component
 from ..errors import CorruptRecord, StoreUnavailable
+from ..keys import may_be_storage_key_of
 from ..records import (
     ClaimRequest,
     ClaimResult,
@@ -235,6 +236,7 @@ class SqlStore(Store):
 
     def take_due(self, limit: int) -> list[DuePickup]:
         taken: list[DuePickup] = []
+        others = 0  # due rows of a longer prefix (they stay due: the next rounds skip them)
         for _ in range(MAX_TAKE_ROUNDS):
             wanted = limit - len(taken)
             if wanted <= 0:
@@ -242,13 +244,16 @@ class SqlStore(Store):
             try:
                 now = self._clock()
                 with self._begin() as connection:
-                    due_rows = select_due(self.prefix, now, wanted)
+                    due_rows = select_due(self.prefix, now, wanted, skip=others)
                     rows = connection.execute(due_rows).mappings().all()
             except StoreUnavailable:
                 if not taken:
                     raise
                 return taken  # those taken already are moved on: they must go out
             for row in rows:
+                if not self._owns(row):
+                    others += 1
+                    continue
                 try:
                     due = self._take(readable_pickup(row), now)
                 except (CorruptRecord, ValueError, TypeError) as exc:
@@ -265,6 +270,12 @@ class SqlStore(Store):
             if len(rows) < wanted:
                 break
         return taken
+
+    def _owns(self, row: Any) -> bool:
+        """Whether a pickup row found by this store's prefix is one of its own: the rows of
+        another app whose prefix starts with this one's and ``:`` are found too."""
+        storage_key = str(row["id"])[len(self.prefix) + 1 :]
+        return may_be_storage_key_of(storage_key, str(row["task_name"]))
 
     def _postpone_unreadable(self, claim_id: str, now: float) -> None:
         """Put an unreadable pickup row off (for an operator to mend or forget), so the

@@ -253,13 +253,15 @@ def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
     return insert(pickups).values(**row)
 
 
-def select_due(prefix: str, now: float, limit: int) -> Select[Any]:
-    """Pickup rows of ``prefix`` due by ``now``, earliest first."""
+def select_due(prefix: str, now: float, limit: int, skip: int = 0) -> Select[Any]:
+    """Pickup rows whose id starts with ``prefix``, due by ``now``, earliest first, after the
+    first ``skip`` of them."""
     return (
         select(pickups)
         .where(pickups.c.due_at <= now, pickups.c.id.startswith(f"{prefix}:", autoescape=True))
-        .order_by(pickups.c.due_at)
+        .order_by(pickups.c.due_at, pickups.c.id)
         .limit(limit)
+        .offset(skip)
     )
 
 

@@ -654,6 +654,34 @@ def test_the_sweep_takes_only_its_own_prefixs_keys_however_their_case_differs(
 
 
 @pytest.mark.parametrize("kind", SERVER_STORES)
+def test_the_sweep_leaves_alone_the_keys_of_a_prefix_that_extends_its_own(
+    kind: str, request: pytest.FixtureRequest, make_request: Make
+) -> None:
+    # Given two apps on one store with prefixes "shop" and "shop:eu" (the SQL store's row ids
+    # of the second start with the first's "shop:"), three due keys of "shop:eu", then one of
+    # "shop", due last
+    url = store_url(kind, request)
+    shop, shop_eu = open_store(kind, url, prefix="shop"), open_store(kind, url, prefix="shop:eu")
+    try:
+        for name in ("eu1", "eu2", "eu3"):
+            shop_eu.reserve(request_for(make_request, name), make_pickup(due_in=0.0))
+            time.sleep(0.01)
+        shop.reserve(request_for(make_request, "own"), make_pickup(due_in=0.0))
+        time.sleep(0.05)
+        # Then the sweep of "shop", two keys at a time, takes its own key only, past the others
+        assert taken_keys(shop, limit=2) == ["tasks.charge:own"]
+        # and "shop:eu"'s sweep takes its three, as they were kept
+        taken = shop_eu.take_due(10)
+        assert sorted(due.storage_key for due in taken) == [
+            f"tasks.charge:eu{i}" for i in (1, 2, 3)
+        ]
+        assert {due.task_name for due in taken} == {"tasks.charge"}
+    finally:
+        shop.close()
+        shop_eu.close()
+
+
+@pytest.mark.parametrize("kind", SERVER_STORES)
 def test_take_due_hands_out_what_it_took_when_the_store_fails_half_way(
     kind: str, request: pytest.FixtureRequest, make_request: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
