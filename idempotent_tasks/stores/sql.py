@@ -272,10 +272,18 @@ class SqlStore(Store):
         return taken
 
     def _owns(self, row: Any) -> bool:
-        """Whether a pickup row found by this store's prefix is one of its own: the rows of
-        another app whose prefix starts with this one's and ``:`` are found too."""
-        storage_key = str(row["id"])[len(self.prefix) + 1 :]
-        return may_be_storage_key_of(storage_key, str(row["task_name"]))
+        """Whether a pickup row found by this store's prefix is one of its own, not one of an
+        app whose prefix starts with this one's and ``:`` (``shop:eu`` for ``shop``): what
+        follows this prefix in its id is then no storage name of the row's task, but what
+        follows a later ``:`` is."""
+        rest, task_name = str(row["id"])[len(self.prefix) + 1 :], str(row["task_name"])
+        if may_be_storage_key_of(rest, task_name):
+            return True
+        return not any(
+            may_be_storage_key_of(rest[at + 1 :], task_name)
+            for at, character in enumerate(rest)
+            if character == ":"
+        )
 
     def _postpone_unreadable(self, claim_id: str, now: float) -> None:
         """Put an unreadable pickup row off (for an operator to mend or forget), so the

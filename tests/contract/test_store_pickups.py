@@ -725,11 +725,11 @@ def test_sql_take_due_hands_out_what_it_took_when_a_later_batch_cannot_be_read(
         time.sleep(0.05)
         original, batches = sql_store_module.select_due, []
 
-        def then_fail(*args: object) -> object:
+        def then_fail(*args: object, **kwargs: object) -> object:
             batches.append(args)
             if len(batches) > 1:
                 raise StoreUnavailable("gone")
-            return original(*args)  # type: ignore[arg-type]
+            return original(*args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr(sql_store_module, "select_due", then_fail)
         # When the sweep takes two, then the key already taken (moved on to its next due
