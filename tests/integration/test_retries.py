@@ -156,6 +156,23 @@ def test_exhausted_retries_fail_the_task_and_free_the_key() -> None:
     assert _record(worker_app.always_fails, key) is None
 
 
+def test_a_body_that_catches_its_used_up_retry_keeps_its_key_while_it_falls_back() -> None:
+    # Given a task allowing no retries whose body catches the MaxRetriesExceededError of its
+    # retry and does 3 s of fallback work
+    name, key = fresh("fallback"), fresh("key")
+    owner = worker_app.falls_back.apply_async((name, 3.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "fallback") == 1, 10, "the fallback to start")
+    # Then meanwhile the key is still its running claim's
+    record = _record(worker_app.falls_back, key)
+    assert record is not None and record.status is Status.PROCESSING, record  # type: ignore[attr-defined]
+    # and a duplicate arriving at the worker (bypassing the publish-side look) waits for it
+    duplicate = worker_app.app.send_task(
+        worker_app.falls_back.name, (name, 3.0), headers={"idempotency_key": key}
+    )
+    assert duplicate.get(timeout=30) == owner.get(timeout=30) == f"{name} fell back"
+    assert ledger_events(name, "start") == 1
+
+
 def test_waiting_duplicate_spends_none_of_its_retries() -> None:
     # Given a task allowing no retries, whose owner runs for 4 s
     name, key = fresh("patient"), fresh("key")

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import MaxRetriesExceededError
 from pydantic import BaseModel
 
 from idempotent_tasks import IdempotentTask
@@ -335,6 +336,19 @@ def retries_into_the_void(self: Any, name: str) -> str:
     if note("start", name) == 1:
         raise self.retry(queue="nowhere", countdown=0)
     return f"{name} done"
+
+
+@app.task(base=IdempotentTask, bind=True, max_retries=0)
+def falls_back(self: Any, name: str, sleep: float) -> str:
+    """Allows no retries: its retry raises MaxRetriesExceededError, which it catches to do
+    fallback work for ``sleep`` seconds."""
+    note("start", name)
+    try:
+        raise self.retry(countdown=0)
+    except MaxRetriesExceededError:
+        note("fallback", name)
+        time.sleep(sleep)
+    return f"{name} fell back"
 
 
 # store_errors_even_if_ignored: a message sent with ignore_result still stores its errors.
