@@ -477,8 +477,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         except SoftTimeLimitExceeded as exc:
             # Fired before the body began (a slow store, a process paused past it): the call
-            # fails as it would have a moment later in its body.
-            despite_time_limit(SoftTimeLimitExceeded, attempt.release_quietly)
+            # fails as it would have a moment later in its body. Fired during the claim's round
+            # trip, the store may hold a claim whose token never came back.
+            release = attempt.release_quietly if attempt.token else attempt.release_dead_owner
+            despite_time_limit(SoftTimeLimitExceeded, release)
             self.on_final_failure(exc, key, args, kwargs)
             raise
         except CorruptRecord as exc:

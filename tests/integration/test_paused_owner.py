@@ -412,6 +412,33 @@ def test_a_soft_time_limit_before_the_body_fails_the_call_into_the_dead_letter_t
     assert record is None or record.status is not Status.PROCESSING
 
 
+def test_a_soft_time_limit_during_the_claims_round_trip_leaves_no_claim_behind(
+    app: Celery, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app.conf.idempotency_dlq_url = f"sqlite:///{tmp_path}/dlq.db"
+
+    @app.task(base=IdempotentTask, name=fresh("paused.charge"), shared=False, idempotency_lease=60)
+    def charge(order: str) -> str:
+        return f"charged {order}"
+
+    # Given a call whose soft time limit fires while its claim is on its way: the store made
+    # the claim, its reply never read
+    def claimed_then_interrupted(self: Attempt) -> None:
+        self.store.claim(self.request)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(Attempt, "claim", claimed_then_interrupted)
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        result = charge.apply_async(("o-1",), idempotency_key=key)
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=20)
+    # Then the claim its owner never heard of is released, not left for its 60 s lease (its
+    # dead letter's retry and every duplicate would wait that out)
+    record = store_for(app).get(storage_key(charge.name, key))
+    assert record is None or record.status is not Status.PROCESSING, record
+
+
 def _failing_once(error: BaseException) -> Any:
     """``Attempt.held_at_start`` raising ``error`` the first time it is asked."""
     checked = Attempt.held_at_start
