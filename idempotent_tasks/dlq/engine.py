@@ -64,8 +64,8 @@ def default_sqlite_path(filename: str) -> Path:
 
 
 def create_dlq_engine(url: str) -> Engine:
-    """An engine for ``url``: pre-ping on every dialect; a connect timeout on PostgreSQL; WAL
-    and a busy timeout on SQLite.
+    """An engine for ``url``: pre-ping on every dialect; a connect timeout and doubles printed
+    exactly on PostgreSQL; WAL and a busy timeout on SQLite.
 
     Raises:
         ImportError: the URL's driver is not installed (naming the extra that brings it).
@@ -99,6 +99,8 @@ def create_dlq_engine(url: str) -> Engine:
         ) from exc
     if dialect == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
+    elif dialect == "postgresql":
+        event.listen(engine, "connect", _exact_doubles)
     return engine
 
 
@@ -121,6 +123,16 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     # keys with one, and "Shop:" must not take "shop:"'s.
     cursor.execute("PRAGMA case_sensitive_like=ON")
     cursor.close()
+
+
+def _exact_doubles(connection: Any, _record: Any) -> None:
+    # Doubles printed exactly, whatever the server, database or role sets: the claim store
+    # reads times back and compares them in its next change. Rounded to 15 digits
+    # (extra_float_digits = 0, PostgreSQL's default before 12), they never match.
+    cursor = connection.cursor()
+    cursor.execute("SET extra_float_digits = 3")
+    cursor.close()
+    connection.commit()  # the setting would go with the transaction's rollback
 
 
 def to_db_time(engine: Engine, moment: datetime) -> datetime:

@@ -557,3 +557,26 @@ def test_a_task_id_is_found_exactly_whatever_the_connections_character_set(
         assert store.cancel_reservation(queued.storage_key, "ördér-42") is True
     finally:
         store.close()
+
+
+def test_a_postgresql_server_that_prints_doubles_rounded_still_compares_its_times_exactly(
+    request: pytest.FixtureRequest,
+) -> None:
+    # Given a PostgreSQL server (or role, or database) that prints doubles rounded to 15
+    # digits (extra_float_digits = 0: PostgreSQL before 12 by default), where the store reads
+    # back the times it compares before each change
+    url = store_url("postgresql", request) + "?options=-c%20extra_float_digits%3D0"
+    store = SqlStore(url, prefix="rounded")
+    try:
+        call = claim_request(key="k", storage_key="k", task_id="t-1", lease_seconds=0.2)
+        # When a reserved key's own message claims it, then it is acquired (a read time that
+        # no longer equals the stored one made every such change lose as to a race)
+        assert store.reserve(call, DUE_NOW) is None
+        assert store.claim(call).outcome is Outcome.ACQUIRED
+        # and a later call takes the key over once its lease ends
+        time.sleep(0.3)
+        later = dataclasses.replace(call, owner="owner-2", task_id="t-2")
+        taken = store.claim(later)
+        assert (taken.outcome, taken.takeover) == (Outcome.ACQUIRED, True)
+    finally:
+        store.close()
