@@ -30,6 +30,7 @@ from .heartbeat import RETRY_AFTER_ERROR
 from .keys import validate_key
 from .pickups import republish_lost
 from .settings import app_setting
+from .stores.base import remove_expired_records
 from .worker_request import request_header
 
 logger = get_task_logger(__name__)
@@ -327,16 +328,7 @@ def _count_rows(queue: Any) -> None:
 
 def _clean_expired_claims(app: Any) -> None:
     """Stores that do not expire rows by themselves (SQL) are swept here, cheaply."""
-    cleanup = getattr(store_for(app), "cleanup", None)
-    if cleanup is None:
-        return
-    try:
-        removed = cleanup()
-    except StoreUnavailable as exc:
-        logger.warning("could not remove expired claims: %s", exc)
-        return
-    if removed:
-        logger.info("removed %s expired claims", removed)
+    remove_expired_records(store_for(app))
 
 
 @connect_on_app_finalize  # type: ignore[untyped-decorator]

@@ -39,10 +39,11 @@ from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
 from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
 from ..redis_unavailable import is_refusal, is_unavailable
+from ..stores.base import remove_expired_records
 from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob, forget_ttl
 from .options import FRAMEWORK, META_KEY, OWN_STORE
-from .resources import dlq_url_for
+from .resources import claim_store, dlq_url_for
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def retry_dead_letters(
         dlq_url: the dead-letter database; unset, ``$IDEMPOTENT_TASKS_DLQ_URL``, else the local
             SQLite file (the workers' default too).
         batch: rows taken per round.
-        store_url: the claim store, only for rows whose original job RQ no longer has, when
-            your queues use ``IdempotentQueue(store_url=...)``.
+        store_url: the claim store, when your queues use ``IdempotentQueue(store_url=...)``:
+            for rows whose original job RQ no longer has, and to delete the expired claims
+            of an SQL store (nothing else does).
     """
     url = dlq_url_for(dlq_url)
     queue = DeadLetterQueue(url)
@@ -86,9 +88,14 @@ def retry_dead_letters(
         )
         if recovered:
             logger.warning("%s dead letters were stuck in retrying and are due again", recovered)
-        return _sweep(connection, queue, url, store_url, batch)
+        resent = _sweep(connection, queue, url, store_url, batch)
     finally:
         queue.dispose()
+    if store_url:
+        # Nothing else deletes an SQL store's expired claims (a Celery app's beat sweep does
+        # for its own store).
+        remove_expired_records(claim_store(connection, defaults.KEY_PREFIX, store_url))
+    return resent
 
 
 def retry_dead_letters_job(

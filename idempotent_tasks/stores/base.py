@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, runtime_checkable
 
+from ..errors import StoreUnavailable
 from ..records import (
     ClaimRequest,
     ClaimResult,
@@ -14,6 +16,8 @@ from ..records import (
     Record,
     SideWrite,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -201,3 +205,18 @@ def refuse_side_write(store: Store, side_write: SideWrite | None) -> None:
     """Raise ``ValueError`` for a side write given to a store that cannot make one."""
     if side_write is not None:
         raise ValueError(f"{type(store).__name__} cannot write beside a completion")
+
+
+def remove_expired_records(store: Store) -> None:
+    """Delete the expired records of a store that does not expire them by itself (SQL: its
+    ``cleanup``), as a dead-letter sweep does on every run; a store down is logged."""
+    cleanup = getattr(store, "cleanup", None)
+    if cleanup is None:
+        return
+    try:
+        removed = cleanup()
+    except StoreUnavailable as exc:
+        logger.warning("could not remove expired claims: %s", exc)
+        return
+    if removed:
+        logger.info("removed %s expired claims", removed)

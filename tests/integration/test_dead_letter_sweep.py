@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
@@ -38,6 +39,7 @@ from idempotent_tasks.dead_letters import (
     SWEEP_TASK,
 )
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
+from idempotent_tasks.dlq.schema import claims
 from idempotent_tasks.errors import DeadLettered
 from idempotent_tasks.keys import fingerprint, storage_key
 from idempotent_tasks.records import ClaimRequest, Outcome
@@ -46,6 +48,7 @@ from idempotent_tasks.rq import retry_dead_letters as rq_retry_dead_letters
 from idempotent_tasks.rq.dead_letters import mark_succeeded, row_options
 from idempotent_tasks.rq.options import FRAMEWORK as RQ_FRAMEWORK
 from idempotent_tasks.rq.options import META_KEY, OWN_STORE, signature_of
+from idempotent_tasks.stores.sql import SqlStore
 from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 from tests.integration.conftest import BROKER_DB
@@ -623,6 +626,30 @@ def test_a_celery_row_whose_key_no_worker_takes_is_never_sent_again(
         "RuntimeError",
     )
     assert (row.error_message or "").startswith("seeded\n[not sent again: ")
+
+
+def test_the_rq_sweep_given_an_sql_claim_store_deletes_its_expired_claims(
+    redis_url: str, dlq_url: str, tmp_path: Path
+) -> None:
+    # Given an SQL claim store (IdempotentQueue(store_url=...)) holding an expired claim and a
+    # live one: unlike Redis, it expires nothing by itself
+    store_url = f"sqlite:///{tmp_path / 'claims.db'}"
+    store = SqlStore(store_url, prefix=defaults.KEY_PREFIX)
+    try:
+        expired = claim_request(key="gone", lease_seconds=0.1, ttl_seconds=0.1)
+        live = claim_request(key="kept")
+        assert store.claim(expired).outcome is Outcome.ACQUIRED
+        assert store.claim(live).outcome is Outcome.ACQUIRED
+        time.sleep(0.3)
+        # When the RQ sweep runs, given that store
+        connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+        rq_retry_dead_letters(connection, dlq_url, store_url=store_url)
+        # Then the expired claim's row is gone, and the live one's kept
+        with store.engine.connect() as db:
+            ids = set(db.execute(sa.select(claims.c.id)).scalars())
+        assert ids == {store.claim_id(live.storage_key)}
+    finally:
+        store.close()
 
 
 def test_an_rq_row_that_cannot_be_enqueued_is_given_up_and_the_sweep_ends(
