@@ -742,6 +742,9 @@ def _read_item(row: Any) -> DeadLetter:
         if not isinstance(row[column], dict):
             raise TypeError(f"{column} is not a JSON object: {row[column]!r:.80}")
     options = dict(row["options"])
+    for name in (FULL_TASK_NAME, FULL_TASK_ID, FULL_KEY):
+        if not isinstance(options.get(name, ""), str):
+            raise TypeError(f"options[{name!r}] is not text: {options[name]!r:.80}")
     options.pop(OCCURRENCE, None)
     scope = options.pop(queries.SCOPE_OPTION, None)
     return DeadLetter(

@@ -698,7 +698,15 @@ def test_a_failure_id_whose_bytes_are_not_utf8_is_read_and_its_row_swept(clock: 
 
 
 @pytest.mark.parametrize(
-    "columns", [{"status": "bogus"}, {"args": {"a": 1}}, {"options": "text"}], ids=str
+    "columns",
+    [
+        {"status": "bogus"},
+        {"args": {"a": 1}},
+        {"options": "text"},
+        # The whole task name of a row whose column holds it cut, edited into a number
+        {"options": {"full_task_name": 5}},
+    ],
+    ids=str,
 )
 def test_listing_leaves_out_a_row_it_cannot_read_and_says_so(
     dlq: DeadLetterQueue, clock: Clock, columns: dict[str, Any]
