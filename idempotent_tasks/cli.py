@@ -52,6 +52,10 @@ def parse_duration(
     return timedelta(seconds=seconds)
 
 
+#: The most ``dlq list --limit`` takes (every database takes it as a row count).
+MAX_LISTED = 1_000_000
+
+
 @click.group(name="idempotency")
 def idempotency() -> None:
     """Inspect and manage idempotency keys and the dead-letter table.
@@ -167,7 +171,11 @@ def dlq() -> None:
 @click.option("--status", type=STATUSES, help="Only items of this status.")
 @click.option("--task", "task_name", metavar="NAME", help="Only items of this task.")
 @click.option(
-    "--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many."
+    "--limit",
+    type=click.IntRange(min=1, max=MAX_LISTED),
+    default=50,
+    show_default=True,
+    help="At most this many.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (every field of each item).")
 @click.pass_context

@@ -41,8 +41,14 @@ def _json_default(value: Any) -> Any:
 
 
 def from_timestamp(seconds: float) -> datetime:
-    """A store's POSIX seconds as a timezone-aware UTC datetime."""
-    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+    """A store's POSIX seconds as a timezone-aware UTC datetime; a moment past the last one a
+    datetime holds (a TTL of thousands of years) as that last one."""
+    latest = datetime.max.replace(tzinfo=timezone.utc)
+    return (
+        latest
+        if seconds >= latest.timestamp()
+        else datetime.fromtimestamp(seconds, tz=timezone.utc)
+    )
 
 
 def moment(value: datetime | None) -> str:

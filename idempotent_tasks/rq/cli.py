@@ -52,7 +52,9 @@ def rq_group() -> None:
     default=None,
     help="Claim store of queues built with store_url=, for rows whose job RQ no longer has.",
 )
-@click.option("--batch", type=click.IntRange(min=1), default=SWEEP_BATCH, show_default=True)
+@click.option(
+    "--batch", type=click.IntRange(min=1, max=100_000), default=SWEEP_BATCH, show_default=True
+)
 def retry_dead_letters_command(
     redis_url: str, dlq_url: str | None, store_url: str | None, batch: int
 ) -> None:

@@ -25,7 +25,7 @@ from idempotent_tasks.codec import ResultCodec
 from idempotent_tasks.dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus, Failure
 from idempotent_tasks.dlq.schema import dead_letters
 from idempotent_tasks.keys import storage_key
-from idempotent_tasks.records import ClaimRequest, Pickup
+from idempotent_tasks.records import ClaimRequest, Outcome, Pickup
 from idempotent_tasks.stores.redis import RedisStore
 from tests.acceptance import cli_app
 from tests.claim_requests import claim_request
@@ -237,6 +237,15 @@ def test_list_filters_by_status_and_task_and_limits(
     assert table_ids(one.stdout) == [newest.id]
     assert "1 dead letter (the newest 1; --limit shows more)" in one.stdout
     assert none.exit_code == 0 and none.stdout == "No dead letters match.\n"
+
+
+def test_list_refuses_a_limit_no_database_takes_as_a_usage_error(
+    run: Run, queue: DeadLetterQueue
+) -> None:
+    result = run("dlq", "list", "--limit", "100000000000000000000")
+
+    assert_failed_cleanly(result, "--limit", exit_code=2)
+    assert "1000000" in result.stderr
 
 
 def test_list_of_an_empty_table_says_so(run: Run, queue: DeadLetterQueue) -> None:
@@ -656,6 +665,29 @@ def test_key_show_json(run: Run, store: RedisStore) -> None:
     expires = datetime.fromisoformat(shown["expires_at"])
     assert expires.tzinfo is not None
     assert abs(expires.timestamp() - stored.expires_at) < 0.001
+
+
+def test_key_show_of_a_key_kept_longer_than_dates_go_shows_the_last_date(
+    run: Run, store: RedisStore
+) -> None:
+    # Given a key claimed with a TTL the settings take (any positive number of seconds) that
+    # ends past the year 9999
+    request = claim_request(
+        key="order-7",
+        task_name="shop.charge",
+        storage_key=storage_key("shop.charge", "order-7"),
+        ttl_seconds=10**12,
+    )
+    assert store.claim(request).outcome is Outcome.ACQUIRED
+    # Then key show prints it, its expiry the last moment a date holds
+    shown = run("key", "show", "order-7", "--task", "shop.charge")
+    assert shown.exit_code == 0, shown.output
+    assert any(
+        line.startswith("expires        9999-12-31 23:59:59") for line in shown.stdout.splitlines()
+    )
+    as_json = run("key", "show", "order-7", "--task", "shop.charge", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout)["expires_at"].startswith("9999-12-31T23:59:59")
 
 
 def test_key_show_of_a_queued_key_says_when_it_is_published_again(
