@@ -23,6 +23,7 @@ from .records import (
     ClaimRequest,
     ClaimResult,
     CompleteOutcome,
+    EncodedResult,
     Outcome,
     Pickup,
     Record,
@@ -195,6 +196,11 @@ class Attempt:
         ``side_write`` (a store that shares the framework's result database) is made in the
         same step when the completion is stored; :attr:`side_written` tells whether it was.
         """
+        return self._complete_encoded(self._encoded(value), side_write)
+
+    def _encoded(self, value: Any) -> EncodedResult | None:
+        """``value`` as the store caches it; ``None`` (logged, and signalled once) when it is
+        not cached: too big, or not serializable."""
         encoded, reason = self.codec.encode(value)
         if encoded is not None:
             limit = self.store.result_byte_limit()
@@ -214,6 +220,11 @@ class Attempt:
             signals.result_not_cached.send(
                 task_name=self.request.task_name, key=self.request.key, reason=reason
             )
+        return encoded
+
+    def _complete_encoded(
+        self, encoded: EncodedResult | None, side_write: SideWrite | None
+    ) -> CompleteOutcome:
         owes = self._owes_message()
         try:
             outcome = self.store.complete(
@@ -257,10 +268,13 @@ class Attempt:
         """
         deadline = time.monotonic() + patience_seconds
         pause = 0.1
+        encoded: list[EncodedResult | None] = []  # once, whatever the tries
         while True:
             tried_at = time.monotonic()
             try:
-                if self.complete(value, side_write) is CompleteOutcome.STALE:
+                if not encoded:
+                    encoded.append(self._encoded(value))
+                if self._complete_encoded(encoded[0], side_write) is CompleteOutcome.STALE:
                     return self._winning_value(value)
                 return value
             except CorruptRecord as exc:
