@@ -227,12 +227,12 @@ def answer_from_record(
         except CorruptRecord as exc:
             logger.warning("cached result of key %r is unreadable: %s", request.key, exc)
             return None
-        signals.duplicate_suppressed.send(
-            task_name=task.name, where="publish", outcome=Outcome.COMPLETED
-        )
         if is_replaced(value):
-            return task.AsyncResult(record.task_id)  # the replacement's result, in Celery's
-        return EagerResult(record.task_id, value, states.SUCCESS, name=task.name)
+            # The replacement's result, in Celery's.
+            answer: Any = task.AsyncResult(record.task_id)
+        else:
+            answer = EagerResult(record.task_id, value, states.SUCCESS, name=task.name)
+        return _suppressed(task, answer, Outcome.COMPLETED, continues)
     if record.lease_expires_at > record.store_time():
         task_id: str | None = record.task_id  # its message is on its way, or its owner alive
     else:
@@ -247,10 +247,16 @@ def answer_from_record(
             if record.status is not Status.QUEUED:
                 return None  # a dead owner's key: this message takes it over
             task_id = record.task_id  # not lost after all, or its re-publication failed
-    signals.duplicate_suppressed.send(
-        task_name=task.name, where="publish", outcome=Outcome.IN_PROGRESS
-    )
-    return task.AsyncResult(task_id)
+    return _suppressed(task, task.AsyncResult(task_id), Outcome.IN_PROGRESS, continues)
+
+
+def _suppressed(task: IdempotentTask, answer: Any, outcome: Outcome, continues: bool) -> Any:
+    """``answer``, signalled as a duplicate suppressed at publish when the publish returns it
+    instead of publishing: not when work waits on the message, nor when this caller cannot
+    read it (the worker then answers the published call, and counts it)."""
+    if not continues and reaches_this_caller(task, answer):
+        signals.duplicate_suppressed.send(task_name=task.name, where="publish", outcome=outcome)
+    return answer
 
 
 def _take_if_lost(task: IdempotentTask, record: Record) -> DuePickup | None:

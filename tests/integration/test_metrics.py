@@ -48,6 +48,16 @@ def slow(order_id: int) -> int:
     return order_id
 
 
+@app.task(base=IdempotentTask, name="metrics.linked", shared=False)
+def linked(order_id: int) -> int:
+    return order_id
+
+
+@app.task(name="metrics.callback", shared=False)
+def callback(value: int) -> int:
+    return value
+
+
 @pytest.fixture(scope="module")
 def registry(it_env: dict[str, str]) -> Iterator[CollectorRegistry]:
     # Claims on the integration tests' Redis; broker and results in memory (the worker runs
@@ -86,6 +96,25 @@ def test_claims_and_duplicates_are_counted_after_a_run(registry: CollectorRegist
         value(registry, "idempotent_tasks_duplicates_suppressed_total", task=task, where="publish")
         == 1
     )
+
+
+def test_a_duplicate_published_for_the_work_waiting_on_it_is_counted_once_by_the_worker(
+    registry: CollectorRegistry,
+) -> None:
+    # Given a completed key, and a duplicate with a link callback: work waits on its message,
+    # so it is published, and the worker answers it from the key's record
+    assert linked.apply_async((9,), idempotency_key="order-9").get(timeout=10) == 9
+    duplicate = linked.apply_async((9,), idempotency_key="order-9", link=callback.s())
+    assert duplicate.get(timeout=10) == 9
+    # Then it counts as one duplicate suppressed, at the worker, not at publish too
+    task = "metrics.linked"
+    counted = {
+        where: value(
+            registry, "idempotent_tasks_duplicates_suppressed_total", task=task, where=where
+        )
+        for where in ("publish", "worker")
+    }
+    assert counted == {"publish": 0, "worker": 1}
 
 
 def test_a_duplicate_waiting_for_its_owner_is_counted_once(registry: CollectorRegistry) -> None:
