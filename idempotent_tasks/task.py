@@ -35,7 +35,7 @@ from . import (
     startup,  # noqa: F401  (connects the worker_init check of the schema versions)
     unknown_tasks,  # noqa: F401  (connects the receiver of Celery's task_unknown)
 )
-from .app_store import store_for
+from .app_store import dlq_for, store_for
 from .canvas_keys import check_following_keys, required_key_error
 from .celery_result import backend_shares_store, result_side_write
 from .codec import UNSAFE_SERIALIZERS, ResultCodec, serializer_installed
@@ -1167,6 +1167,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if key is not None and issued_owner(request) is not None:
                 pickup = self._requeued_pickup(key, args, kwargs) if requeued else None
                 self._attempt(key, args, kwargs, request).release_dead_owner(pickup)
+        finally:
+            self.pop_request()
+
+    def withdraw_revoked_failure(self, request_dict: dict[str, Any]) -> None:
+        """Delete the dead letter a call revoked with ``terminate=True, signal="SIGUSR1"``
+        wrote as it ended: billiard raises ``SoftTimeLimitExceeded`` in its body, which then
+        fails as at its soft time limit. It was revoked, not failed: no sweep may send it again
+        (a worker that never heard of the revoke would run it). Called by
+        :class:`~idempotent_tasks.worker_request.IdempotentRequest` in the worker's main
+        process, once the body ended."""
+        self.push_request(request_dict, called_directly=False)
+        try:
+            request = self.request
+            queue = dlq_for(self.app)
+            # (A keyed call's row names it by the task id its retry can claim under.)
+            for task_id in {request.id, publishing.fitted_task_id(request.id)}:
+                queue.withdraw(f"{task_id}:{request.retries}")
         finally:
             self.pop_request()
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from billiard.exceptions import Terminated, WorkerLostError
 from billiard.process import active_children
-from celery.exceptions import TimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
@@ -85,6 +85,15 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                     release(self.request_dict, requeued=bool(self._already_cancelled))
                 except Exception:
                     logger.exception("could not release the key of terminated %s", self.id)
+        elif isinstance(exc, SoftTimeLimitExceeded) and self._already_revoked:
+            # Revoked with terminate=True and SIGUSR1: its body failed as at its soft time
+            # limit, dead-lettered. It was revoked: its row goes.
+            withdraw: Any = getattr(self.task, "withdraw_revoked_failure", None)
+            if withdraw is not None:
+                try:
+                    withdraw(self.request_dict)
+                except Exception:
+                    logger.exception("could not withdraw the dead letter of revoked %s", self.id)
         elif self._process_lost(exc) and getattr(self.task, "end_lost_call", None) is not None:
             # Its pool process died under it (the OOM killer, a crash in C code, the body's own
             # SystemExit): Celery retries it (see _retry_worker_lost), hands it back, or fails it

@@ -50,6 +50,15 @@ def select_by_failure(failure_id: str) -> Select[Any]:
     return select(dead_letters).where(dead_letters.c.failure_id == failure_id)
 
 
+def withdraw(failure_id: str) -> Delete:
+    """Delete the dead letter of one failed delivery while it is ``pending`` and unretried."""
+    return delete(dead_letters).where(
+        dead_letters.c.failure_id == failure_id,
+        dead_letters.c.status == PENDING,
+        dead_letters.c.retry_count == 0,
+    )
+
+
 def select_due_ids(
     now: datetime,
     limit: int,

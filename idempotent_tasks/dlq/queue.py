@@ -411,6 +411,15 @@ class DeadLetterQueue:
             result = connection.execute(queries.mark_succeeded(item_id, now, sweep_id))
         return bool(result.rowcount)
 
+    def withdraw(self, failure_id: str) -> bool:
+        """Delete the dead letter written for the failed delivery ``failure_id``, while it is
+        ``pending`` and was never retried: its call did not fail after all (it was revoked
+        as it ran). Whether there was one."""
+        compared = _compared_id(_storable(failure_id))
+        with self._begin() as connection:
+            result = connection.execute(queries.withdraw(compared))
+        return bool(result.rowcount)
+
     def give_up(self, item_id: str, reason: str, sweep_id: str | None = None) -> bool:
         """A ``retrying`` item that can never be sent again (its arguments kept as text only,
         its job gone) becomes ``permanent_failure`` at once, its failure as it was, the

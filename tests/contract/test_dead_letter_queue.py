@@ -726,6 +726,25 @@ def test_listing_leaves_out_a_row_it_cannot_read_and_says_so(
 # -- status transitions -------------------------------------------------------------------------
 
 
+def test_withdraw_deletes_the_dead_letter_of_a_failure_only_while_pending_and_unretried(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a dead letter retried that failed again (pending, one retry used), one that
+    # succeeded, and the dead letter of a delivery revoked as it failed (pending, unretried)
+    retried = _add_at(dlq, clock, T0)
+    succeeded = _add_at(dlq, clock, T0)
+    clock.now = T0 + timedelta(hours=1)
+    assert _ids(dlq.take_due(limit=10)) == {retried.id, succeeded.id}
+    assert dlq.record_retry_failure(retried.id, "RuntimeError", "again", None) is not None
+    assert dlq.mark_succeeded(succeeded.id)
+    revoked = _add_at(dlq, clock, T0 + timedelta(hours=1))
+    # When each failure is withdrawn, then only the unretried pending one goes
+    withdrawn = [dlq.withdraw(item.failure_id) for item in (revoked, retried, succeeded)]
+    assert withdrawn == [True, False, False]
+    assert dlq.get(revoked.id) is None
+    assert dlq.get(retried.id) is not None and dlq.get(succeeded.id) is not None
+
+
 def test_take_due_takes_due_pending_items_oldest_first_up_to_limit(
     dlq: DeadLetterQueue, clock: Clock
 ) -> None:

@@ -14,7 +14,7 @@ from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
 
 from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
-from idempotent_tasks.app_store import store_for
+from idempotent_tasks.app_store import dlq_for, store_for
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Outcome
 from idempotent_tasks.revocations import end_revoked_call
@@ -690,6 +690,24 @@ def test_a_call_terminated_with_sigkill_frees_its_key_once_its_process_is_gone()
     again = task.apply_async((name, 0.1), idempotency_key=key)
     assert again.id != result.id
     assert again.get(timeout=30) == f"{name} done"
+
+
+def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter() -> None:
+    # Given a keyed call running
+    name, key = fresh("interrupted"), fresh("key")
+    task = worker_app.no_retries
+    result = task.apply_async((name, 30.0), idempotency_key=key)
+    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the body to start")
+    # When it is revoked with terminate=True and SIGUSR1 (billiard raises SoftTimeLimitExceeded
+    # in its body: a graceful revoke, its own code runs to its end)
+    worker_app.app.control.revoke(result.id, terminate=True, signal="SIGUSR1")
+    # Then its key is freed
+    store = store_for(worker_app.app)
+    wait_until(lambda: store.get(storage_key(task.name, key)) is None, 15, "the revoked call's key")
+    # and, once the worker has its end, no dead letter is left for a sweep to send again
+    time.sleep(2)
+    rows = [item for item in dlq_for(worker_app.app).items() if item.task_id == result.id]
+    assert rows == []
 
 
 def test_a_pydantic_task_called_again_with_an_equal_model_gets_the_cached_value() -> None:
