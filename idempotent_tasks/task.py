@@ -566,10 +566,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         except (Ignore, Reject) as ended:
             if getattr(self.request, "idempotency_replaced", False):
-                # Its work is done and its replacement sent: the key stays done.
+                # Its work is done and its replacement sent: the key stays done (stored before
+                # the hard time limit, whose kill would dead-letter a call that did its work).
+                finish_by = self._completion_deadline(attempt.request.lease_seconds, started)
                 despite_time_limit(
                     SoftTimeLimitExceeded,
-                    lambda: attempt.finish(REPLACED, attempt.request.lease_seconds),
+                    lambda: attempt.finish(REPLACED, finish_by - time.monotonic()),
                 )
                 self._dead_letter_succeeded()
             elif self._requeued(ended):

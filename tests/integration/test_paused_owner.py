@@ -30,6 +30,7 @@ from idempotent_tasks.pickups import make_pickup
 from idempotent_tasks.records import ClaimRequest, Outcome, Status, retry_marker
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.stores import MemoryStore
+from idempotent_tasks.task import HARD_LIMIT_MARGIN
 from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
 from tests.integration.conftest import BACKEND_DB, BROKER_DB
@@ -437,6 +438,43 @@ def test_a_soft_time_limit_during_the_claims_round_trip_leaves_no_claim_behind(
     # dead letter's retry and every duplicate would wait that out)
     record = store_for(app).get(storage_key(charge.name, key))
     assert record is None or record.status is not Status.PROCESSING, record
+
+
+def test_a_replaced_calls_completion_waits_for_a_store_down_only_until_its_hard_limit(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.task(name=fresh("paused.next"), shared=False)
+    def next_step(order: str) -> str:
+        return f"next {order}"
+
+    # Given a call with a 60 s lease and a 5 s hard time limit that replaces itself
+    @app.task(
+        base=IdempotentTask,
+        bind=True,
+        name=fresh("paused.replaced"),
+        shared=False,
+        idempotency_lease=60,
+        time_limit=5,
+    )
+    def replaced(self: Any, order: str) -> None:
+        raise self.replace(next_step.s(order))
+
+    patience: list[tuple[Any, float]] = []
+    finish = Attempt.finish
+
+    def noted_finish(self: Attempt, value: Any, patience_seconds: float, *more: Any) -> Any:
+        patience.append((value, patience_seconds))
+        return finish(self, value, patience_seconds, *more)
+
+    monkeypatch.setattr(Attempt, "finish", noted_finish)
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        result = replaced.apply_async(("o-1",), idempotency_key=fresh("key"))
+        assert result.get(timeout=20) == "next o-1"
+    # Then marking its key done (a store down would have it wait) may take no longer than its
+    # hard limit leaves, not a whole lease: killed at it, a call that did its work would be
+    # dead-lettered, and its replacement sent again
+    [(_, seconds)] = patience
+    assert seconds <= 5 - HARD_LIMIT_MARGIN
 
 
 def _failing_once(error: BaseException) -> Any:
