@@ -87,10 +87,14 @@ class Requeue(Retry):
 
 
 def forget_ttl(job: Job, redis: Redis | Pipeline) -> None:
-    """Drop RQ's ``ttl=`` (how long a job may wait to start) of a job sent back to a queue
-    after it started: in memory, and stored (RQ's save leaves a field it no longer has)."""
+    """Drop the expiries of a job sent back to a queue after it started: RQ's ``ttl=`` (how
+    long a job may wait to start), in memory and stored (RQ's save leaves a field it no longer
+    has); and the ``failure_ttl`` a failure set on its keys, which RQ's requeue keeps (a short
+    one would delete the job while it waits in its queue)."""
     job.ttl = None
     redis.hdel(job.key, "ttl")
+    for key in (job.key, job.dependents_key, job.dependencies_key):
+        redis.persist(key)
 
 
 class IdempotentJob(Job):

@@ -1284,6 +1284,31 @@ def test_an_rq_dead_letters_job_waiting_for_its_key_renews_its_row_at_each_run(
         rq_queue.delete(delete_jobs=True)
 
 
+def test_an_rq_row_whose_job_has_a_short_failure_ttl_is_requeued_to_stay_until_it_runs(
+    redis_url: str, dlq_url: str, queue: DeadLetterQueue
+) -> None:
+    connection = redis.Redis.from_url(f"{redis_url}/{RQ_DB}")
+    rq_queue = IdempotentQueue(fresh("sweep-failure-ttl"), connection=connection)
+    # Given a job RQ keeps as failed for 30 s (failure_ttl=30: RQ expires its data then), and
+    # its row
+    job = rq_queue.enqueue(rq_jobs.record, fresh("short"), 1, failure_ttl=30)
+    rq_queue.remove(job)
+    job.set_status(JobStatus.FAILED)
+    FailedJobRegistry(queue=rq_queue).add(job, ttl=job.failure_ttl)
+    assert 0 < connection.ttl(job.key) <= 30
+    item = queue.add(_failure(RQ_FRAMEWORK, row_options(rq_queue.name), task_id=job.id))
+    try:
+        # When the sweep requeues it
+        assert rq_retry_dead_letters(connection, dlq_url) == 1
+        assert rq_queue.job_ids == [job.id]
+        # Then its data no longer expires: in a busy queue it would vanish before it ran, its
+        # row left retrying
+        assert connection.ttl(job.key) == -1
+        assert queue.get(item.id) is not None
+    finally:
+        rq_queue.delete(delete_jobs=True)
+
+
 def test_an_rq_row_whose_failed_jobs_meta_cannot_be_loaded_here_waits_with_its_job_untouched(
     redis_url: str, dlq_url: str, queue: DeadLetterQueue
 ) -> None:
