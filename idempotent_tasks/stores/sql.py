@@ -236,24 +236,25 @@ class SqlStore(Store):
 
     def take_due(self, limit: int) -> list[DuePickup]:
         taken: list[DuePickup] = []
-        others = 0  # due rows of a longer prefix (they stay due: the next rounds skip them)
-        for _ in range(MAX_TAKE_ROUNDS):
+        # Each batch reads on from the last row of the one before (rows of a longer prefix
+        # stay due, for their own app's sweep), and only batches holding rows of this prefix
+        # count as rounds: however many of another's come first, this prefix's are reached.
+        after: tuple[float, str] | None = None
+        rounds = 0
+        while rounds < MAX_TAKE_ROUNDS and len(taken) < limit:
             wanted = limit - len(taken)
-            if wanted <= 0:
-                break
             try:
                 now = self._clock()
                 with self._begin() as connection:
-                    due_rows = select_due(self.prefix, now, wanted, skip=others)
+                    due_rows = select_due(self.prefix, now, wanted, after=after)
                     rows = connection.execute(due_rows).mappings().all()
             except StoreUnavailable:
                 if not taken:
                     raise
                 return taken  # those taken already are moved on: they must go out
-            for row in rows:
-                if not self._owns(row):
-                    others += 1
-                    continue
+            own = [row for row in rows if self._owns(row)]
+            rounds += 1 if own else 0
+            for row in own:
                 try:
                     due = self._take(readable_pickup(row), now)
                 except (CorruptRecord, ValueError, TypeError) as exc:
@@ -267,8 +268,9 @@ class SqlStore(Store):
                     return taken  # those taken already are moved on: they must go out
                 if due is not None:
                     taken.append(due)
-            if len(rows) < wanted:
-                break
+            if len(rows) < wanted or not isinstance(rows[-1]["due_at"], int | float):
+                break  # (one whose due time cannot be read was put off: not due next time)
+            after = (float(rows[-1]["due_at"]), str(rows[-1]["id"]))
         return taken
 
     def _owns(self, row: Any) -> bool:

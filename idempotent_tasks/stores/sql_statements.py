@@ -21,6 +21,7 @@ from sqlalchemy import (
     func,
     insert,
     literal_column,
+    or_,
     select,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -253,16 +254,23 @@ def upsert_pickup(dialect: str, row: dict[str, Any]) -> Insert:
     return insert(pickups).values(**row)
 
 
-def select_due(prefix: str, now: float, limit: int, skip: int = 0) -> Select[Any]:
-    """Pickup rows whose id starts with ``prefix``, due by ``now``, earliest first, after the
-    first ``skip`` of them."""
-    return (
-        select(pickups)
-        .where(pickups.c.due_at <= now, pickups.c.id.startswith(f"{prefix}:", autoescape=True))
-        .order_by(pickups.c.due_at, pickups.c.id)
-        .limit(limit)
-        .offset(skip)
+def select_due(
+    prefix: str, now: float, limit: int, after: tuple[float, str] | None = None
+) -> Select[Any]:
+    """Pickup rows whose id starts with ``prefix``, due by ``now``, earliest first (then by
+    id); only those after ``after`` (a due time and id) in that order, when given."""
+    query = select(pickups).where(
+        pickups.c.due_at <= now, pickups.c.id.startswith(f"{prefix}:", autoescape=True)
     )
+    if after is not None:
+        due_at, claim_id = after
+        query = query.where(
+            or_(
+                pickups.c.due_at > due_at,
+                and_(pickups.c.due_at == due_at, pickups.c.id > claim_id),
+            )
+        )
+    return query.order_by(pickups.c.due_at, pickups.c.id).limit(limit)
 
 
 def select_owed_pickup(claim_id: str) -> Select[Any]:

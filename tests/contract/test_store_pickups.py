@@ -658,22 +658,23 @@ def test_the_sweep_leaves_alone_the_keys_of_a_prefix_that_extends_its_own(
     kind: str, request: pytest.FixtureRequest, make_request: Make
 ) -> None:
     # Given two apps on one store with prefixes "shop" and "shop:eu" (the SQL store's row ids
-    # of the second start with the first's "shop:"), three due keys of "shop:eu", then one of
-    # "shop", due last
+    # of the second start with the first's "shop:"), more due keys of "shop:eu" than ten
+    # batches of two hold (its app stopped), then one of "shop", due last
     url = store_url(kind, request)
     shop, shop_eu = open_store(kind, url, prefix="shop"), open_store(kind, url, prefix="shop:eu")
+    others = [f"eu{i:02}" for i in range(25)]
     try:
-        for name in ("eu1", "eu2", "eu3"):
+        for name in others:
             shop_eu.reserve(request_for(make_request, name), make_pickup(due_in=0.0))
-            time.sleep(0.01)
+        time.sleep(0.01)
         shop.reserve(request_for(make_request, "own"), make_pickup(due_in=0.0))
         time.sleep(0.05)
         # Then the sweep of "shop", two keys at a time, takes its own key only, past the others
         assert taken_keys(shop, limit=2) == ["tasks.charge:own"]
-        # and "shop:eu"'s sweep takes its three, as they were kept
-        taken = shop_eu.take_due(10)
+        # and "shop:eu"'s sweep takes its own, as they were kept
+        taken = shop_eu.take_due(100)
         assert sorted(due.storage_key for due in taken) == [
-            f"tasks.charge:eu{i}" for i in (1, 2, 3)
+            f"tasks.charge:{name}" for name in others
         ]
         assert {due.task_name for due in taken} == {"tasks.charge"}
     finally:
