@@ -1182,10 +1182,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self.push_request(request_dict, called_directly=False)
         try:
             request = self.request
+            if not self.dlq or request_header(request, DEAD_LETTER_HEADER) is not None:
+                return  # no row; or a dead letter's retry, which recorded a failed retry
             queue = dlq_for(self.app)
             # (A keyed call's row names it by the task id its retry can claim under.)
-            for task_id in {request.id, publishing.fitted_task_id(request.id)}:
-                queue.withdraw(f"{task_id}:{request.retries}")
+            ids = {request.id, publishing.fitted_task_id(request.id)}
+            if any([queue.withdraw(f"{task_id}:{request.retries}") for task_id in ids]):
+                logger.info(
+                    "%s[%s] was revoked as it ran: its dead letter withdrawn", self.name, request.id
+                )
         finally:
             self.pop_request()
 

@@ -21,9 +21,11 @@ import os
 import signal
 from typing import Any
 
+from billiard.common import TERM_SIGNAME
 from billiard.exceptions import Terminated, WorkerLostError
 from billiard.process import active_children
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.platforms import signals as platform_signals
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
@@ -52,6 +54,10 @@ class _OwnerIds:
 
 _owner_ids = _OwnerIds()
 os.register_at_fork(after_in_child=_owner_ids.reset)
+
+
+#: The signal billiard turns into SoftTimeLimitExceeded in a pool process.
+_SOFT_TIME_LIMIT_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
 class IdempotentRequest(Request):  # type: ignore[misc]
@@ -85,7 +91,7 @@ class IdempotentRequest(Request):  # type: ignore[misc]
                     release(self.request_dict, requeued=bool(self._already_cancelled))
                 except Exception:
                     logger.exception("could not release the key of terminated %s", self.id)
-        elif isinstance(exc, SoftTimeLimitExceeded) and self._already_revoked:
+        elif isinstance(exc, SoftTimeLimitExceeded) and self._idempotency_interrupted:
             # Revoked with terminate=True and SIGUSR1: its body failed as at its soft time
             # limit, dead-lettered. It was revoked: its row goes.
             withdraw: Any = getattr(self.task, "withdraw_revoked_failure", None)
@@ -121,6 +127,14 @@ class IdempotentRequest(Request):  # type: ignore[misc]
 
     _idempotency_unretried: BaseException | None = None
     _idempotency_success: Any = None
+    #: Revoked with terminate=True and SIGUSR1, which billiard turns into SoftTimeLimitExceeded
+    #: in the body (a soft time limit's own exception).
+    _idempotency_interrupted = False
+
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        signum = platform_signals.signum(signal or TERM_SIGNAME)
+        self._idempotency_interrupted = signum == _SOFT_TIME_LIMIT_SIGNAL
+        super().terminate(pool, signal)
 
     def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
         """Celery's retry of a call whose process died. The key stays the dead owner's: the

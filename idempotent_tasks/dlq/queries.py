@@ -51,10 +51,11 @@ def select_by_failure(failure_id: str) -> Select[Any]:
 
 
 def withdraw(failure_id: str) -> Delete:
-    """Delete the dead letter of one failed delivery while it is ``pending`` and unretried."""
+    """Delete the dead letter of one failed delivery while no retry of it was sent: ``pending``,
+    or ``permanent_failure`` as written (no retries allowed, arguments kept as text)."""
     return delete(dead_letters).where(
         dead_letters.c.failure_id == failure_id,
-        dead_letters.c.status == PENDING,
+        dead_letters.c.status.in_((PENDING, PERMANENT_FAILURE)),
         dead_letters.c.retry_count == 0,
     )
 

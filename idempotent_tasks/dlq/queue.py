@@ -412,9 +412,9 @@ class DeadLetterQueue:
         return bool(result.rowcount)
 
     def withdraw(self, failure_id: str) -> bool:
-        """Delete the dead letter written for the failed delivery ``failure_id``, while it is
-        ``pending`` and was never retried: its call did not fail after all (it was revoked
-        as it ran). Whether there was one."""
+        """Delete the dead letter written for the failed delivery ``failure_id`` while no retry
+        of it was sent (``pending``, or ``permanent_failure`` as written): its call did not
+        fail after all (it was revoked as it ran). Whether there was one."""
         compared = _compared_id(_storable(failure_id))
         with self._begin() as connection:
             result = connection.execute(queries.withdraw(compared))

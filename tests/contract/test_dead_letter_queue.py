@@ -738,10 +738,14 @@ def test_withdraw_deletes_the_dead_letter_of_a_failure_only_while_pending_and_un
     assert dlq.record_retry_failure(retried.id, "RuntimeError", "again", None) is not None
     assert dlq.mark_succeeded(succeeded.id)
     revoked = _add_at(dlq, clock, T0 + timedelta(hours=1))
-    # When each failure is withdrawn, then only the unretried pending one goes
-    withdrawn = [dlq.withdraw(item.failure_id) for item in (revoked, retried, succeeded)]
-    assert withdrawn == [True, False, False]
-    assert dlq.get(revoked.id) is None
+    # (and one written given up at once: its task allows no retries)
+    unretriable = _add_at(dlq, clock, T0 + timedelta(hours=1), max_retries=0)
+    # When each failure is withdrawn, then only those no retry was sent of go
+    withdrawn = [
+        dlq.withdraw(item.failure_id) for item in (revoked, unretriable, retried, succeeded)
+    ]
+    assert withdrawn == [True, True, False, False]
+    assert dlq.get(revoked.id) is None and dlq.get(unretriable.id) is None
     assert dlq.get(retried.id) is not None and dlq.get(succeeded.id) is not None
 
 

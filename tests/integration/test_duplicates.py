@@ -692,7 +692,9 @@ def test_a_call_terminated_with_sigkill_frees_its_key_once_its_process_is_gone()
     assert again.get(timeout=30) == f"{name} done"
 
 
-def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter() -> None:
+def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter(
+    two_workers: list[WorkerProcess],
+) -> None:
     # Given a keyed call running
     name, key = fresh("interrupted"), fresh("key")
     task = worker_app.no_retries
@@ -704,10 +706,14 @@ def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter(
     # Then its key is freed
     store = store_for(worker_app.app)
     wait_until(lambda: store.get(storage_key(task.name, key)) is None, 15, "the revoked call's key")
-    # and, once the worker has its end, no dead letter is left for a sweep to send again
-    time.sleep(2)
-    rows = [item for item in dlq_for(worker_app.app).items() if item.task_id == result.id]
-    assert rows == []
+    # and the dead letter its body's failure wrote is withdrawn by the worker (it says so), so
+    # none is left for a sweep to send again
+    withdrawn = f"[{result.id}] was revoked as it ran: its dead letter withdrawn"
+    wait_until(
+        lambda: any(withdrawn in worker.log() for worker in two_workers), 15, "the withdrawal"
+    )
+    rows = dlq_for(worker_app.app).items(task_name=task.name)
+    assert [item for item in rows if item.task_id == result.id] == []
 
 
 def test_a_pydantic_task_called_again_with_an_equal_model_gets_the_cached_value() -> None:
