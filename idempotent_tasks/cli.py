@@ -19,6 +19,7 @@ from .app_store import dlq_for, store_for, store_url
 from .codec import ResultCodec
 from .dead_letters import SWEEP_TASK
 from .dlq import DeadLetter, DeadLetterQueue, DeadLetterStatus
+from .dlq.arguments import first_line
 from .dlq.items import ARGS_LOSSY
 from .errors import CorruptRecord, SchemaVersionError, StoreUnavailable
 from .keys import storage_key
@@ -91,7 +92,7 @@ def _reaching(what: str, url: str) -> Iterator[None]:
     try:
         yield
     except (StoreUnavailable, SchemaVersionError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise CeleryCommandException(
             message=f"cannot use the {what} at {shown_url(url)}: {reason}",
             exit_code=EX_UNAVAILABLE,

@@ -118,3 +118,9 @@ def error_text(exc: BaseException) -> str:
         return str(exc)
     except Exception:
         return f"<{type(exc).__name__}; str() failed>"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s text (its type's name when it has none), for a message of
+    one line."""
+    return (error_text(exc).strip().splitlines() or [type(exc).__name__])[0]

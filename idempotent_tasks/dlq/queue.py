@@ -24,7 +24,7 @@ from ..keys import fitted
 from ..stores.sql_clock import ServerClock
 from ..urls import url_text
 from . import queries
-from .arguments import safe_repr, utf8_text
+from .arguments import first_line, safe_repr, utf8_text
 from .backoff import next_retry_at
 from .engine import (
     create_dlq_engine,
@@ -648,7 +648,7 @@ def _row_size(row: dict[str, Any]) -> int:
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+    return first_line(error)[:500]
 
 
 def _without_arguments(row: dict[str, Any], reason: str) -> dict[str, Any]:

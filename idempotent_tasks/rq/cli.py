@@ -7,19 +7,18 @@ due dead letters once and prints how many; run it periodically (see
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from contextlib import closing
 
 import click
+from celery.platforms import EX_UNAVAILABLE
 from redis.exceptions import RedisError
 
+from ..dlq.arguments import first_line
 from ..dlq.queue import SWEEP_BATCH
 from ..errors import SchemaVersionError, StoreUnavailable
 from ..setup_errors import SETUP_ERRORS
 from .options import DLQ_URL_ENV
-
-#: sysexits.h's EX_UNAVAILABLE (what Celery's own commands exit with for a service down).
-EX_UNAVAILABLE = getattr(os, "EX_UNAVAILABLE", 69)
 
 
 @click.group()
@@ -63,15 +62,13 @@ def retry_dead_letters_command(
 
     from .sweep import retry_dead_letters
 
-    connection = Redis.from_url(redis_url)
     try:
-        count = retry_dead_letters(connection, dlq_url, batch, store_url=store_url)
+        with closing(Redis.from_url(redis_url)) as connection:
+            count = retry_dead_letters(connection, dlq_url, batch, store_url=store_url)
     except (StoreUnavailable, SchemaVersionError, RedisError) as exc:
-        raise _Unavailable(f"cannot sweep now: {_first_line(exc)}") from exc
+        raise _Unavailable(f"cannot sweep now: {first_line(exc)}") from exc
     except SETUP_ERRORS as exc:  # a driver missing, a URL that does not parse
-        raise click.ClickException(f"cannot sweep: {_first_line(exc)}") from exc
-    finally:
-        connection.close()
+        raise click.ClickException(f"cannot sweep: {first_line(exc)}") from exc
     click.echo(f"re-enqueued {count} dead letter{'' if count == 1 else 's'}")
 
 
@@ -79,10 +76,6 @@ class _Unavailable(click.ClickException):
     """A database or Redis that cannot be reached: exit code 69, as the Celery commands."""
 
     exit_code = EX_UNAVAILABLE
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -38,7 +38,9 @@ from ..dlq.arguments import ArgumentsUnreadable, restored_arguments
 from ..dlq.items import ARGS_LOSSY
 from ..dlq.queue import SWEEP_BATCH
 from ..dlq.sweep import AlreadySucceeded, CannotResend, ResendLater, resend_due
+from ..errors import StoreUnavailable
 from ..redis_unavailable import is_refusal, is_unavailable
+from ..setup_errors import SETUP_ERRORS
 from ..stores.base import remove_expired_records
 from .dead_letters import succeeded_unmarked
 from .job import IdempotentJob, forget_ttl
@@ -46,6 +48,9 @@ from .options import FRAMEWORK, META_KEY, OWN_STORE
 from .resources import claim_store, dlq_url_for
 
 logger = logging.getLogger(__name__)
+
+#: What opening a claim store raises when it is down or set up wrong.
+_CANNOT_OPEN: tuple[type[Exception], ...] = (StoreUnavailable, *SETUP_ERRORS)
 
 #: ``job.meta["idempotency"]`` entries that belong to one run, dropped when a row is retried.
 _RUN_STATE = ("unwritten_failure", "previous_owner", "waits")
@@ -94,7 +99,12 @@ def retry_dead_letters(
     if store_url:
         # Nothing else deletes an SQL store's expired claims (a Celery app's beat sweep does
         # for its own store).
-        remove_expired_records(claim_store(connection, defaults.KEY_PREFIX, store_url))
+        try:
+            store = claim_store(connection, defaults.KEY_PREFIX, store_url)
+        except _CANNOT_OPEN as exc:
+            logger.warning("could not open the claim store to remove expired claims: %s", exc)
+        else:
+            remove_expired_records(store)
     return resent
 
 
