@@ -14,7 +14,10 @@ from types import TracebackType
 
 
 class ForkSafeLock:
-    """A ``threading.Lock`` for ``with`` blocks, replaced by a free one in a forked child."""
+    """A ``threading.Lock`` for ``with`` blocks, replaced by a free one in a forked child.
+
+    (So a block must not fork: its child would release the free one, and raise.)
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -560,7 +560,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             with attempt.heartbeat(), retrying_kept_alive(self.app, self.request):
                 value = self.run(*args, **kwargs)
         except Retry:
-            # retry() released the claim before publishing; a Retry raised by hand did not.
+            # retry() released the claim before publishing its retry; an eager call's retry
+            # (run in place once this ends), or a Retry raised by hand, did not.
             if getattr(self.request, "idempotency_attempt", None) is attempt:
                 attempt.release_quietly()
             raise
@@ -907,15 +908,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # out a countdown longer than its retrying timeout (a sweep would send it again).
             sweep_id = request_header(self.request, DEAD_LETTER_SWEEP_HEADER)
             renew_retrying(self.app, dead_letter_id, sweep_id, waits_for=wait)
-        if attempt is not None and will_publish:
-            self.request.idempotency_attempt = None
-            # Released with the guard's copy of the retry as Celery makes it (its merged
-            # arguments, its queue): see signature_from_request.
-            self.request.idempotency_retrying = (attempt, wait)
+        if attempt is not None:
+            if will_publish:
+                self.request.idempotency_attempt = None
+                # Released with the guard's copy of the retry as Celery makes it (its merged
+                # arguments, its queue): see signature_from_request.
+                self.request.idempotency_retrying = (attempt, wait)
+            # Else the attempt keeps its key: Celery raises (the retries are used up, or an
+            # eager call retries in place, after _run_claimed released the key), and the body
+            # may catch that and go on; the attempt ends as the body does.
             options[_REPUBLISH] = {PREVIOUS_OWNER_HEADER: attempt.request.owner}
-        # With no retry to publish, the attempt keeps its key: Celery raises (the retries are
-        # used up, or an eager call retries in place), and the body may catch that and go on;
-        # the attempt ends as the body does (see _run_claimed).
         if "expires" in options:
             # Its own expiry, the broker's to keep: not the one a copy's message carries (also
             # for a retry after one that took the attempt along, sent with throw=False).

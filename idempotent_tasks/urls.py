@@ -22,9 +22,9 @@ def shown_url(url: str) -> str:
 #: A URL's password: after the user name, up to an ``@``. SQLAlchemy reads it up to the first
 #: one, redis-py up to the last of the host part, and either may hold ``/``, ``?``, ``#`` or
 #: ``;``, which ``urlsplit`` would take for the URL's own: everything up to the last ``@`` is
-#: hidden (more than the password, at worst). A scheme misspelt without its ``:`` (the URL
-#: then refused for it) still has its password hidden.
-_PASSWORD = re.compile(r"^(?P<head>[^/@]*//[^:/@]*:).*@")
+#: hidden (more than the password, at worst). A scheme misspelt (``postgresql//``,
+#: ``postgresql:/``: the URL then refused for it) still has its password hidden.
+_PASSWORD = re.compile(r"^(?P<head>[^/@]*/+[^:/@]*:).*@")
 
 
 def _shown(url: str) -> str:

@@ -38,6 +38,7 @@ from idempotent_tasks.urls import shown_url, url_text
         ("redis://:s3c@ret@host:6379/0", "redis://:***@host:6379/0"),
         # A scheme misspelt without its colon: the URL is refused, and shown in that error
         ("postgresql+psycopg//shop:s3cret@db/shop", "postgresql+psycopg//shop:***@db/shop"),
+        ("postgresql+psycopg:/shop:s3cret@db/shop", "postgresql+psycopg:/shop:***@db/shop"),
     ],
 )
 def test_passwords_are_hidden_wherever_the_url_holds_them(url: str, shown: str) -> None:
