@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from celery import Celery, chain, chord, group
 from celery.app.task import Context
+from celery.exceptions import NotRegistered
 from celery.result import AsyncResult, EagerResult
 
-from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch
+from idempotent_tasks import IdempotencyConflict, IdempotencyKeyMismatch, IdempotentTask
 from idempotent_tasks.app_store import dlq_for, store_for
 from idempotent_tasks.keys import storage_key
 from idempotent_tasks.records import Outcome
@@ -714,6 +715,25 @@ def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter(
     )
     rows = dlq_for(worker_app.app).items(task_name=task.name)
     assert [item for item in rows if item.task_id == result.id] == []
+
+
+def test_a_keyed_call_of_a_task_the_workers_do_not_know_fails_and_frees_its_key() -> None:
+    # Given a task this process has and the workers do not (a new task in a rolling upgrade)
+    @worker_app.app.task(base=IdempotentTask, name=fresh("it.not_deployed"), shared=False)
+    def not_deployed(name: str) -> str:
+        return name
+
+    name, key = fresh("unknown"), fresh("key")
+    # When a keyed call of it reaches a worker, then it fails as Celery fails it
+    first = not_deployed.apply_async((name,), idempotency_key=key)
+    with pytest.raises(NotRegistered):
+        first.get(timeout=30)
+    # and its key is freed: not left queued for that failed call, every caller of the key
+    # handed its failure until the pickup guard sent it again, to run once a worker knew it
+    store = store_for(worker_app.app)
+    wait_until(lambda: store.get(storage_key(not_deployed.name, key)) is None, 15, "the key")
+    again = not_deployed.apply_async((name,), idempotency_key=key)
+    assert again.id != first.id
 
 
 def test_a_pydantic_task_called_again_with_an_equal_model_gets_the_cached_value() -> None:
