@@ -195,6 +195,10 @@ def envelope(
             value = run_at
         if value is not None:
             carried[name] = value
+    if "expires" in options and options["expires"] is None:
+        # Cleared by the caller (expires=None): said so, or the sweep's send_task would give
+        # the copy the task's own expiry again.
+        carried["expires"] = None
     # Celery's stamps: each an option of its own, named by ``stamped_headers`` (a name without
     # its option is left out: Celery would look for it when publishing).
     stamped = [name for name in carried.pop("stamped_headers", None) or () if name in options]

@@ -107,9 +107,13 @@ def prepare(
     if task._pickup_timeout <= 0:
         return request, None  # the guard is off: no envelope to build
     serializer = options.get("serializer") or task.serializer
-    # Celery replies (rpc://) to the caller's thread: so must a copy the guard publishes. A
-    # task's own expiry is counted from this publish, not from the copy's (kept as a moment).
+    # The task's own routing, priority and limits, which Celery's apply_async adds after this
+    # (a sweep in a process without the task would send the copy without them). Celery replies
+    # (rpc://) to the caller's thread: so must a copy the guard publishes. A task's own expiry
+    # is counted from this publish, not from the copy's (kept as a moment).
+    own = {name: value for name, value in task._get_exec_options().items() if value is not None}
     options = {
+        **own,
         **options,
         "reply_to": options.get("reply_to") or task.app.thread_oid,
         # An explicit expires=None clears the task's own, as in Celery.

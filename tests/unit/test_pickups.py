@@ -712,7 +712,40 @@ def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
         return order
 
     _publish(charge, "t-7", expires=None)
-    assert "expires" not in _kept_message(charge)["options"]
+    kept = _kept_message(charge)
+    assert kept["options"]["expires"] is None
+    # and the copy the sweep sends, from a process that has the task too, has no expiry
+    app.conf.broker_url = "memory://"
+    body = json.dumps(kept).encode()
+    republish(
+        app,
+        DuePickup(
+            storage_key="charge:k",
+            task_name=charge.name,
+            task_id="t-7",
+            envelope=body,
+            republished=1,
+        ),
+    )
+    with app.connection_for_read() as connection:
+        message = connection.SimpleQueue("celery").get(timeout=1)
+    assert message.headers["id"] == "t-7" and message.headers["expires"] is None
+
+
+# (Celery 5.7 deprecates routing attributes of tasks, priority among them, for task_routes.)
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CDeprecationWarning")
+def test_a_copy_keeps_the_tasks_own_priority_and_limits_for_a_sweep_without_the_task() -> None:
+    app = _app(idempotency_store_url="memory://")
+
+    @app.task(base=IdempotentTask, shared=False, priority=7, soft_time_limit=30, time_limit=60)
+    def charge(order: str) -> str:
+        return order
+
+    _publish(charge, "t-8")
+    options = _kept_message(charge)["options"]
+    # Celery's apply_async gives the message these (a task's queue= too); a sweep's send_task
+    # in a worker that does not import the task could not
+    assert (options["priority"], options["soft_time_limit"], options["time_limit"]) == (7, 30, 60)
 
 
 @pytest.mark.parametrize("as_moment", [False, True], ids=["seconds", "moment"])
