@@ -15,7 +15,7 @@ claimed or completed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, time, timedelta, timezone
 from typing import Any, cast
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -213,6 +213,11 @@ def envelope(
         pass
     # Some option is not JSON (an exotic callback, say): keep the options that are.
     kept = {name: value for name, value in carried.items() if _jsonable(value)}
+    logger.warning(
+        "the pickup guard's copy of this message leaves out what JSON cannot hold (%s): sent "
+        "again, it would go without it",
+        ", ".join(sorted(set(carried) - set(kept))),
+    )
     if "stamped_headers" in kept:
         # A stamp left out is no longer named: Celery would look for it when publishing.
         kept["stamped_headers"] = [name for name in kept["stamped_headers"] if name in kept]
@@ -278,9 +283,26 @@ def make_pickup(
 
 def _json_faithful(value: Any) -> bool:
     try:
-        return bool(loads(dumps(value)) == value)
+        return _same(value, loads(dumps(value)))
     except (TypeError, ValueError):
         return False
+
+
+def _same(original: Any, copy: Any) -> bool:
+    """Whether ``copy`` is ``original`` in value and in type, all the way down: an enum member
+    comes back from JSON as its value, a ``defaultdict`` as a ``dict``, a datetime of a named
+    zone with a fixed offset, all of them equal to what they were."""
+    if type(original) is not type(copy):
+        return False
+    if isinstance(original, dict):
+        return original.keys() == copy.keys() and all(
+            _same(value, copy[name]) for name, value in original.items()
+        )
+    if isinstance(original, list):
+        return len(original) == len(copy) and all(map(_same, original, copy))
+    if isinstance(original, datetime | time) and original.tzinfo != copy.tzinfo:
+        return False
+    return bool(original == copy)
 
 
 def republish(app: Any, due: DuePickup) -> None:

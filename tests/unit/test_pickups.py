@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 import json
 import logging
 import time
@@ -10,6 +12,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -225,10 +228,14 @@ def test_a_naive_eta_is_utc_as_celerys_worker_reads_it_whatever_the_local_zone(
         time.tzset()
 
 
-def test_an_option_that_is_not_json_is_left_out_and_the_rest_kept() -> None:
+def test_an_option_that_is_not_json_is_left_out_and_the_rest_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     body = envelope((1,), {}, {"queue": "q", "link": object()})
     assert body is not None
     assert loads(body.decode()) == {"args": [1], "kwargs": {}, "options": {"queue": "q"}}
+    # and it is said which: a copy sent again would go without its callback
+    assert any("leaves out" in line and "(link)" in line for line in caplog.messages)
 
 
 def test_an_envelope_keeps_canvas_signatures_whole_and_an_expiry_as_a_moment() -> None:
@@ -653,9 +660,26 @@ def test_a_call_that_hands_its_message_back_keeps_its_key_queued_for_it() -> Non
     assert record is not None and (record.status, record.task_id) == (Status.QUEUED, "t-3")
 
 
-def test_a_pickle_message_json_would_change_is_not_kept_for_the_guard() -> None:
-    changed = make_pickup((42, {1: (3, 4)}), {}, {}, 60.0, 0.0, serializer="pickle")
-    kept = make_pickup((42, {"1": [3, 4]}), {}, {}, 60.0, 0.0, serializer="pickle")
+class _Currency(str, enum.Enum):
+    EUR = "EUR"
+
+
+@pytest.mark.parametrize(
+    "changed_by_json",
+    [
+        {1: (3, 4)},
+        _Currency.EUR,  # equal to "EUR", which JSON gives back
+        collections.defaultdict(list),  # equal to {}
+        datetime(2026, 7, 1, tzinfo=ZoneInfo("Europe/Paris")),  # equal, at a fixed offset
+    ],
+    ids=["int-keys-and-tuple", "str-enum", "defaultdict", "named-zone"],
+)
+def test_a_pickle_message_json_would_change_is_not_kept_for_the_guard(
+    changed_by_json: Any,
+) -> None:
+    changed = make_pickup((42, changed_by_json), {}, {}, 60.0, 0.0, serializer="pickle")
+    in_utc = datetime(2026, 7, 1, tzinfo=timezone.utc)
+    kept = make_pickup((42, {"1": [3, 4]}, in_utc), {}, {}, 60.0, 0.0, serializer="pickle")
     as_json = make_pickup((42, {1: (3, 4)}), {}, {}, 60.0, 0.0)
     assert changed is None
     # Arguments JSON gives back as they are are kept; and a JSON task's message is as Celery's
