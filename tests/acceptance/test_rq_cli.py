@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from idempotent_tasks.rq.cli import cli
 
@@ -30,16 +30,8 @@ def test_the_rq_sweep_command_names_what_it_cannot_use_in_one_line(
     exit_code: int,
     says: str,
 ) -> None:
-    result = CliRunner().invoke(
-        cli,
-        [
-            "rq",
-            "retry-dead-letters",
-            "--redis-url",
-            given_redis_url or redis_url,
-            "--dlq-url",
-            dlq_url.format(tmp=tmp_path),
-        ],
+    result = _sweep(
+        "--redis-url", given_redis_url or redis_url, "--dlq-url", dlq_url.format(tmp=tmp_path)
     )
     assert result.exit_code == exit_code, result.output
     [line] = result.output.strip().splitlines()
@@ -51,20 +43,19 @@ def test_the_rq_sweep_command_sweeps_even_when_the_store_to_clean_cannot_be_open
     redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given a claim store whose driver does not exist, for the sweep to remove expired claims
-    result = CliRunner().invoke(
-        cli,
-        [
-            "rq",
-            "retry-dead-letters",
-            "--redis-url",
-            redis_url,
-            "--dlq-url",
-            f"sqlite:///{tmp_path}/dlq.sqlite3",
-            "--store-url",
-            "postgresql+nodriver://u@127.0.0.1/claims",
-        ],
+    result = _sweep(
+        "--redis-url",
+        redis_url,
+        "--dlq-url",
+        f"sqlite:///{tmp_path}/dlq.sqlite3",
+        "--store-url",
+        "postgresql+nodriver://u@127.0.0.1/claims",
     )
     # Then the sweep's own work is done and reported, the store's trouble only warned of
     assert result.exit_code == 0, result.output
     assert result.output == "re-enqueued 0 dead letters\n"
     assert any("could not open the claim store" in message for message in caplog.messages)
+
+
+def _sweep(*options: str) -> Result:
+    return CliRunner().invoke(cli, ["rq", "retry-dead-letters", *options])

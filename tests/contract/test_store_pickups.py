@@ -12,7 +12,8 @@ import dataclasses
 import multiprocessing
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -640,17 +641,12 @@ def test_the_sweep_takes_only_its_own_prefixs_keys_however_their_case_differs(
 ) -> None:
     # Given two apps on one store whose key prefixes differ in case only (SQLite's LIKE
     # compares ASCII letters ignoring case), and a due key of one of them
-    url = store_url(kind, request)
-    upper, lower = open_store(kind, url, prefix="Shop"), open_store(kind, url, prefix="shop")
-    try:
+    with _apps_on_one_store(kind, request, "Shop", "shop") as (upper, lower):
         lower.reserve(request_for(make_request, "k1"), make_pickup(due_in=0.0))
         time.sleep(0.05)
         # Then the other app's sweep takes nothing, and its own app's sweep takes it
         assert upper.take_due(10) == []
         assert taken_keys(lower) == ["tasks.charge:k1"]
-    finally:
-        upper.close()
-        lower.close()
 
 
 @pytest.mark.parametrize("kind", SERVER_STORES)
@@ -660,10 +656,8 @@ def test_the_sweep_leaves_alone_the_keys_of_a_prefix_that_extends_its_own(
     # Given two apps on one store with prefixes "shop" and "shop:eu" (the SQL store's row ids
     # of the second start with the first's "shop:"), more due keys of "shop:eu" than ten
     # batches of two hold (its app stopped), then one of "shop", due last
-    url = store_url(kind, request)
-    shop, shop_eu = open_store(kind, url, prefix="shop"), open_store(kind, url, prefix="shop:eu")
     others = [f"eu{i:02}" for i in range(25)]
-    try:
+    with _apps_on_one_store(kind, request, "shop", "shop:eu") as (shop, shop_eu):
         for name in others:
             shop_eu.reserve(request_for(make_request, name), make_pickup(due_in=0.0))
         time.sleep(0.01)
@@ -677,9 +671,20 @@ def test_the_sweep_leaves_alone_the_keys_of_a_prefix_that_extends_its_own(
             f"tasks.charge:{name}" for name in others
         ]
         assert {due.task_name for due in taken} == {"tasks.charge"}
+
+
+@contextmanager
+def _apps_on_one_store(
+    kind: str, request: pytest.FixtureRequest, *prefixes: str
+) -> Iterator[list[Store]]:
+    """Stores of ``kind`` on one emptied store, one per key prefix (each an app of its own)."""
+    url = store_url(kind, request)
+    stores = [open_store(kind, url, prefix=prefix) for prefix in prefixes]
+    try:
+        yield stores
     finally:
-        shop.close()
-        shop_eu.close()
+        for store in stores:
+            store.close()
 
 
 @pytest.mark.parametrize("kind", SERVER_STORES)

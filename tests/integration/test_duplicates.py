@@ -674,39 +674,35 @@ def test_on_duplicate_raise_fails_the_duplicate_with_a_conflict() -> None:
     assert ledger_events(name, "start") == 1
 
 
-def test_a_call_terminated_with_sigkill_frees_its_key_once_its_process_is_gone() -> None:
-    # Given a keyed call running (its lease 300 s)
+def _terminated_while_running(signal: str) -> AsyncResult:
+    """A keyed call (its lease 300 s) revoked with terminate=True and ``signal`` while its
+    body runs, once its key is free again and a new call of it ran: the call's result."""
     name, key = fresh("terminated"), fresh("key")
     task = worker_app.no_retries
     result = task.apply_async((name, 30.0), idempotency_key=key)
     wait_until(lambda: ledger_events(name, "start") == 1, 15, "the body to start")
-    # When it is revoked with terminate=True and SIGKILL (its process runs no more of its code)
-    worker_app.app.control.revoke(result.id, terminate=True, signal="SIGKILL")
-    # Then its key is freed once the worker sees the process gone, not at the lease's end
+    worker_app.app.control.revoke(result.id, terminate=True, signal=signal)
     store = store_for(worker_app.app)
-    wait_until(
-        lambda: store.get(storage_key(task.name, key)) is None, 15, "the terminated call's key"
-    )
-    # and a new call of the key runs
+    wait_until(lambda: store.get(storage_key(task.name, key)) is None, 15, "the key to be freed")
     again = task.apply_async((name, 0.1), idempotency_key=key)
     assert again.id != result.id
     assert again.get(timeout=30) == f"{name} done"
+    return result
+
+
+def test_a_call_terminated_with_sigkill_frees_its_key_once_its_process_is_gone() -> None:
+    # A call revoked with SIGKILL runs no more of its code: its key is freed once the worker
+    # sees the process gone, not at its lease's end, and a new call of the key runs
+    _terminated_while_running("SIGKILL")
 
 
 def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter(
     two_workers: list[WorkerProcess],
 ) -> None:
-    # Given a keyed call running
-    name, key = fresh("interrupted"), fresh("key")
+    # Given a keyed call revoked with SIGUSR1 as it runs (billiard raises SoftTimeLimitExceeded
+    # in its body: a graceful revoke, its own code runs to its end): its key is freed
+    result = _terminated_while_running("SIGUSR1")
     task = worker_app.no_retries
-    result = task.apply_async((name, 30.0), idempotency_key=key)
-    wait_until(lambda: ledger_events(name, "start") == 1, 15, "the body to start")
-    # When it is revoked with terminate=True and SIGUSR1 (billiard raises SoftTimeLimitExceeded
-    # in its body: a graceful revoke, its own code runs to its end)
-    worker_app.app.control.revoke(result.id, terminate=True, signal="SIGUSR1")
-    # Then its key is freed
-    store = store_for(worker_app.app)
-    wait_until(lambda: store.get(storage_key(task.name, key)) is None, 15, "the revoked call's key")
     # and the dead letter its body's failure wrote is withdrawn by the worker (it says so), so
     # none is left for a sweep to send again
     withdrawn = f"[{result.id}] was revoked as it ran: its dead letter withdrawn"
