@@ -3,11 +3,13 @@
 Celery's worker discards a message naming a task it has not registered (a task renamed or
 removed since it failed, a worker without its module, an old worker in a rolling upgrade),
 fails its call with ``NotRegistered``, and runs none of this package's code for it. So the
-worker's ``task_unknown`` signal ends it here:
+worker's ``task_unknown`` signal ends it here, as any call that failed for good:
 
-* a keyed call's reservation is cancelled: its key would stay queued for a call that failed,
-  every caller of the key handed that failure, until the pickup guard published the call again
-  and a worker that knows the task ran it after all;
+* a keyed call is written to the dead-letter table (whose sweep sends it again on its
+  backoff: to a worker that knows the task by then, it runs), and its key is freed. Left
+  queued for a call that failed, the key would hand every caller that failure, until the pickup
+  guard published the call again unseen. A message older than the one its key waits for (a
+  redelivery, a copy of a call that retried or runs elsewhere) changes nothing;
 * a dead letter's retry is recorded on its row as a failed one (``NotRegistered``): it would
   stay ``retrying`` until its timeout, go back to ``pending`` and be sent again, for ever,
   never using a retry. The row is rescheduled, and gives up at its limit as any retry that
@@ -17,14 +19,27 @@ worker's ``task_unknown`` signal ends it here:
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 from celery.signals import task_unknown
 
 from .app_store import store_for
-from .dead_letters import DEAD_LETTER_HEADER, DEAD_LETTER_SWEEP_HEADER, record_unrun_retry
+from .dead_letters import (
+    DEAD_LETTER_HEADER,
+    DEAD_LETTER_SWEEP_HEADER,
+    continuation_options,
+    record_unrun_retry,
+    routing_options,
+    write_failure,
+)
+from .dlq.arguments import stored_arguments
+from .dlq.items import ARGS_LOSSY, Failure
 from .errors import CorruptRecord, StoreUnavailable
 from .keys import KEY_HEADER, storage_key
+from .publishing import fitted_task_id
+from .records import Status, older_message
+from .settings import app_setting
 
 logger = logging.getLogger(__name__)  # the worker's main process: no task runs here
 
@@ -41,9 +56,14 @@ def _on_task_unknown(
     app = getattr(sender, "app", None)
     if app is None:
         return
-    _cancel_reservation(app, name, id, headers.get(KEY_HEADER))
     dead_letter_id = headers.get(DEAD_LETTER_HEADER)
     if dead_letter_id is None:
+        key = headers.get(KEY_HEADER)
+        if isinstance(name, str) and isinstance(id, str) and isinstance(key, str) and key:
+            try:
+                _end_keyed_call(app, name, id, key, message)
+            except Exception:  # never break the worker's consumer
+                logger.exception("could not end the keyed call %s of unknown task %s", id, name)
         return
     how = f"the worker that received its retry has no task named {name!r}"
     try:
@@ -54,17 +74,66 @@ def _on_task_unknown(
         logger.exception("could not record the unknown task on dead letter %s", dead_letter_id)
 
 
-def _cancel_reservation(app: Any, name: Any, task_id: Any, key: Any) -> None:
-    """Free the key of a keyed call that failed as unknown: its reservation, and the guard's
-    copy of its message a claim of another call keeps."""
-    if not (isinstance(name, str) and isinstance(task_id, str) and isinstance(key, str) and key):
-        return
+def _end_keyed_call(app: Any, name: str, task_id: str, key: str, message: Any) -> None:
+    """Dead-letter a keyed call failed as unknown, then free its key (its reservation)."""
+    headers = message.headers
+    retries = int(headers.get("retries") or 0)
     stored_as = storage_key(name, key)
+    store = store_for(app)
     try:
-        store = store_for(app)
-        store.cancel_reservation(stored_as, task_id)
-        store.drop_pickup(stored_as, task_id)
+        record = store.get(stored_as)
     except (StoreUnavailable, CorruptRecord) as exc:
-        logger.warning("could not free key %r of unknown task %s: %s", key, name, exc)
-    except Exception:  # never break the worker's consumer
-        logger.exception("could not free key %r of unknown task %s", key, name)
+        logger.warning("could not read key %r of unknown task %s: %s", key, name, exc)
+        return  # left queued, the guard publishes the call again: never lost
+    fitted_id = fitted_task_id(task_id)
+    if record is not None and not (
+        record.status is Status.QUEUED
+        and record.task_id == fitted_id
+        and not older_message(record.owner, retries)
+    ):
+        return  # an older copy, or a call running or done elsewhere: it is not this one's end
+    failure = _failure(app, name, fitted_id, key, retries, message)
+    if failure is None:
+        return  # its arguments cannot be read here: left queued, the guard publishes it again
+    try:
+        write_failure(app, failure, None)
+    except StoreUnavailable as exc:
+        logger.warning("could not write the dead letter of unknown task %s: %s", name, exc)
+        return  # left queued, the guard publishes the call again: never lost
+    store.cancel_reservation(stored_as, fitted_id)
+
+
+def _failure(
+    app: Any, name: str, task_id: str, key: str, retries: int, message: Any
+) -> Failure | None:
+    """The dead letter of a keyed call of task protocol 2 that failed as unknown."""
+    try:
+        args, kwargs, embed = message.decode()
+    except Exception as exc:  # another protocol, a content type this worker does not accept
+        logger.warning("could not read the arguments of unknown task %s: %s", name, exc)
+        return None
+    headers = message.headers
+    request = SimpleNamespace(**{**headers, **(embed or {})})
+    stored_args, stored_kwargs, faithful = stored_arguments(
+        args, kwargs, exact=getattr(message, "content_type", None) != "application/json"
+    )
+    options = {
+        **continuation_options(request),
+        **routing_options(getattr(message, "delivery_info", None)),
+    }
+    if not faithful:
+        options[ARGS_LOSSY] = True
+    return Failure(
+        failure_id=f"{task_id}:{retries}",
+        task_name=name,
+        task_id=task_id,
+        idempotency_key=key,
+        args=stored_args,
+        kwargs=stored_kwargs,
+        options=options,
+        error_type="NotRegistered",
+        error_message=f"the worker that received it has no task named {name!r}",
+        traceback=None,
+        # Arguments kept as text would run the task with the wrong values: kept, not retried.
+        max_retries=int(app_setting(app.conf, "idempotency_dlq_max_retries")) if faithful else 0,
+    )

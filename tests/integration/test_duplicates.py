@@ -713,7 +713,9 @@ def test_a_call_terminated_with_sigusr1_frees_its_key_and_leaves_no_dead_letter(
     assert [item for item in rows if item.task_id == result.id] == []
 
 
-def test_a_keyed_call_of_a_task_the_workers_do_not_know_fails_and_frees_its_key() -> None:
+def test_a_keyed_call_of_a_task_the_workers_do_not_know_is_dead_lettered_and_frees_its_key() -> (
+    None
+):
     # Given a task this process has and the workers do not (a new task in a rolling upgrade)
     @worker_app.app.task(base=IdempotentTask, name=fresh("it.not_deployed"), shared=False)
     def not_deployed(name: str) -> str:
@@ -724,10 +726,16 @@ def test_a_keyed_call_of_a_task_the_workers_do_not_know_fails_and_frees_its_key(
     first = not_deployed.apply_async((name,), idempotency_key=key)
     with pytest.raises(NotRegistered):
         first.get(timeout=30)
-    # and its key is freed: not left queued for that failed call, every caller of the key
-    # handed its failure until the pickup guard sent it again, to run once a worker knew it
+    # and it waits in the dead-letter table (whose sweep sends it again, to run once a worker
+    # knows the task), its key freed: not left queued for that failed call, every caller of the
+    # key handed its failure until the pickup guard sent it again unseen
     store = store_for(worker_app.app)
     wait_until(lambda: store.get(storage_key(not_deployed.name, key)) is None, 15, "the key")
+    rows = dlq_for(worker_app.app).items(task_name=not_deployed.name)
+    assert [(row.task_id, row.idempotency_key, row.error_type) for row in rows] == [
+        (first.id, key, "NotRegistered")
+    ]
+    assert rows[0].args == [name]
     again = not_deployed.apply_async((name,), idempotency_key=key)
     assert again.id != first.id
 
