@@ -73,6 +73,8 @@ CARRIED_OPTIONS = (
 )
 #: Header of a message the guard published again: how many times it was (1 the first time).
 REPUBLISHED_HEADER = "idempotency_pickup_republished"
+#: The sets of options :func:`envelope` had to leave out that were warned of.
+_WARNED_LEFT_OUT: set[str] = set()
 #: Due times of queued keys are swept this many at a time.
 SWEEP_BATCH = 500
 
@@ -213,11 +215,14 @@ def envelope(
         pass
     # Some option is not JSON (an exotic callback, say): keep the options that are.
     kept = {name: value for name, value in carried.items() if _jsonable(value)}
-    logger.warning(
-        "the pickup guard's copy of this message leaves out what JSON cannot hold (%s): sent "
-        "again, it would go without it",
-        ", ".join(sorted(set(carried) - set(kept))),
-    )
+    left_out = ", ".join(sorted(set(carried) - set(kept)))
+    if left_out not in _WARNED_LEFT_OUT:  # once per process for each such set of options
+        _WARNED_LEFT_OUT.add(left_out)
+        logger.warning(
+            "the pickup guard's copies of messages leave out what JSON cannot hold (%s): sent "
+            "again, such a message goes without it",
+            left_out,
+        )
     if "stamped_headers" in kept:
         # A stamp left out is no longer named: Celery would look for it when publishing.
         kept["stamped_headers"] = [name for name in kept["stamped_headers"] if name in kept]
@@ -300,9 +305,22 @@ def _same(original: Any, copy: Any) -> bool:
         )
     if isinstance(original, list):
         return len(original) == len(copy) and all(map(_same, original, copy))
-    if isinstance(original, datetime | time) and original.tzinfo != copy.tzinfo:
+    if isinstance(original, datetime | time) and not _same_zone(original, copy):
         return False
     return bool(original == copy)
+
+
+def _same_zone(original: datetime | time, copy: datetime | time) -> bool:
+    """Whether ``copy`` (at the fixed offset kombu's JSON gives it) keeps ``original``'s zone:
+    the same one, or a zone of that one fixed offset all year (UTC as ``ZoneInfo``, pytz or
+    dateutil); not a zone with summer time."""
+    if original.tzinfo == copy.tzinfo:
+        return True
+    if isinstance(original, time):
+        return original.utcoffset() == copy.utcoffset()  # (a time's zone has a fixed offset)
+    assert isinstance(copy, datetime)
+    january, july = (original.replace(month=month, day=1) for month in (1, 7))
+    return january.utcoffset() == july.utcoffset() == copy.utcoffset()
 
 
 def republish(app: Any, due: DuePickup) -> None:

@@ -13,6 +13,7 @@ from celery import states
 from celery.backends.rpc import RPCBackend
 from celery.result import EagerResult
 from celery.utils.log import get_task_logger
+from kombu.entity import Exchange, Queue
 
 from . import signals
 from .app_store import store_for
@@ -111,9 +112,8 @@ def prepare(
     # (a sweep in a process without the task would send the copy without them). Celery replies
     # (rpc://) to the caller's thread: so must a copy the guard publishes. A task's own expiry
     # is counted from this publish, not from the copy's (kept as a moment).
-    own = {name: value for name, value in task._get_exec_options().items() if value is not None}
     options = {
-        **own,
+        **own_publish_options(task),
         **options,
         "reply_to": options.get("reply_to") or task.app.thread_oid,
         # An explicit expires=None clears the task's own, as in Celery.
@@ -122,6 +122,19 @@ def prepare(
     }
     pickup = make_pickup(args, kwargs, options, task._pickup_timeout, wait, serializer)
     return request, pickup
+
+
+def own_publish_options(task: IdempotentTask, *names: str) -> dict[str, Any]:
+    """The task's own publish options (all, or ``names``) that are set, as Celery's
+    ``apply_async`` adds them to its messages. A queue or exchange given as an entity is left
+    to Celery (kept by name, it would stand for a plain queue of that name)."""
+    return {
+        name: value
+        for name, value in task._get_exec_options().items()
+        if value is not None
+        and not isinstance(value, Queue | Exchange)
+        and (not names or name in names)
+    }
 
 
 def _lineage(task: IdempotentTask, task_id: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -988,7 +988,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers[PREVIOUS_OWNER_HEADER] = previous_owner
         time_limit, soft_time_limit = request.timelimit or (None, None)
         options = {
-            **stamp_options(request),  # first: a stamp takes no option of ours over
+            # How Celery's retry encodes the message (its apply_async adds these), then the
+            # stamps (before ours: a stamp takes no option of ours over).
+            **publishing.own_publish_options(self, "serializer", "compression"),
+            **stamp_options(request),
             **routing_options(request.delivery_info),
             **(routing or {}),
             "headers": headers,

@@ -17,10 +17,11 @@ from zoneinfo import ZoneInfo
 import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
+from dateutil.tz import tzutc
 from kombu import Exchange, Queue
 from kombu.exceptions import EncodeError, OperationalError
 
-from idempotent_tasks import IdempotentTask, publishing
+from idempotent_tasks import IdempotentTask, pickups, publishing
 from idempotent_tasks.app_store import store_for
 from idempotent_tasks.errors import CorruptRecord, StoreUnavailable
 from idempotent_tasks.keys import storage_key
@@ -229,13 +230,16 @@ def test_a_naive_eta_is_utc_as_celerys_worker_reads_it_whatever_the_local_zone(
 
 
 def test_an_option_that_is_not_json_is_left_out_and_the_rest_kept(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(pickups, "_WARNED_LEFT_OUT", set())
     body = envelope((1,), {}, {"queue": "q", "link": object()})
     assert body is not None
     assert loads(body.decode()) == {"args": [1], "kwargs": {}, "options": {"queue": "q"}}
-    # and it is said which: a copy sent again would go without its callback
-    assert any("leaves out" in line and "(link)" in line for line in caplog.messages)
+    # and it is said which (a copy sent again would go without its callback), once a process
+    assert envelope((2,), {}, {"queue": "q", "link": object()}) is not None
+    warned = [line for line in caplog.messages if "leave out" in line and "(link)" in line]
+    assert len(warned) == 1
 
 
 def test_an_envelope_keeps_canvas_signatures_whole_and_an_expiry_as_a_moment() -> None:
@@ -678,8 +682,9 @@ def test_a_pickle_message_json_would_change_is_not_kept_for_the_guard(
     changed_by_json: Any,
 ) -> None:
     changed = make_pickup((42, changed_by_json), {}, {}, 60.0, 0.0, serializer="pickle")
-    in_utc = datetime(2026, 7, 1, tzinfo=timezone.utc)
-    kept = make_pickup((42, {"1": [3, 4]}, in_utc), {}, {}, 60.0, 0.0, serializer="pickle")
+    # (a zone of one offset all year stays what it was, whatever object it is)
+    fixed = [datetime(2026, 7, 1, tzinfo=zone) for zone in (timezone.utc, ZoneInfo("UTC"), tzutc())]
+    kept = make_pickup((42, {"1": [3, 4]}, fixed), {}, {}, 60.0, 0.0, serializer="pickle")
     as_json = make_pickup((42, {1: (3, 4)}), {}, {}, 60.0, 0.0)
     assert changed is None
     # Arguments JSON gives back as they are are kept; and a JSON task's message is as Celery's
@@ -728,6 +733,34 @@ def test_a_retry_to_a_queue_of_its_own_is_kept_for_that_queue_alone() -> None:
     assert "exchange" not in options and "routing_key" not in options
 
 
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CDeprecationWarning")
+def test_a_tasks_own_queue_given_as_an_entity_is_left_to_celery_in_the_copy() -> None:
+    app = _app(idempotency_store_url="memory://")
+    orders = Queue("orders", Exchange("shop", "topic"), "order.new")
+
+    @app.task(base=IdempotentTask, shared=False, queue=orders)
+    def charge(order: str) -> str:
+        return order
+
+    _publish(charge, "t-9")
+    # Kept by name, it would stand for a plain queue "orders" (routing key "orders") in a sweep
+    # that has the task, whose own Queue Celery's send_task applies
+    assert "queue" not in _kept_message(charge)["options"]
+
+
+def test_a_retrys_copy_is_encoded_as_celerys_retry_is() -> None:
+    app = _app(idempotency_store_url="memory://", accept_content=["json", "pickle"])
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, serializer="pickle")
+    def charge(self: Any, order: str) -> str:
+        raise self.retry(countdown=60)
+
+    _run_delivered(charge, ["o"], "t-10", Retry)
+    options = _kept_message(charge)["options"]
+    # A sweep without the task would send it as JSON, which a pickle-only worker refuses
+    assert options["serializer"] == "pickle"
+
+
 def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
     app = _app(idempotency_store_url="memory://")
 
@@ -739,7 +772,8 @@ def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
     kept = _kept_message(charge)
     assert kept["options"]["expires"] is None
     # and the copy the sweep sends, from a process that has the task too, has no expiry
-    app.conf.broker_url = "memory://"
+    queue = f"expires-{uuid.uuid4().hex}"  # (memory:// queues are the whole process's)
+    app.conf.update(broker_url="memory://", task_default_queue=queue)
     body = json.dumps(kept).encode()
     republish(
         app,
@@ -752,7 +786,7 @@ def test_an_explicit_expires_none_clears_the_tasks_own_in_the_copy() -> None:
         ),
     )
     with app.connection_for_read() as connection:
-        message = connection.SimpleQueue("celery").get(timeout=1)
+        message = connection.SimpleQueue(queue).get(timeout=1)
     assert message.headers["id"] == "t-7" and message.headers["expires"] is None
 
 
