@@ -270,7 +270,10 @@ class SqlStore(Store):
                     taken.append(due)
             if len(rows) < wanted or not isinstance(rows[-1]["due_at"], int | float):
                 break  # (one whose due time cannot be read was put off: not due next time)
-            after = (float(rows[-1]["due_at"]), str(rows[-1]["id"]))
+            last = (float(rows[-1]["due_at"]), str(rows[-1]["id"]))
+            if last == after:
+                break  # read back other than it compares (doubles rounded): not to loop
+            after = last
         return taken
 
     def _owns(self, row: Any) -> bool:

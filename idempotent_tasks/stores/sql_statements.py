@@ -265,10 +265,11 @@ def select_due(
     if after is not None:
         due_at, claim_id = after
         query = query.where(
+            pickups.c.due_at >= due_at,  # (a bound the due-time index serves)
             or_(
                 pickups.c.due_at > due_at,
                 and_(pickups.c.due_at == due_at, pickups.c.id > claim_id),
-            )
+            ),
         )
     return query.order_by(pickups.c.due_at, pickups.c.id).limit(limit)
 
