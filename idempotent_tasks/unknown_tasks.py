@@ -34,9 +34,10 @@ from .dead_letters import (
     write_failure,
 )
 from .dlq.arguments import stored_arguments
-from .dlq.items import ARGS_LOSSY, Failure
+from .dlq.items import Failure
 from .errors import CorruptRecord, StoreUnavailable
 from .keys import KEY_HEADER, storage_key
+from .pickups import seconds_to_expiry
 from .publishing import fitted_task_id
 from .records import Status, older_message
 from .settings import app_setting
@@ -92,9 +93,16 @@ def _end_keyed_call(app: Any, name: str, task_id: str, key: str, message: Any) -
         and not older_message(record.owner, retries)
     ):
         return  # an older copy, or a call running or done elsewhere: it is not this one's end
+    left = seconds_to_expiry(headers.get("expires"))
+    if left is not None and left <= 0:
+        # Past its expiry it would not run anyway: its key is freed, as for an expired call.
+        store.cancel_reservation(stored_as, fitted_id)
+        return
     failure = _failure(app, name, fitted_id, key, retries, message)
     if failure is None:
-        return  # its arguments cannot be read here: left queued, the guard publishes it again
+        # Its arguments cannot be read here, or kept exactly: left queued, the guard publishes
+        # the call again.
+        return
     try:
         write_failure(app, failure, None)
     except StoreUnavailable as exc:
@@ -117,12 +125,16 @@ def _failure(
     stored_args, stored_kwargs, faithful = stored_arguments(
         args, kwargs, exact=getattr(message, "content_type", None) != "application/json"
     )
-    options = {
-        **continuation_options(request),
-        **routing_options(getattr(message, "delivery_info", None)),
-    }
     if not faithful:
-        options[ARGS_LOSSY] = True
+        return None
+    # Routing, and its priority, which transports keep in the message's properties.
+    delivered = {
+        **(getattr(message, "delivery_info", None) or {}),
+        "priority": (getattr(message, "properties", None) or {}).get("priority"),
+    }
+    # When it was to run and until when (Celery rejected it unread): a retry keeps them.
+    timing = {name: headers[name] for name in ("eta", "expires") if headers.get(name)}
+    options = {**continuation_options(request), **timing, **routing_options(delivered)}
     return Failure(
         failure_id=f"{task_id}:{retries}",
         task_name=name,
@@ -134,6 +146,6 @@ def _failure(
         error_type="NotRegistered",
         error_message=f"the worker that received it has no task named {name!r}",
         traceback=None,
-        # Arguments kept as text would run the task with the wrong values: kept, not retried.
-        max_retries=int(app_setting(app.conf, "idempotency_dlq_max_retries")) if faithful else 0,
+        # (The task's own dlq_max_retries cannot be known in a process without the task.)
+        max_retries=int(app_setting(app.conf, "idempotency_dlq_max_retries")),
     )

@@ -4,8 +4,10 @@ to the dead-letter table and its key freed, unless the message is not that call'
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -30,13 +32,22 @@ def app(tmp_path: Path) -> Celery:
     return app
 
 
-def _rejected(app: Celery, task_id: str, key: str, retries: int = 0) -> None:
-    """Celery's worker rejecting a keyed message of ``TASK`` as unknown."""
+def _rejected(
+    app: Celery,
+    task_id: str,
+    key: str,
+    retries: int = 0,
+    args: list[Any] | None = None,
+    **headers: Any,
+) -> None:
+    """Celery's worker rejecting a keyed message of ``TASK`` as unknown (``headers``: more of
+    the message's; its priority 3)."""
     message = SimpleNamespace(
-        headers={"id": task_id, "task": TASK, "retries": retries, KEY_HEADER: key},
+        headers={"id": task_id, "task": TASK, "retries": retries, KEY_HEADER: key, **headers},
         delivery_info={"exchange": "", "routing_key": "celery"},
+        properties={"priority": 3},
         content_type="application/json",
-        decode=lambda: ([7], {"amount": 5}, {"callbacks": None, "chain": None}),
+        decode=lambda: ([7] if args is None else args, {"amount": 5}, {"callbacks": None}),
     )
     unknown_tasks._on_task_unknown(
         sender=SimpleNamespace(app=app), name=TASK, id=task_id, message=message
@@ -56,7 +67,38 @@ def test_a_keyed_call_rejected_as_unknown_is_dead_lettered_and_its_key_freed(app
     assert store_for(app).get(storage_key(TASK, "k1")) is None
     [row] = dlq_for(app).items()
     assert (row.task_id, row.idempotency_key, row.error_type) == ("t-1", "k1", "NotRegistered")
-    assert (row.args, row.kwargs, row.options["queue"]) == ([7], {"amount": 5}, "celery")
+    assert (row.args, row.kwargs) == ([7], {"amount": 5})
+    assert (row.options["queue"], row.options["priority"]) == ("celery", 3)
+
+
+def test_a_call_rejected_as_unknown_keeps_when_it_was_to_run_and_its_expiry(app: Celery) -> None:
+    # Given a call published to run in an hour, expiring in two
+    eta, expires = (datetime.now(timezone.utc) + timedelta(hours=h) for h in (1, 2))
+    assert store_for(app).reserve(_request("t-4", "k4"), PICKUP) is None
+    _rejected(app, "t-4", "k4", eta=eta.isoformat(), expires=expires.isoformat())
+    # Then its dead letter's retry would not run it early, nor after it expired
+    [row] = dlq_for(app).items()
+    assert (row.options["eta"], row.options["expires"]) == (eta.isoformat(), expires.isoformat())
+
+
+def test_an_expired_call_rejected_as_unknown_frees_its_key_and_is_not_dead_lettered(
+    app: Celery,
+) -> None:
+    assert store_for(app).reserve(_request("t-5", "k5"), PICKUP) is None
+    expired = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+    _rejected(app, "t-5", "k5", expires=expired)
+    assert store_for(app).get(storage_key(TASK, "k5")) is None
+    assert dlq_for(app).items() == []
+
+
+def test_a_call_whose_arguments_the_table_cannot_keep_is_left_to_the_guard(app: Celery) -> None:
+    # Given a call whose arguments the dead-letter table would keep only as text (a NaN)
+    assert store_for(app).reserve(_request("t-6", "k6"), PICKUP) is None
+    _rejected(app, "t-6", "k6", args=[float("nan")])
+    # Then its key stays queued for the pickup guard, which sends its message again whole
+    record = store_for(app).get(storage_key(TASK, "k6"))
+    assert record is not None and record.status is Status.QUEUED
+    assert dlq_for(app).items() == []
 
 
 def test_a_copy_of_a_call_that_runs_elsewhere_changes_nothing(app: Celery) -> None:
