@@ -312,15 +312,22 @@ def _same(original: Any, copy: Any) -> bool:
 
 def _same_zone(original: datetime | time, copy: datetime | time) -> bool:
     """Whether ``copy`` (at the fixed offset kombu's JSON gives it) keeps ``original``'s zone:
-    the same one, or a zone of that one fixed offset all year (UTC as ``ZoneInfo``, pytz or
-    dateutil); not a zone with summer time."""
+    the same one, or a zone of that one offset in January and July (UTC as ``ZoneInfo``, pytz
+    or dateutil); not a zone with summer time, nor one a time of day cannot be placed in."""
     if original.tzinfo == copy.tzinfo:
         return True
+    offset, zone = original.utcoffset(), original.tzinfo
+    if offset is None or zone is None or offset != copy.utcoffset():
+        return False
     if isinstance(original, time):
-        return original.utcoffset() == copy.utcoffset()  # (a time's zone has a fixed offset)
-    assert isinstance(copy, datetime)
-    january, july = (original.replace(month=month, day=1) for month in (1, 7))
-    return january.utcoffset() == july.utcoffset() == copy.utcoffset()
+        return True  # (a time's zone gives an offset only when it has one all year)
+    try:
+        # Asked of the zone with naive moments, which pytz places in each season.
+        naive = original.replace(tzinfo=None)
+        seasons = {zone.utcoffset(naive.replace(month=month, day=1)) for month in (1, 7)}
+    except Exception:  # a zone of the caller's own that cannot say
+        return False
+    return seasons == {offset}
 
 
 def republish(app: Any, due: DuePickup) -> None:

@@ -126,15 +126,22 @@ def prepare(
 
 def own_publish_options(task: IdempotentTask, *names: str) -> dict[str, Any]:
     """The task's own publish options (all, or ``names``) that are set, as Celery's
-    ``apply_async`` adds them to its messages. A queue or exchange given as an entity is left
-    to Celery (kept by name, it would stand for a plain queue of that name)."""
-    return {
-        name: value
-        for name, value in task._get_exec_options().items()
-        if value is not None
-        and not isinstance(value, Queue | Exchange)
-        and (not names or name in names)
-    }
+    ``apply_async`` adds them to its messages, in names a copy can keep: a queue entity by its
+    name when the app declares it (``task_queues``), else by its exchange and routing key; an
+    exchange entity by its name."""
+    options: dict[str, Any] = {}
+    for name, value in task._get_exec_options().items():
+        if value is None or (names and name not in names):
+            continue
+        if isinstance(value, Queue):
+            if task.app.amqp.queues.get(value.name) == value:
+                options[name] = value.name
+            else:
+                options.setdefault("exchange", value.exchange.name)
+                options.setdefault("routing_key", value.routing_key)
+        else:
+            options[name] = value.name if isinstance(value, Exchange) else value
+    return options
 
 
 def _lineage(task: IdempotentTask, task_id: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -272,7 +272,7 @@ class SqlStore(Store):
                 break  # (one whose due time cannot be read was put off: not due next time)
             last = (float(rows[-1]["due_at"]), str(rows[-1]["id"]))
             if last == after:
-                break  # read back other than it compares (doubles rounded): not to loop
+                break  # a cursor that does not move on ends the sweep rather than loop
             after = last
         return taken
 

@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
+from datetime import time as time_of_day
 from types import SimpleNamespace
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -675,8 +676,9 @@ class _Currency(str, enum.Enum):
         _Currency.EUR,  # equal to "EUR", which JSON gives back
         collections.defaultdict(list),  # equal to {}
         datetime(2026, 7, 1, tzinfo=ZoneInfo("Europe/Paris")),  # equal, at a fixed offset
+        time_of_day(12, tzinfo=ZoneInfo("Europe/Paris")),  # naive
     ],
-    ids=["int-keys-and-tuple", "str-enum", "defaultdict", "named-zone"],
+    ids=["int-keys-and-tuple", "str-enum", "defaultdict", "named-zone", "time-in-a-named-zone"],
 )
 def test_a_pickle_message_json_would_change_is_not_kept_for_the_guard(
     changed_by_json: Any,
@@ -734,18 +736,24 @@ def test_a_retry_to_a_queue_of_its_own_is_kept_for_that_queue_alone() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CDeprecationWarning")
-def test_a_tasks_own_queue_given_as_an_entity_is_left_to_celery_in_the_copy() -> None:
-    app = _app(idempotency_store_url="memory://")
+@pytest.mark.parametrize("declared", [True, False], ids=["in-task-queues", "not-declared"])
+def test_a_tasks_own_queue_given_as_an_entity_is_kept_as_celery_routes_it(declared: bool) -> None:
     orders = Queue("orders", Exchange("shop", "topic"), "order.new")
+    app = _app(idempotency_store_url="memory://", task_queues=[orders] if declared else None)
 
     @app.task(base=IdempotentTask, shared=False, queue=orders)
     def charge(order: str) -> str:
         return order
 
     _publish(charge, "t-9")
-    # Kept by name, it would stand for a plain queue "orders" (routing key "orders") in a sweep
-    # that has the task, whose own Queue Celery's send_task applies
-    assert "queue" not in _kept_message(charge)["options"]
+    options = _kept_message(charge)["options"]
+    # By its name where the app declares it (Celery's router finds it so); else by where it
+    # goes (by name alone, it would stand for a plain queue "orders", routing key "orders")
+    kept = {name: options.get(name) for name in ("queue", "exchange", "routing_key")}
+    if declared:
+        assert kept == {"queue": "orders", "exchange": None, "routing_key": None}
+    else:
+        assert kept == {"queue": None, "exchange": "shop", "routing_key": "order.new"}
 
 
 def test_a_retrys_copy_is_encoded_as_celerys_retry_is() -> None:
