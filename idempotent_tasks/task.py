@@ -1192,7 +1192,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             queue = dlq_for(self.app)
             # (A keyed call's row names it by the task id its retry can claim under.)
             ids = {request.id, publishing.fitted_task_id(request.id)}
-            if any([queue.withdraw(f"{task_id}:{request.retries}") for task_id in ids]):
+            withdrawn = [queue.withdraw(f"{task_id}:{request.retries}") for task_id in ids]
+            if any(withdrawn):
                 logger.info(
                     "%s[%s] was revoked as it ran: its dead letter withdrawn", self.name, request.id
                 )

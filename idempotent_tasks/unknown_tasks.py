@@ -133,7 +133,7 @@ def _failure(
         "priority": (getattr(message, "properties", None) or {}).get("priority"),
     }
     # When it was to run and until when (Celery rejected it unread): a retry keeps them.
-    timing = {name: headers[name] for name in ("eta", "expires") if headers.get(name)}
+    timing = {option: headers[option] for option in ("eta", "expires") if headers.get(option)}
     options = {**continuation_options(request), **timing, **routing_options(delivered)}
     return Failure(
         failure_id=f"{task_id}:{retries}",
