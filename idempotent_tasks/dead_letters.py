@@ -136,6 +136,21 @@ def continuation_options(request: Any) -> dict[str, Any]:
     return {**stamps, **stored}
 
 
+def failure_options(request: Any, faithful: bool) -> dict[str, Any]:
+    """The options a call's dead letter keeps: how it goes on, and where it was routed
+    (``faithful``: its arguments are kept exactly, else the sweep refuses to send it again)."""
+    # Routing last: a stamp named like a routing option does not move the retry elsewhere.
+    options = {**continuation_options(request), **routing_options(request.delivery_info)}
+    if not faithful:
+        options[ARGS_LOSSY] = True
+    return options
+
+
+def failure_id_of(task_id: str, retries: int) -> str:
+    """The ``failure_id`` of a failed delivery: its task id and how many retries it counts."""
+    return f"{task_id}:{retries}"
+
+
 def write_failure(
     app: Any,
     failure: Failure,

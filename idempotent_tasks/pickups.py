@@ -146,6 +146,12 @@ def seconds_to_expiry(expires: Any) -> float | None:
         return None  # not a moment Celery would take either: it fails the publish itself
 
 
+def expired(expires: Any) -> bool:
+    """Whether a call's ``expires`` (as :func:`seconds_to_expiry` reads it) has passed."""
+    left = seconds_to_expiry(expires)
+    return left is not None and left <= 0
+
+
 def call_expired(due: DuePickup) -> bool:
     """Whether the call a taken pickup keeps expired: published again, it would be dropped
     unrun (RabbitMQ drops an expired message unseen; a worker revokes it)."""
@@ -153,8 +159,7 @@ def call_expired(due: DuePickup) -> bool:
         message = loads(due.envelope.decode())
     except (UnicodeDecodeError, ValueError):
         return False
-    left = seconds_to_expiry((message.get("options") or {}).get("expires"))
-    return left is not None and left <= 0
+    return expired((message.get("options") or {}).get("expires"))
 
 
 def end_expired_call(store: Any, due: DuePickup) -> None:

@@ -46,8 +46,9 @@ from .dead_letters import (
     FAILURE_REPORTED_HEADER,
     UNWRITTEN_FAILURE_HEADER,
     UNWRITTEN_SUCCESS_HEADER,
-    continuation_options,
     dead_letter_headers,
+    failure_id_of,
+    failure_options,
     mark_succeeded,
     readable_row,
     record_unrun_retry,
@@ -59,7 +60,6 @@ from .dead_letters import (
 )
 from .dlq import DeadLetterStatus, Failure
 from .dlq.arguments import error_text, stored_arguments
-from .dlq.items import ARGS_LOSSY
 from .errors import (
     CorruptRecord,
     DeadLettered,
@@ -82,11 +82,11 @@ from .keys import (
 from .pickups import (
     call_expired,
     claim_ttl,
+    expired,
     hand_to_guard,
     make_pickup,
     pickup_timeout,
     republish_taken,
-    seconds_to_expiry,
     seconds_until,
 )
 from .publishing import PREVIOUS_OWNER_HEADER, RESERVED_HEADER
@@ -1065,13 +1065,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # wait on it): the table keeps it whole in the row's options.
         task_id = request.id if key is None else publishing.fitted_task_id(request.id)
         return Failure(
-            failure_id=f"{task_id}:{request.retries}",
+            failure_id=failure_id_of(task_id, request.retries),
             task_name=self.name,
             task_id=task_id,
             idempotency_key=key,
             args=stored_args,
             kwargs=stored_kwargs,
-            options=_failure_options(request, faithful),
+            options=failure_options(request, faithful),
             error_type=type(exc).__name__,
             error_message=message[:MAX_ERROR_MESSAGE_CHARS],
             # exc's own traceback: one killed in another process has none, and names itself.
@@ -1192,7 +1192,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             queue = dlq_for(self.app)
             # (A keyed call's row names it by the task id its retry can claim under.)
             ids = {request.id, publishing.fitted_task_id(request.id)}
-            withdrawn = [queue.withdraw(f"{task_id}:{request.retries}") for task_id in ids]
+            withdrawn = [queue.withdraw(failure_id_of(task_id, request.retries)) for task_id in ids]
             if any(withdrawn):
                 logger.info(
                     "%s[%s] was revoked as it ran: its dead letter withdrawn", self.name, request.id
@@ -1292,7 +1292,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             stored_args, stored_kwargs, faithful = self._table_arguments(args, kwargs)
             header = {**header, "args": stored_args, "kwargs": stored_kwargs}
             if "options" not in header:  # too large to carry: this copy's own are the call's
-                header["options"] = _failure_options(self.request, faithful)
+                header["options"] = failure_options(self.request, faithful)
         return Failure(**header)
 
     def _end_stale_retry(
@@ -1651,15 +1651,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
 
 
-def _failure_options(request: Any, faithful: bool) -> dict[str, Any]:
-    """The options a call's dead letter keeps: how it goes on, and where it was routed."""
-    # Routing last: a stamp named like a routing option does not move the retry elsewhere.
-    options = {**continuation_options(request), **routing_options(request.delivery_info)}
-    if not faithful:
-        options[ARGS_LOSSY] = True  # the sweep refuses to send it again
-    return options
-
-
 def _failure_header(failure: Failure) -> dict[str, Any]:
     """A failure as the message that writes it later carries it in a header: without its
     arguments (the message's own), nor its options when they are large (a long chain: the
@@ -1763,8 +1754,7 @@ def _call_expiry(request: Any) -> Any:
 def _copy_expired(request: Any) -> bool:
     """Whether the call a copy of its message stands for has expired (see ``EXPIRES_HEADER``);
     the message the call was sent as is Celery's to expire."""
-    left = seconds_to_expiry(request_header(request, EXPIRES_HEADER))
-    return left is not None and left <= 0
+    return expired(request_header(request, EXPIRES_HEADER))
 
 
 def _expiry_of(signature: Any) -> Any:

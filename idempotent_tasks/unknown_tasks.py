@@ -28,16 +28,16 @@ from .app_store import store_for
 from .dead_letters import (
     DEAD_LETTER_HEADER,
     DEAD_LETTER_SWEEP_HEADER,
-    continuation_options,
+    failure_id_of,
+    failure_options,
     record_unrun_retry,
-    routing_options,
     write_failure,
 )
 from .dlq.arguments import stored_arguments
 from .dlq.items import Failure
 from .errors import CorruptRecord, StoreUnavailable
 from .keys import KEY_HEADER, storage_key
-from .pickups import seconds_to_expiry
+from .pickups import expired
 from .publishing import fitted_task_id
 from .records import Status, older_message
 from .settings import app_setting
@@ -93,8 +93,7 @@ def _end_keyed_call(app: Any, name: str, task_id: str, key: str, message: Any) -
         and not older_message(record.owner, retries)
     ):
         return  # an older copy, or a call running or done elsewhere: it is not this one's end
-    left = seconds_to_expiry(headers.get("expires"))
-    if left is not None and left <= 0:
+    if expired(headers.get("expires")):
         # Past its expiry it would not run anyway: its key is freed, as for an expired call.
         store.cancel_reservation(stored_as, fitted_id)
         return
@@ -127,22 +126,21 @@ def _failure(
     )
     if not faithful:
         return None
-    # Routing, and its priority, which transports keep in the message's properties.
-    delivered = {
+    # Its routing, with its priority, which transports keep in the message's properties.
+    request.delivery_info = {
         **(getattr(message, "delivery_info", None) or {}),
         "priority": (getattr(message, "properties", None) or {}).get("priority"),
     }
     # When it was to run and until when (Celery rejected it unread): a retry keeps them.
     timing = {option: headers[option] for option in ("eta", "expires") if headers.get(option)}
-    options = {**continuation_options(request), **timing, **routing_options(delivered)}
     return Failure(
-        failure_id=f"{task_id}:{retries}",
+        failure_id=failure_id_of(task_id, retries),
         task_name=name,
         task_id=task_id,
         idempotency_key=key,
         args=stored_args,
         kwargs=stored_kwargs,
-        options=options,
+        options={**failure_options(request, faithful=True), **timing},
         error_type="NotRegistered",
         error_message=f"the worker that received it has no task named {name!r}",
         traceback=None,
