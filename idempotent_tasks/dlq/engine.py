@@ -12,6 +12,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 
 from ..urls import shown_url
+from .liveness import libpq_liveness_args, watch_pymysql_socket
 
 #: Seconds a new PostgreSQL connection through libpq may take (it waits for ever by default),
 #: unless the URL sets ``connect_timeout``. A worker's main process writes dead letters too (a
@@ -65,7 +66,8 @@ def default_sqlite_path(filename: str) -> Path:
 
 def create_dlq_engine(url: str) -> Engine:
     """An engine for ``url``: pre-ping on every dialect; a connect timeout and doubles printed
-    exactly on PostgreSQL; WAL and a busy timeout on SQLite.
+    exactly on PostgreSQL; a database gone silent detected in seconds on PostgreSQL and on
+    PyMySQL (:mod:`.liveness`); WAL and a busy timeout on SQLite.
 
     Raises:
         ImportError: the URL's driver is not installed (naming the extra that brings it).
@@ -84,12 +86,12 @@ def create_dlq_engine(url: str) -> Engine:
             "sqlite:///path (or memory:// for a claim store within one process)"
         )
     options: dict[str, Any] = {"pool_pre_ping": True}
-    if (
-        dialect == "postgresql"
-        and parsed.get_driver_name() in _LIBPQ_DRIVERS
-        and "connect_timeout" not in parsed.query
-    ):
-        options["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+    driver = parsed.get_driver_name()
+    if dialect == "postgresql" and driver in _LIBPQ_DRIVERS:
+        connect_args = libpq_liveness_args(driver, parsed.query)
+        if "connect_timeout" not in parsed.query:
+            connect_args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+        options["connect_args"] = connect_args
     try:
         engine = create_engine(url, **options)
     except (ImportError, NoSuchModuleError) as exc:
@@ -101,6 +103,8 @@ def create_dlq_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
     elif dialect == "postgresql":
         event.listen(engine, "connect", _exact_doubles)
+    elif driver == "pymysql":
+        event.listen(engine, "connect", watch_pymysql_socket)
     return engine
 
 
