@@ -189,6 +189,33 @@ class IdempotentJob(Job):
         forget_ttl(self, pipeline)
         queue._enqueue_job(self, pipeline=pipeline)
 
+    def dependencies_are_met(
+        self,
+        parent_job: Job | None = None,
+        pipeline: Pipeline | None = None,
+        exclude_job_id: str | None = None,
+        refresh_job_status: bool = True,
+    ) -> bool:
+        """RQ's answer, except that a parent back on its queue has not ended.
+
+        RQ asks once a parent ended, and takes any parent not failed, stopped or cancelled for
+        finished (it asks a succeeding one before marking it finished). A lost run whose dead
+        letter could not be written goes back to its queue from RQ's failure handling, which
+        then asks: its dependents must wait for the run that ends it.
+        """
+        if parent_job is not None and parent_job.get_status(refresh=refresh_job_status) in (
+            JobStatus.QUEUED,
+            JobStatus.SCHEDULED,
+            JobStatus.DEFERRED,
+        ):
+            return False
+        return super().dependencies_are_met(
+            parent_job=parent_job,
+            pipeline=pipeline,
+            exclude_job_id=exclude_job_id,
+            refresh_job_status=refresh_job_status,
+        )
+
     def retry(self, queue: Queue, pipeline: Pipeline) -> None:
         """RQ retrying a run; one that ended out of our code's sight (a work horse that died)
         has its claim released first, so the retry claims the key afresh at once rather than

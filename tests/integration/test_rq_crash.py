@@ -259,6 +259,8 @@ def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_l
         # Given a job that runs for a long time (keyed, when an IdempotentQueue made it)
         options = {} if plain else {"idempotency_key": key}
         job = queue.enqueue(rq_jobs.slow_first, name, 60, **options)
+        # and a job that depends on it
+        dependent = queue.enqueue(rq_jobs.record, f"{name}-next", 1, depends_on=job)
         wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
         # When its work horse is killed while the dead-letter database refuses connections
         set_pg_database_online(DLQ_DATABASE, False)
@@ -279,6 +281,9 @@ def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_l
         assert rq_jobs.starts(name) == 1
         if isinstance(queue, IdempotentQueue):
             assert queue.store.get(storage_key(SLOW_FIRST, key)) is None
+        # And the job that depends on it never ran: it waits for a parent that never finished
+        assert rq_jobs.starts(f"{name}-next") == 0
+        assert status(dependent) is JobStatus.DEFERRED
         assert worker.process.poll() is None
     finally:
         worker.stop()
