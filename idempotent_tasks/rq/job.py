@@ -25,6 +25,7 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
+from rq.exceptions import DeserializationError
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
@@ -609,15 +610,26 @@ class IdempotentJob(Job):
         key: str | None,
         options: IdempotencyOptions,
     ) -> Failure:
-        # An RQ job's serializer (pickle unless set) may keep what JSON gives back otherwise.
-        args, kwargs, faithful = stored_arguments(self.args, dict(self.kwargs), exact=True)
-        # A method's job (RQ names it by the method alone) needs its object too, which the row
-        # does not keep: as with arguments JSON cannot hold, only RQ's own copy is sent again.
-        kept_options = row_options(self.origin, not faithful or self.instance is not None)
-        # What a re-enqueue needs once RQ no longer has this job: the key's scope (never the
-        # stores' URLs, which may hold passwords: the sweep is given its own) and the timeout.
         found = self.meta.get(META_KEY)
         state = found if isinstance(found, dict) else {}
+        call = self._readable_call()
+        args: list[Any]
+        kwargs: dict[str, Any]
+        if call is None:
+            # Data RQ cannot read here (a class this worker cannot import): the row keeps none
+            # of the call, and only RQ's own copy is sent again.
+            args, kwargs, lossy, task_name = [], {}, True, str(state.get("task_name") or "")
+        else:
+            call_args, call_kwargs, instance, task_name = call
+            # An RQ job's serializer (pickle unless set) may keep what JSON gives back otherwise.
+            args, kwargs, faithful = stored_arguments(call_args, call_kwargs, exact=True)
+            # A method's job (RQ names it by the method alone) needs its object too, which the
+            # row does not keep: as with arguments JSON cannot hold, only RQ's own copy is sent
+            # again.
+            lossy = not faithful or instance is not None
+        kept_options = row_options(self.origin, lossy)
+        # What a re-enqueue needs once RQ no longer has this job: the key's scope (never the
+        # stores' URLs, which may hold passwords: the sweep is given its own) and the timeout.
         for name in ("prefix", "task_name"):
             if state.get(name):
                 kept_options[name] = state[name]
@@ -629,7 +641,7 @@ class IdempotentJob(Job):
             kept_options["serializer"] = serializer  # the sweep reads and writes the job so
         return Failure(
             failure_id=f"{self.id}:{attempt_id}",
-            task_name=self.func_name or "",
+            task_name=task_name,
             task_id=self.id,
             idempotency_key=key,
             args=args,
@@ -641,6 +653,14 @@ class IdempotentJob(Job):
             max_retries=options.dlq_max_retries,
             framework=FRAMEWORK,
         )
+
+    def _readable_call(self) -> tuple[tuple[Any, ...], dict[str, Any], Any, str] | None:
+        """The job's arguments, keyword arguments, object and function name; ``None`` when RQ
+        cannot read its data here."""
+        try:
+            return tuple(self.args), dict(self.kwargs), self.instance, self.func_name or ""
+        except DeserializationError:
+            return None
 
     def _ended_run_scope(self) -> tuple[Any, IdempotencyOptions, dict[str, Any]] | None:
         """For a run that ended out of our code's sight: its function (``None`` when it cannot
@@ -726,14 +746,19 @@ class IdempotentJob(Job):
             return
         started = self.started_at.isoformat() if self.started_at else "unknown"
         ended_by = self._idempotency_ended_by
+        traceback = None
         if ended_by is not None:  # a run of this process, ended by a BaseException
             error_type, message = type(ended_by).__name__, str(ended_by)
+        elif self._readable_call() is None:
+            # RQ failed it before it could run: it could not read its data.
+            error_type, traceback = DeserializationError.__name__, exc_string
+            message = "RQ cannot read the job's function and arguments here"
         else:
             error_type = "AbandonedJobError" if abandoned else "WorkHorseKilled"
             lines = exc_string.strip().splitlines()
             message = lines[0] if lines else "work horse lost"
         failure = self._build_failure(
-            f"lost:{execution_id or started}", error_type, message, None, key, options
+            f"lost:{execution_id or started}", error_type, message, traceback, key, options
         )
         try:
             self._write_dead_letter(failure, state, only_on_row=not options.dlq)

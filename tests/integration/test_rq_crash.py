@@ -15,9 +15,12 @@ itself, with a cut-off in the future, instead of waiting minutes for a worker to
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
+import sys
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -469,3 +472,45 @@ def test_a_dead_letters_job_cancelled_once_sent_again_is_not_sent_again(
     assert (row.retry_count, row.error_type) == (item.retry_count, item.error_type)
     assert "[not sent again: " in (row.error_message or "")
     assert "cancelled" in (row.error_message or "")
+
+
+def test_a_keyed_job_whose_data_this_worker_cannot_read_is_dead_lettered(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name, key = f"ghost-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
+    queue = IdempotentQueue(
+        f"it-rq-ghost-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
+    )
+    # Given a keyed job whose arguments name a class the worker cannot import (a newer
+    # producer's, in a rolling deploy)
+    job = queue.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
+    rq_env.connection.hset(job.key, "data", _pickled_with_a_ghost(job.func_name, name))
+    # When a worker takes it
+    (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-ghost"))
+    try:
+        # Then it fails without running, and waits in the dead-letter table, whence only RQ's
+        # own copy can be sent again (nothing of its call could be read)
+        wait_failed(job, timeout=20)
+        (row,) = wait_until(lambda: rq_env.rows_of(job.id), 10, "the dead letter")
+        assert (row.idempotency_key, row.task_name) == (key, rq_jobs.__name__ + ".record")
+        assert row.options.get("args_lossy") is True
+        assert "DeserializationError" in row.error_type + (row.traceback or "")
+        assert rq_jobs.starts(name) == 0
+    finally:
+        worker.stop()
+
+
+def _pickled_with_a_ghost(func_name: str, name: str) -> bytes:
+    """An RQ job's data for ``func_name(name, <an object of a module no worker has>)``."""
+    ghost_module = types.ModuleType("it_rq_ghost_module")
+
+    class Ghost:
+        pass
+
+    Ghost.__module__, Ghost.__qualname__ = ghost_module.__name__, "Ghost"
+    ghost_module.Ghost = Ghost  # type: ignore[attr-defined]
+    sys.modules[ghost_module.__name__] = ghost_module
+    try:
+        return pickle.dumps((func_name, None, (name, Ghost()), {}))
+    finally:
+        del sys.modules[ghost_module.__name__]
