@@ -176,11 +176,19 @@ def recover_stuck(
     )
 
 
-def unclaim(item_id: str, now: datetime, due: datetime) -> Update:
-    """Return one ``retrying`` item to ``pending``, due at ``due``."""
+def unclaim(
+    item_id: str, now: datetime, due: datetime, taken: tuple[str | None, datetime] | None = None
+) -> Update:
+    """Return one ``retrying`` item to ``pending``, due at ``due``; with ``taken`` (the sweep id
+    and time a sweep took it with), only while no run has renewed it since."""
+    held = (dead_letters.c.id == item_id) & (dead_letters.c.status == RETRYING)
+    if taken is not None:
+        sweep_id, taken_at = taken
+        unrenewed = dead_letters.c.updated_at == taken_at
+        held = held & (dead_letters.c.sweep_id == sweep_id) & unrenewed
     return (
         update(dead_letters)
-        .where(dead_letters.c.id == item_id, dead_letters.c.status == RETRYING)
+        .where(held)
         .values(status=PENDING, next_retry_at=due, sweep_id=None, updated_at=now)
     )
 

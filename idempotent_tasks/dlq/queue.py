@@ -382,13 +382,21 @@ class DeadLetterQueue:
             return None
         return queries.in_scope(self.scope, runs or (), dialect)
 
-    def unclaim(self, item_id: str, delay: float = 0.0) -> bool:
+    def unclaim(self, item_id: str, delay: float = 0.0, *, taken: DeadLetter | None = None) -> bool:
         """Put a ``retrying`` item back to ``pending``, due ``delay`` seconds from now (its
-        re-publication failed; no retry is used)."""
+        re-publication failed; no retry is used).
+
+        With ``taken``, the item as a sweep took it, only while no run has renewed it since: a
+        publish that failed may have sent its message all the same (its reply lost, a time
+        limit in the middle of it), and a run that began stays the only one.
+        """
         now = self._clock()
         due = now + timedelta(seconds=max(delay, 0.0))
+        held = None if taken is None else (taken.sweep_id, self._db(taken.updated_at))
         with self._begin() as connection:
-            result = connection.execute(queries.unclaim(item_id, self._db(now), self._db(due)))
+            result = connection.execute(
+                queries.unclaim(item_id, self._db(now), self._db(due), held)
+            )
         return bool(result.rowcount)
 
     def renew_retrying(

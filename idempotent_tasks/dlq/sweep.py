@@ -60,7 +60,14 @@ def resend_due(
     lands on and the rest of the batch are handed back due, no retry used, and it is raised.
     When the database fails to record how one item went, that item waits for
     :meth:`~DeadLetterQueue.recover_stuck`, and the sweep goes on with the others.
+
+    Raises:
+        ValueError: ``batch`` is below 1 (a sweep of empty batches would never end).
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(
+            f"a dead-letter sweep's batch must be a whole number, 1 or more, not {batch!r}"
+        )
     sent = 0
     tried: set[str] = set()
     while True:
@@ -68,7 +75,7 @@ def resend_due(
         items = [item for item in taken if item.id not in tried]
         for again in taken:
             if again.id in tried:  # due again already (a backoff of about nothing)
-                queue.unclaim(again.id)
+                queue.unclaim(again.id, taken=again)
         tried.update(item.id for item in items)
         for index, item in enumerate(items):
             try:
@@ -119,7 +126,7 @@ def _resend_one(
         logger.warning(
             "dead letter %s not sent again now (due again in %ss): %s", item.id, retry_delay, exc
         )
-        queue.unclaim(item.id, delay=retry_delay)
+        queue.unclaim(item.id, delay=retry_delay, taken=item)
     except AlreadySucceeded:
         logger.warning("dead letter %s had succeeded: marked so, not sent again", item.id)
         queue.mark_succeeded(item.id)
@@ -149,7 +156,7 @@ def _hand_back(queue: DeadLetterQueue, items: list[DeadLetter], delay: float) ->
     (those it does not wait for :meth:`~DeadLetterQueue.recover_stuck`)."""
     for item in items:
         try:
-            queue.unclaim(item.id, delay=delay)
+            queue.unclaim(item.id, delay=delay, taken=item)
         except StoreUnavailable as exc:
             logger.error("could not hand dead letters back (%s): they wait to be recovered", exc)
             return

@@ -1748,6 +1748,51 @@ def test_a_sweep_interrupted_by_its_time_limit_hands_its_batch_back_with_no_retr
     assert _ids(dlq.take_due(limit=10)) == handed_back
 
 
+def test_a_sweep_interrupted_after_its_message_went_out_and_began_leaves_the_item_to_its_run(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    # Given a due item whose message goes out, and whose run begins (renewing its row), before
+    # the sweep hears that the publish failed (its reply lost, a time limit in the middle)
+    item = _add_at(dlq, clock, T0)
+    clock.now = T0 + timedelta(hours=1)
+
+    def resend(sent: DeadLetter) -> None:
+        clock.advance(seconds=1)
+        assert dlq.renew_retrying(sent.id, sent.sweep_id) is True
+        raise _TimeLimit()
+
+    # When the sweep hands its batch back
+    with pytest.raises(_TimeLimit):
+        resend_due(
+            dlq, resend, framework="celery", batch=10, retry_delay=60, interrupted=(_TimeLimit,)
+        )
+    # Then the item stays its run's: no later sweep sends it a second time while it runs
+    found = dlq.get(item.id)
+    assert found is not None and found.status is Statuses.RETRYING
+    clock.advance(minutes=5)
+    assert dlq.take_due(limit=10) == []
+
+
+def test_unclaim_of_a_taken_item_hands_it_back_only_while_no_run_renewed_it(
+    dlq: DeadLetterQueue, clock: Clock
+) -> None:
+    first, second = dlq.add(_failure()), dlq.add(_failure())
+    clock.advance(hours=1)
+    taken = {item.id: item for item in dlq.take_due()}
+    clock.advance(seconds=1)
+    assert dlq.renew_retrying(first.id, taken[first.id].sweep_id) is True
+    assert dlq.unclaim(first.id, taken=taken[first.id]) is False
+    assert dlq.unclaim(second.id, taken=taken[second.id]) is True
+    assert _ids(dlq.take_due()) == {second.id}
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.5, True])
+def test_a_sweep_refuses_a_batch_that_is_no_count_of_one_or_more(batch: Any) -> None:
+    # (a batch of 0 took nothing, and never ended the sweep; -1 is no LIMIT on SQLite)
+    with pytest.raises(ValueError, match="batch must be a whole number, 1 or more"):
+        resend_due(None, print, framework="celery", batch=batch, retry_delay=60)  # type: ignore[arg-type]
+
+
 class _QueueThatCannotRecord(DeadLetterQueue):
     """A queue whose database fails as the sweep records a failed retry."""
 
