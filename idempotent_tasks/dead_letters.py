@@ -284,6 +284,9 @@ def republish(app: Any, item: DeadLetter) -> None:
         task_id=item.task_id,
         headers=headers,
         add_to_parent=False,
+        # Said outright: send_task would give it the task's own expiry, counted from now, and
+        # a retry waiting in a long queue would expire unrun (on RabbitMQ, dropped unseen).
+        expires=options.pop("expires", None),
         **options,
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -200,6 +201,39 @@ def test_a_dead_letters_retry_carries_its_row_and_sweep_through_republishes() ->
     request = _request(**{DEAD_LETTER_HEADER: "row-1", DEAD_LETTER_SWEEP_HEADER: "sweep-1"})
     headers = charge.signature_from_request(request).options["headers"]
     assert (headers[DEAD_LETTER_HEADER], headers[DEAD_LETTER_SWEEP_HEADER]) == ("row-1", "sweep-1")
+
+
+def test_a_dead_letters_retry_has_no_expiry_of_its_task_unless_its_row_keeps_one() -> None:
+    queue = f"dead-letter-expiry-{uuid.uuid4().hex}"  # (memory:// queues are the whole process's)
+    app = Celery("sweep-expiry", set_as_current=False, broker="memory://")
+
+    @app.task(base=IdempotentTask, shared=False, expires=60)
+    def charge(order_id: str) -> str:
+        return order_id
+
+    def sent_expiry(row_options: dict[str, Any]) -> Any:
+        item = SimpleNamespace(
+            id="row-1",
+            sweep_id="sweep-1",
+            idempotency_key=None,
+            args=["o"],
+            kwargs={},
+            task_name=charge.name,
+            task_id=str(uuid.uuid4()),
+            options={"queue": queue, **row_options},
+        )
+        republish(app, item)  # type: ignore[arg-type]
+        with app.connection_for_read() as connection:
+            message = connection.SimpleQueue(queue).get(timeout=1)
+        message.ack()
+        assert message.headers["id"] == item.task_id
+        return message.headers["expires"]
+
+    # A retry sent from a process that has the task (whose own expiry Celery's send_task
+    # gives every message) runs whenever it is taken, as the README says: its queue may be long
+    assert sent_expiry({}) is None
+    # while a row that keeps its call's own expiry (an unknown task's) sends it as it was
+    assert sent_expiry({"expires": "2999-01-01T00:00:00+00:00"}) == "2999-01-01T00:00:00+00:00"
 
 
 def _watched_delivery(monkeypatch: pytest.MonkeyPatch) -> tuple[IdempotentRequest, list[str]]:
