@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -242,6 +243,12 @@ class IdempotentQueue(Queue):
         options = options_of(target) or DEFAULT_OPTIONS
         task_name = scoped_name(func)
         key = self._call_key(call_key, options, target, task_name, args, kwargs)
+        if key is not None and isinstance(func, functools.partial):
+            raise ValueError(
+                "a functools.partial cannot be enqueued with an idempotency key: RQ names every "
+                "partial functools.partial.__call__, so its keys would be every partial's, "
+                "whatever function it wraps; enqueue the function itself, with all its arguments"
+            )
         carried: dict[str, Any] = {"prefix": self.key_prefix, "task_name": task_name}
         if self.store_url:
             carried["store_url"] = self.store_url

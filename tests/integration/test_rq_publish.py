@@ -6,6 +6,7 @@ No worker here: ``Queue(is_async=False)`` runs a job inside ``enqueue``, through
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import subprocess
@@ -89,6 +90,22 @@ def test_a_key_given_as_none_is_refused_before_anything_is_enqueued(
         idle.enqueue_in(timedelta(seconds=60), rq_jobs.record, "x", 1, idempotency_key=None)
     assert idle.count == 0
     assert idle.scheduled_job_registry.count == 0
+
+
+def test_a_keyed_functools_partial_is_refused_and_an_unkeyed_one_runs(
+    idle: IdempotentQueue, sync: IdempotentQueue
+) -> None:
+    # RQ names every partial functools.partial.__call__: keyed, partial(charge, 1) and
+    # partial(refund, 1) would share their keys, the second answered with the first's value
+    name = fresh("partial")
+    with pytest.raises(ValueError, match=r"functools\.partial cannot be enqueued with an idem"):
+        idle.enqueue(functools.partial(rq_jobs.record, name), 1, idempotency_key="k")
+    with pytest.raises(ValueError, match=r"functools\.partial cannot be enqueued with an idem"):
+        idle.enqueue_call(functools.partial(rq_jobs.record, name), (1,), idempotency_key="k")
+    assert idle.count == 0
+    # Unkeyed, it is a plain RQ job
+    job = sync.enqueue(functools.partial(rq_jobs.record, name), 1)
+    assert job.return_value() == {"name": name, "value": 1, "run": 1}
 
 
 def test_the_store_is_the_queues_own_redis_unless_a_url_is_given(idle: IdempotentQueue) -> None:
