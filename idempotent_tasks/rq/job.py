@@ -223,9 +223,16 @@ class IdempotentJob(Job):
         wait out the dead horse's lease. A failure our code saw released its claim already."""
         if not self._idempotency_settled:
             try:
-                self._release_dead_horse_claim()
+                state = self._release_dead_horse_claim()
             except Exception:
                 logger.exception("could not release the key of job %s before its retry", self.id)
+            else:
+                if state is not None:
+                    # The retry is the call that held the key (saved with the job's meta): it
+                    # waits for the value of a call that took the key meanwhile, whatever
+                    # on_duplicate says, as the retry of a failure our code saw does.
+                    state["previous_owner"] = self._idempotency_owner
+                    self.meta[META_KEY] = state  # a plain Queue's job had none
         super().retry(queue, pipeline)
 
     def _handle_failure(

@@ -239,6 +239,42 @@ def test_a_work_horse_killed_with_an_rq_retry_left_frees_its_key_for_the_retry(
         worker.stop()
 
 
+def test_the_retry_of_a_killed_work_horses_job_waits_for_the_duplicate_that_took_its_key(
+    rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"horse-skip-{uuid.uuid4().hex[:8]}"
+    queues = [
+        IdempotentQueue(
+            f"it-rq-horse-skip-{side}-{uuid.uuid4().hex[:8]}",
+            connection=rq_env.connection,
+            dlq_url=rq_env.dlq_url,
+        )
+        for side in ("a", "b")
+    ]
+    folder = tmp_path_factory.mktemp("rq-horse-skip")
+    (first_worker,) = start_workers(1, rq_env, [queues[0].name], folder, prefix="a")
+    (second_worker,) = start_workers(1, rq_env, [queues[1].name], folder, prefix="b")
+    try:
+        # Given a running job of a function whose duplicates are skipped, with an RQ retry
+        # left, and a job queued behind it
+        job = queues[0].enqueue(rq_jobs.record_or_skip, name, 6, retry=Retry(max=1))
+        wait_until(lambda: rq_jobs.starts(name) == 1, 10, "the first run to start")
+        queues[0].enqueue(rq_jobs.record, f"{name}-behind", 0, 4.0)
+        # When its work horse is killed (its key released for RQ's retry, queued behind the
+        # other job), and a new call of the key runs meanwhile on another worker
+        _kill_work_horse(first_worker)
+        wait_until(lambda: rq_jobs.starts(f"{name}-behind") == 1, 10, "the job behind to start")
+        duplicate = queues[1].enqueue(rq_jobs.record_or_skip, name, 6)
+        wait_until(lambda: rq_jobs.starts(name) == 2, 10, "the new call to run")
+        # Then the retry is no duplicate to skip: the call that held the key waits for its value
+        expected = {"name": name, "value": 0, "run": 2}
+        assert wait_value(job, timeout=30) == expected == wait_value(duplicate, timeout=5)
+        assert rq_jobs.starts(name) == 2
+    finally:
+        first_worker.stop()
+        second_worker.stop()
+
+
 @pytest.mark.parametrize("made_by", ["IdempotentQueue", "plain Queue"])
 def test_a_work_horse_killed_while_the_dead_letter_database_is_down_is_written_later(
     rq_env: RQEnv,
