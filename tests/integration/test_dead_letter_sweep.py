@@ -153,15 +153,18 @@ def test_rows_a_down_broker_refuses_are_due_again_later_and_the_sweep_ends(
 
 @contextmanager
 def _root_logging_kept() -> Iterator[None]:
-    """Put the root logger back as it was after an in-process worker set it up (its level
-    and handlers), for the tests after this one that read what is logged."""
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
+    """Put the root and task loggers back as they were after an in-process worker set them up
+    (their levels and handlers, and the task loggers' propagation, which Celery turns off),
+    for the tests after this one that read what is logged."""
+    loggers = [logging.getLogger(), logging.getLogger("celery.task")]
+    kept = [(logger.level, list(logger.handlers), logger.propagate) for logger in loggers]
     try:
         yield
     finally:
-        root.setLevel(level)
-        root.handlers = handlers
+        for logger, (level, handlers, propagate) in zip(loggers, kept, strict=True):
+            logger.setLevel(level)
+            logger.handlers = handlers
+            logger.propagate = propagate
 
 
 @pytest.mark.parametrize("error", [RuntimeError, FileNotFoundError])
