@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -10,6 +11,8 @@ from celery.utils.serialization import strtobool
 from . import defaults
 
 _MISSING = object()
+
+logger = logging.getLogger(__name__)
 
 
 def app_setting(conf: Any, name: str) -> Any:
@@ -73,12 +76,43 @@ def switch(value: Any, name: str) -> bool:
 def byte_count(value: Any, name: str) -> int:
     """``value`` as a whole number of bytes, 0 or more (text such as ``"1048576"``, from an
     environment variable, too); ``ValueError`` naming the setting otherwise."""
-    if not isinstance(value, bool):
-        try:
-            count = int(value)
-        except (TypeError, ValueError, OverflowError):  # OverflowError: float("inf")
-            pass
-        else:
-            if count >= 0 and (isinstance(value, str) or count == value):
-                return count
-    raise ValueError(f"{name} must be a whole number of bytes, 0 or more, not {value!r}")
+    count = _count(value)
+    if count is None:
+        raise ValueError(f"{name} must be a whole number of bytes, 0 or more, not {value!r}")
+    return count
+
+
+def retry_count(value: Any, name: str) -> int:
+    """``value`` as a number of retries, 0 or more (text such as ``"5"`` too); ``ValueError``
+    naming the setting otherwise."""
+    count = _count(value)
+    if count is None:
+        raise ValueError(f"{name} must be a whole number, 0 or more, not {value!r}")
+    return count
+
+
+def _count(value: Any) -> int | None:
+    """``value`` as a whole number, 0 or more; ``None`` if it is none."""
+    if isinstance(value, bool):
+        return None
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: float("inf")
+        return None
+    if count >= 0 and (isinstance(value, str) or count == value):
+        return count
+    return None
+
+
+def dead_letter_retries(task_value: Any, conf: Any) -> int:
+    """How many times a dead letter is retried: the task's ``dlq_max_retries``, else the app's
+    ``idempotency_dlq_max_retries``. A value that is no count (a setting mistyped, changed
+    since the worker started and checked it) is logged and the default taken: the failure
+    being dead-lettered is not lost over it."""
+    name = "dlq_max_retries" if task_value is not None else "idempotency_dlq_max_retries"
+    value = resolve(task_value, default=app_setting(conf, "idempotency_dlq_max_retries"))
+    try:
+        return retry_count(value, name)
+    except ValueError as exc:
+        logger.error("%s: the dead letter takes the default, %d", exc, defaults.DLQ_MAX_RETRIES)
+        return defaults.DLQ_MAX_RETRIES

@@ -15,7 +15,7 @@ from celery.signals import worker_init
 
 from .app_store import dlq_for, host_local_defaults, store_for
 from .errors import SchemaVersionError, StoreUnavailable
-from .settings import app_setting
+from .settings import app_setting, positive_seconds, retry_count
 from .setup_errors import SETUP_ERRORS, DeadLetterQueueUnusable
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,33 @@ def warn_of_unshared_stores(sender: Any = None, **_: Any) -> None:
             "only their own keys, so duplicates run again; use it with a solo or threads pool "
             "(tests, one process), else set idempotency_store_url to Redis or SQL"
         )
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def refuse_unusable_dead_letter_settings(sender: Any = None, **_: Any) -> None:
+    """Stop a starting worker whose dead-letter settings are unusable: a retry limit (the
+    app's, or a task's ``dlq_max_retries``) that is no whole number, 0 or more, or a retrying
+    timeout that is no number of seconds above 0 (every sweep would take every running retry
+    for stuck, and send it again)."""
+    from .task import IdempotentTask
+
+    app = _keyed_app(sender)
+    if app is None:
+        return
+    try:
+        retry_count(
+            app_setting(app.conf, "idempotency_dlq_max_retries"), "idempotency_dlq_max_retries"
+        )
+        positive_seconds(
+            app_setting(app.conf, "idempotency_dlq_retrying_timeout"),
+            "idempotency_dlq_retrying_timeout",
+        )
+        for task in app.tasks.values():
+            if isinstance(task, IdempotentTask) and task.dlq_max_retries is not None:
+                retry_count(task.dlq_max_retries, f"{task.name}'s dlq_max_retries")
+    except ValueError as exc:
+        logger.critical("worker refuses to start: %s", exc)
+        raise SystemExit(f"idempotent_tasks: {exc}") from exc
 
 
 def _keyed_app(worker: Any) -> Any:

@@ -101,7 +101,14 @@ from .records import (
     Status,
 )
 from .replacements import REPLACED, WAIT_SINCE_HEADER, is_replaced
-from .settings import app_setting, byte_count, positive_seconds, resolve, switch
+from .settings import (
+    app_setting,
+    byte_count,
+    dead_letter_retries,
+    positive_seconds,
+    resolve,
+    switch,
+)
 from .startup import WORKER_TIME_LIMIT
 from .worker_request import (
     ISSUED_BY,
@@ -1050,12 +1057,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # dead-letter queue turned off since: unrecorded, the row would be sent for ever.)
             return None
         stored_args, stored_kwargs, faithful = self._table_arguments(args, kwargs)
-        max_retries = int(
-            resolve(
-                self.dlq_max_retries,
-                default=app_setting(self.app.conf, "idempotency_dlq_max_retries"),
-            )
-        )
+        max_retries = dead_letter_retries(self.dlq_max_retries, self.app.conf)
         if not faithful:
             logger.error(
                 "its arguments are not JSON: the dead letter keeps them as text, not retried"

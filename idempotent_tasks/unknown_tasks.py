@@ -40,7 +40,7 @@ from .keys import KEY_HEADER, storage_key
 from .pickups import expired
 from .publishing import fitted_task_id
 from .records import Status, older_message
-from .settings import app_setting
+from .settings import dead_letter_retries
 
 logger = logging.getLogger(__name__)  # the worker's main process: no task runs here
 
@@ -145,5 +145,5 @@ def _failure(
         error_message=f"the worker that received it has no task named {name!r}",
         traceback=None,
         # (The task's own dlq_max_retries cannot be known in a process without the task.)
-        max_retries=int(app_setting(app.conf, "idempotency_dlq_max_retries")),
+        max_retries=dead_letter_retries(None, app.conf),
     )

@@ -11,7 +11,7 @@ from celery import Celery
 from idempotent_tasks import IdempotentTask, StoreUnavailable
 from idempotent_tasks.app_store import dlq_for
 from idempotent_tasks.setup_errors import DeadLetterQueueUnusable
-from idempotent_tasks.startup import refuse_newer_schemas
+from idempotent_tasks.startup import refuse_newer_schemas, refuse_unusable_dead_letter_settings
 
 
 @pytest.fixture()
@@ -96,3 +96,61 @@ def test_a_dead_letter_base_delay_is_read_as_seconds(
         assert queue.base_delay == float(base_delay)  # type: ignore[arg-type]
     finally:
         queue.dispose()
+
+
+class _StartingWorker:
+    """What worker_init hands its receivers: the worker, holding its app."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("idempotency_dlq_max_retries", "three", "idempotency_dlq_max_retries must be a whole"),
+        ("idempotency_dlq_max_retries", -1, "idempotency_dlq_max_retries must be a whole"),
+        ("idempotency_dlq_max_retries", 2.5, "idempotency_dlq_max_retries must be a whole"),
+        ("idempotency_dlq_retrying_timeout", 0, "idempotency_dlq_retrying_timeout must be"),
+        ("idempotency_dlq_retrying_timeout", "an hour", "idempotency_dlq_retrying_timeout must"),
+    ],
+)
+def test_a_worker_refuses_to_start_on_unusable_dead_letter_settings(
+    app: Celery, setting: str, value: object, said: str
+) -> None:
+    app.conf[setting] = value
+    with pytest.raises(SystemExit, match=said):
+        refuse_unusable_dead_letter_settings(sender=_StartingWorker(app))
+
+
+def test_a_worker_refuses_to_start_on_a_tasks_unusable_dlq_max_retries(app: Celery) -> None:
+    @app.task(base=IdempotentTask, shared=False, dlq_max_retries="many")
+    def refund(order: str) -> str:
+        return order
+
+    with pytest.raises(SystemExit, match="refund's dlq_max_retries must be a whole number"):
+        refuse_unusable_dead_letter_settings(sender=_StartingWorker(app))
+    # while usable ones, given as text from the environment too, start it
+    refund.dlq_max_retries = "5"
+    app.conf.idempotency_dlq_retrying_timeout = "600"
+    refuse_unusable_dead_letter_settings(sender=_StartingWorker(app))
+
+
+def test_a_failure_under_a_retry_limit_changed_to_no_count_since_is_dead_lettered_all_the_same(
+    app: Celery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app.conf.update(
+        idempotency_dlq_url=f"sqlite:///{tmp_path}/dead_letters.sqlite3",
+        idempotency_dlq_max_retries="three",
+        task_always_eager=True,
+    )
+
+    @app.task(base=IdempotentTask, shared=False)
+    def fails(order: str) -> None:
+        raise RuntimeError(f"{order} failed")
+
+    with pytest.raises(RuntimeError, match="o-1 failed"):
+        fails.apply_async(("o-1",), idempotency_key="o-1").get()
+    (row,) = dlq_for(app).items()
+    assert (row.error_message, row.max_retries) == ("o-1 failed", 3)
+    assert "idempotency_dlq_max_retries must be a whole number" in caplog.text
