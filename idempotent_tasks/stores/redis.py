@@ -112,6 +112,14 @@ class RedisStore(Store):
     """
 
     def __init__(self, client: redis.Redis, prefix: str) -> None:
+        if "{" in prefix or "}" in prefix:
+            # Redis Cluster hashes a name by its first {...}: the prefix's would stand in for
+            # the shard's, and "{}" (hashing whole names) split a key's names over slots.
+            raise ValueError(
+                f"a Redis claim store's key prefix may not hold {{ or }}, not {prefix!r}: "
+                "Redis Cluster would read them as the hash tag that keeps a key's names in "
+                "one slot"
+            )
         self.client = client
         self.prefix = prefix
         self._scripts: dict[str, Script] = {

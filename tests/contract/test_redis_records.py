@@ -121,3 +121,23 @@ def test_a_store_asked_for_text_replies_still_reads_its_cached_results(
     duplicate = store.claim(dataclasses.replace(request, owner="owner-2"))
     assert duplicate.outcome is Outcome.COMPLETED
     assert duplicate.record is not None and duplicate.record.result == RESULT
+
+
+@pytest.mark.parametrize("prefix", ["idempotency", "shop:eu", "a-b_c.d"])
+def test_a_keys_names_share_one_cluster_slot_whatever_its_prefix(
+    client: redis.Redis, prefix: str
+) -> None:
+    from redis.crc import key_slot
+
+    store = RedisStore(client, prefix)
+    for key in ("order-42", "{order}", "x}{y", "é"):
+        slots = {key_slot(name.encode()) for name in store.names(f"t:{key}")}
+        assert len(slots) == 1, (key, slots)
+
+
+@pytest.mark.parametrize("prefix", ["shop{}", "a{b}", "x{", "y}"])
+def test_a_prefix_holding_a_brace_is_refused(client: redis.Redis, prefix: str) -> None:
+    # "shop{}" hashed whole names, so a key's names fell in three slots (CROSSSLOT through a
+    # cluster proxy: every keyed task retried for ever); "a{b}" put every shard in one slot
+    with pytest.raises(ValueError, match=r"key prefix may not hold \{ or \}"):
+        RedisStore(client, prefix)
