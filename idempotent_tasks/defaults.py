@@ -28,6 +28,11 @@ WAIT_INITIAL_DELAY: Final = 0.25
 WAIT_MAX_DELAY: Final = 5.0
 #: Pause before a task whose store was unreachable is tried again.
 STORE_UNAVAILABLE_DELAY: Final = 5.0
+#: A body that ran keeps trying to store its result while the store is unreachable for as long
+#: as its lease, and at least this long (never past its hard time limit): once the lease ended
+#: another execution may take the key over, and fencing then refuses the late completion, so
+#: trying on past a short lease only spares a second run (a store restarting, say).
+MIN_COMPLETION_PATIENCE: Final = 30.0
 #: Seconds after which a queued keyed message no worker claimed counts as lost and is published
 #: again, when the broker sets no ``visibility_timeout`` (the Redis transport's own default).
 PICKUP_TIMEOUT: Final = 3600

@@ -1562,9 +1562,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _completion_deadline(self, lease: float, started: float) -> float:
         """Until when (monotonic) storing the result of the call that ``started`` then may wait
-        for an unreachable store: a lease from now, but never up to the call's hard time
-        limit, whose kill would fail a body that succeeded."""
-        deadline = time.monotonic() + lease
+        for an unreachable store: a lease from now, and at least
+        :data:`~idempotent_tasks.defaults.MIN_COMPLETION_PATIENCE`, but never up to the call's
+        hard time limit, whose kill would fail a body that succeeded."""
+        deadline = time.monotonic() + max(lease, defaults.MIN_COMPLETION_PATIENCE)
         hard_limit = (self.request.timelimit or (None, None))[0] or self._hard_time_limit
         if hard_limit:
             deadline = min(deadline, started + float(hard_limit) - HARD_LIMIT_MARGIN)

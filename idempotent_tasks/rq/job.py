@@ -465,7 +465,8 @@ class IdempotentJob(Job):
             return self._returned_retry(value, attempt, key, options, state)
         if attempt is not None:
             # One deadline: storing it again after the job timeout fired has no more time.
-            finish_by = time.monotonic() + self._time_budget(attempt.request.lease_seconds)
+            patience = max(attempt.request.lease_seconds, defaults.MIN_COMPLETION_PATIENCE)
+            finish_by = time.monotonic() + self._time_budget(patience)
             value = despite_time_limit(
                 JobTimeoutException, lambda: attempt.finish(value, finish_by - time.monotonic())
             )

@@ -30,6 +30,7 @@ from idempotent_tasks.pickups import make_pickup
 from idempotent_tasks.records import ClaimRequest, Outcome, Status, retry_marker
 from idempotent_tasks.rq import IdempotentJob, IdempotentQueue
 from idempotent_tasks.stores import MemoryStore
+from idempotent_tasks.stores.redis import RedisStore
 from idempotent_tasks.task import HARD_LIMIT_MARGIN
 from tests.claim_requests import claim_request
 from tests.integration import rq_jobs
@@ -438,6 +439,43 @@ def test_a_soft_time_limit_during_the_claims_round_trip_leaves_no_claim_behind(
     # dead letter's retry and every duplicate would wait that out)
     record = store_for(app).get(storage_key(charge.name, key))
     assert record is None or record.status is not Status.PROCESSING, record
+
+
+def test_a_completion_meeting_a_store_down_past_its_lease_keeps_trying_and_stores_it(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=IdempotentTask, name=fresh("paused.outage"), shared=False)
+    def charge(order: str) -> str:
+        runs.append(order)
+        return f"charged {order}"
+
+    # Given a store that, as the body finishes, is unreachable for twice the (2 s) lease (a
+    # Redis restarting, loading its data)
+    complete = RedisStore.complete
+    back_at: list[float] = []
+
+    def restarting(self: RedisStore, *args: Any, **kwargs: Any) -> Any:
+        if not back_at:
+            back_at.append(time.monotonic() + 2 * LEASE)
+        if time.monotonic() < back_at[0]:
+            raise StoreUnavailable("Redis is loading the dataset in memory")
+        return complete(self, *args, **kwargs)
+
+    monkeypatch.setattr(RedisStore, "complete", restarting)
+    key = fresh("key")
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        # When a keyed call runs
+        assert charge.apply_async(("o-1",), idempotency_key=key).get(timeout=30) == "charged o-1"
+        # Then its completion outlasted the outage and its lease: the key is done, and a
+        # duplicate is answered with its value rather than run the body again
+        assert back_at, "the completion never met the outage"
+        record = store_for(app).get(storage_key(charge.name, key))
+        assert record is not None and record.status is Status.COMPLETED
+        duplicate = charge.apply_async(("o-1",), idempotency_key=key)
+        assert duplicate.get(timeout=20) == "charged o-1"
+    assert runs == ["o-1"]
 
 
 def test_a_replaced_calls_completion_waits_for_a_store_down_only_until_its_hard_limit(
