@@ -109,10 +109,12 @@ def dead_letter_retries(task_value: Any, conf: Any) -> int:
     ``idempotency_dlq_max_retries``. A value that is no count (a setting mistyped, changed
     since the worker started and checked it) is logged and the default taken: the failure
     being dead-lettered is not lost over it."""
-    name = "dlq_max_retries" if task_value is not None else "idempotency_dlq_max_retries"
-    value = resolve(task_value, default=app_setting(conf, "idempotency_dlq_max_retries"))
-    try:
-        return retry_count(value, name)
-    except ValueError as exc:
-        logger.error("%s: the dead letter takes the default, %d", exc, defaults.DLQ_MAX_RETRIES)
-        return defaults.DLQ_MAX_RETRIES
+    candidates = [("idempotency_dlq_max_retries", app_setting(conf, "idempotency_dlq_max_retries"))]
+    if task_value is not None:
+        candidates.insert(0, ("dlq_max_retries", task_value))
+    for name, value in candidates:
+        try:
+            return retry_count(value, name)
+        except ValueError as exc:
+            logger.error("%s: the dead letter takes the next setting, or the default", exc)
+    return defaults.DLQ_MAX_RETRIES

@@ -2,7 +2,7 @@
 
 The client runs in a network namespace of its own, joined to this one by a veth pair; a TCP
 forwarder on this side of the pair passes its connections on to the database on loopback.
-Taking the client's end of the pair down drops every packet both ways, as a partition does (no
+Taking this side's end of the pair down drops every packet both ways, as a partition does (no
 reset, no FIN, nothing acknowledged): a process on loopback, or a forwarder that stops
 forwarding, cannot, since the kernel still acknowledges what it is sent.
 """
@@ -18,23 +18,21 @@ from collections.abc import Iterator
 
 import pytest
 
-#: The pair's addresses: this side, and the client's namespace.
-HOST_ADDRESS = "10.231.0.1"
-CLIENT_ADDRESS = "10.231.0.2"
-
 
 class Partition:
-    """The namespace ``namespace``, whose only way out is forwarders to loopback ports."""
+    """The namespace ``namespace``, whose only way out is forwarders to loopback ports on
+    ``host_address``."""
 
-    def __init__(self, namespace: str, host_link: str) -> None:
+    def __init__(self, namespace: str, host_link: str, host_address: str) -> None:
         self.namespace = namespace
+        self.host_address = host_address
         self._host_link = host_link
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
 
     def forward(self, port: int) -> int:
-        """Forward connections to ``HOST_ADDRESS:<returned port>`` on to ``127.0.0.1:port``."""
-        listener = socket.create_server((HOST_ADDRESS, 0))
+        """Forward connections to ``host_address:<returned port>`` on to ``127.0.0.1:port``."""
+        listener = socket.create_server((self.host_address, 0))
         self._keep(listener)
         threading.Thread(target=self._accept, args=(listener, port), daemon=True).start()
         return int(listener.getsockname()[1])
@@ -53,9 +51,13 @@ class Partition:
         _ip("link", "set", self._host_link, "up")
 
     def close(self) -> None:
+        """Close every forwarded connection (the database's end too: its sessions end)."""
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for sock in sockets:
+            # A thread blocked in recv() on a socket close() alone leaves it open: shut first.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
     def _keep(self, sock: socket.socket) -> None:
@@ -93,39 +95,45 @@ def _ip(*argv: str) -> None:
 def partitionable() -> Iterator[Partition]:
     """A client namespace joined to this one, removed after; skips where this process may not
     make one (it needs root, or CAP_NET_ADMIN, and the ``ip`` command)."""
-    _remove_stale_namespaces()
-    suffix = str(os.getpid())
-    namespace, host_link, client_link = f"itpart{suffix}", f"itph{suffix}", f"itpc{suffix}"
+    pid = os.getpid()
+    namespace, host_link, client_link = f"itpart{pid}", f"itph{pid}", f"itpc{pid}"
+    # A /30 of this process's own: runs at once (a test run beside a chaos run) never clash.
+    subnet = f"10.231.{pid % 250}"
+    host_address, client_address = f"{subnet}.1", f"{subnet}.2"
+    partition = Partition(namespace, host_link, host_address)
+    made = False
     try:
-        _ip("netns", "add", namespace)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        pytest.skip(f"cannot make a network namespace here (needs root and `ip`): {detail}")
-    partition = Partition(namespace, host_link)
-    try:
-        _ip("link", "add", host_link, "type", "veth", "peer", "name", client_link)
-        _ip("link", "set", client_link, "netns", namespace)
-        _ip("addr", "add", f"{HOST_ADDRESS}/30", "dev", host_link)
-        _ip("link", "set", host_link, "up")
-        in_namespace = ("netns", "exec", namespace, "ip")
-        _ip(*in_namespace, "addr", "add", f"{CLIENT_ADDRESS}/30", "dev", client_link)
-        _ip(*in_namespace, "link", "set", client_link, "up")
-        _ip(*in_namespace, "link", "set", "lo", "up")
+        try:
+            _remove_stale_namespaces()
+            _ip("netns", "add", namespace)
+            made = True
+            _ip("link", "add", host_link, "type", "veth", "peer", "name", client_link)
+            _ip("link", "set", client_link, "netns", namespace)
+            _ip("addr", "add", f"{host_address}/30", "dev", host_link)
+            _ip("link", "set", host_link, "up")
+            in_namespace = ("netns", "exec", namespace, "ip")
+            _ip(*in_namespace, "addr", "add", f"{client_address}/30", "dev", client_link)
+            _ip(*in_namespace, "link", "set", client_link, "up")
+            _ip(*in_namespace, "link", "set", "lo", "up")
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            pytest.skip(f"cannot make a network namespace here (needs root and `ip`): {detail}")
         yield partition
     finally:
         partition.close()
-        # Deleting the namespace deletes the pair's end in it, and with it the pair.
-        subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
-        subprocess.run(["ip", "link", "del", host_link], check=False, capture_output=True)
+        if made:
+            # Deleting the namespace deletes the pair's end in it, and with it the pair.
+            subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
+            subprocess.run(["ip", "link", "del", host_link], check=False, capture_output=True)
 
 
 def _remove_stale_namespaces() -> None:
-    """Remove the namespaces of test runs killed before they could (their addresses would
-    clash with this run's)."""
-    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
+    """Remove the namespaces of test runs killed before they could (their links would stay)."""
+    listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True)
     for line in listed.stdout.splitlines():
         name = line.split(" ", 1)[0]
-        if name.startswith("itpart") and not _alive(int(name.removeprefix("itpart") or 0)):
+        digits = name.removeprefix("itpart")
+        if name.startswith("itpart") and digits.isdigit() and not _alive(int(digits)):
             subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
@@ -136,4 +144,4 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return pid > 0
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 from enum import Enum
+from typing import Any
 
 from ..errors import StoreUnavailable
 from .items import DeadLetter
@@ -64,10 +65,7 @@ def resend_due(
     Raises:
         ValueError: ``batch`` is below 1 (a sweep of empty batches would never end).
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(
-            f"a dead-letter sweep's batch must be a whole number, 1 or more, not {batch!r}"
-        )
+    batch = _batch_size(batch)
     sent = 0
     tried: set[str] = set()
     while True:
@@ -160,3 +158,16 @@ def _hand_back(queue: DeadLetterQueue, items: list[DeadLetter], delay: float) ->
         except StoreUnavailable as exc:
             logger.error("could not hand dead letters back (%s): they wait to be recovered", exc)
             return
+
+
+def _batch_size(batch: Any) -> int:
+    """``batch`` as a whole number of items, 1 or more (``500.0`` too)."""
+    try:
+        size = int(batch)
+    except (TypeError, ValueError, OverflowError):
+        size = 0
+    if isinstance(batch, bool) or size != batch or size < 1:
+        raise ValueError(
+            f"a dead-letter sweep's batch must be a whole number, 1 or more, not {batch!r}"
+        )
+    return size

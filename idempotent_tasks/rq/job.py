@@ -202,12 +202,14 @@ class IdempotentJob(Job):
         RQ asks once a parent ended, and takes any parent not failed, stopped or cancelled for
         finished (it asks a succeeding one before marking it finished). A lost run whose dead
         letter could not be written goes back to its queue from RQ's failure handling, which
-        then asks: its dependents must wait for the run that ends it.
+        then asks: its dependents must wait for the run that ends it. (A parent cancelled with
+        ``enqueue_dependents=True`` is asked about while still queued, and left out by name.)
         """
-        if parent_job is not None and parent_job.get_status(refresh=refresh_job_status) in (
-            JobStatus.QUEUED,
-            JobStatus.SCHEDULED,
-            JobStatus.DEFERRED,
+        if (
+            parent_job is not None
+            and parent_job.id != exclude_job_id
+            and parent_job.get_status(refresh=refresh_job_status)
+            in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
         ):
             return False
         return super().dependencies_are_met(

@@ -112,13 +112,15 @@ class RedisStore(Store):
     """
 
     def __init__(self, client: redis.Redis, prefix: str) -> None:
-        if "{" in prefix or "}" in prefix:
-            # Redis Cluster hashes a name by its first {...}: the prefix's would stand in for
-            # the shard's, and "{}" (hashing whole names) split a key's names over slots.
-            raise ValueError(
-                f"a Redis claim store's key prefix may not hold {{ or }}, not {prefix!r}: "
-                "Redis Cluster would read them as the hash tag that keeps a key's names in "
-                "one slot"
+        opening = prefix.find("{")
+        if opening >= 0 and prefix[opening + 1 : opening + 2] == "}":
+            # Redis Cluster hashes a name by its first {...}, and the whole name when that is
+            # empty: a key's record, fencing counter and due index would fall in other slots.
+            # (Any other brace in the prefix only moves every key's names into one slot.)
+            logger.warning(
+                "the Redis claim store's key prefix %r holds an empty hash tag {}: on Redis "
+                "Cluster each script would fail with CROSSSLOT; use a prefix without it",
+                prefix,
             )
         self.client = client
         self.prefix = prefix

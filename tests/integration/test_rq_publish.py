@@ -92,6 +92,16 @@ def test_a_key_given_as_none_is_refused_before_anything_is_enqueued(
     assert idle.scheduled_job_registry.count == 0
 
 
+def test_a_job_cancelled_with_enqueue_dependents_enqueues_them(idle: IdempotentQueue) -> None:
+    # (IdempotentJob says a queued parent has not ended, for a lost run sent back to its queue;
+    # RQ asks about the very job it cancels while that job is still queued)
+    parent = idle.enqueue(rq_jobs.record, fresh("parent"), 1)
+    dependent = idle.enqueue(rq_jobs.record, fresh("dependent"), 2, depends_on=parent)
+    assert dependent.get_status(refresh=True) is JobStatus.DEFERRED
+    parent.cancel(enqueue_dependents=True)
+    assert dependent.get_status(refresh=True) is JobStatus.QUEUED
+
+
 def test_a_keyed_functools_partial_is_refused_and_an_unkeyed_one_runs(
     idle: IdempotentQueue, sync: IdempotentQueue
 ) -> None:

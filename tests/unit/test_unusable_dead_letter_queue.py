@@ -154,3 +154,22 @@ def test_a_failure_under_a_retry_limit_changed_to_no_count_since_is_dead_lettere
     (row,) = dlq_for(app).items()
     assert (row.error_message, row.max_retries) == ("o-1 failed", 3)
     assert "idempotency_dlq_max_retries must be a whole number" in caplog.text
+
+
+def test_a_tasks_retry_limit_changed_to_no_count_falls_back_to_the_apps(
+    app: Celery, tmp_path: Path
+) -> None:
+    app.conf.update(
+        idempotency_dlq_url=f"sqlite:///{tmp_path}/dead_letters.sqlite3",
+        idempotency_dlq_max_retries="5",
+        task_always_eager=True,
+    )
+
+    @app.task(base=IdempotentTask, shared=False, dlq_max_retries="many")
+    def fails(order: str) -> None:
+        raise RuntimeError(f"{order} failed")
+
+    with pytest.raises(RuntimeError, match="o-2 failed"):
+        fails.apply_async(("o-2",), idempotency_key="o-2").get()
+    (row,) = dlq_for(app).items()
+    assert row.max_retries == 5
