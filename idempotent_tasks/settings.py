@@ -107,8 +107,8 @@ def _count(value: Any) -> int | None:
 def dead_letter_retries(task_value: Any, conf: Any) -> int:
     """How many times a dead letter is retried: the task's ``dlq_max_retries``, else the app's
     ``idempotency_dlq_max_retries``. A value that is no count (a setting mistyped, changed
-    since the worker started and checked it) is logged and the default taken: the failure
-    being dead-lettered is not lost over it."""
+    since the worker started and checked it) is logged and the next one taken (the app's,
+    then the default): the failure being dead-lettered is not lost over it."""
     candidates = [("idempotency_dlq_max_retries", app_setting(conf, "idempotency_dlq_max_retries"))]
     if task_value is not None:
         candidates.insert(0, ("dlq_max_retries", task_value))

@@ -57,6 +57,9 @@ from .base import Store
 
 logger = logging.getLogger(__name__)
 
+#: Prefixes whose empty hash tag was warned of in this process.
+_WARNED: set[str] = set()
+
 _T = TypeVar("_T")
 _SCRIPTS = (
     "reserve",
@@ -113,10 +116,12 @@ class RedisStore(Store):
 
     def __init__(self, client: redis.Redis, prefix: str) -> None:
         opening = prefix.find("{")
-        if opening >= 0 and prefix[opening + 1 : opening + 2] == "}":
+        if opening >= 0 and prefix[opening + 1 : opening + 2] == "}" and prefix not in _WARNED:
             # Redis Cluster hashes a name by its first {...}, and the whole name when that is
             # empty: a key's record, fencing counter and due index would fall in other slots.
-            # (Any other brace in the prefix only moves every key's names into one slot.)
+            # (Any other brace in the prefix only moves every key's names into one slot.) Said
+            # once a process: RQ builds a store for every job.
+            _WARNED.add(prefix)
             logger.warning(
                 "the Redis claim store's key prefix %r holds an empty hash tag {}: on Redis "
                 "Cluster each script would fail with CROSSSLOT; use a prefix without it",

@@ -67,9 +67,7 @@ def test_a_worker_killed_mid_job_is_taken_over_after_the_lease_and_its_job_is_no
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name, key = f"killed-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-crash-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
-    )
+    queue = _queue(rq_env, "crash")
     log_dir = tmp_path_factory.mktemp("rq-crash")
     workers: list[RQWorker] = start_workers(2, rq_env, [queue.name], log_dir, prefix="crash")
     try:
@@ -144,9 +142,7 @@ def test_a_final_failure_whose_dead_letter_cannot_be_written_is_written_later(
     error_type: str,
 ) -> None:
     name = f"outage-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-outage-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
-    )
+    queue = _queue(rq_env, "outage")
     workers = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-outage"))
     try:
         # Given the dead-letter database refusing connections
@@ -179,9 +175,7 @@ def test_a_work_horse_killed_mid_job_is_dead_lettered_and_its_key_released(
     job_function = rq_jobs.slow_first if dlq else rq_jobs.slow_first_without_dlq
     task_name = f"tests.integration.rq_jobs.{job_function.__name__}"
     name, key = f"horse-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-horse-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
-    )
+    queue = _queue(rq_env, "horse")
     (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-horse"))
     try:
         # Given a keyed job that runs for a long time
@@ -213,11 +207,7 @@ def test_a_work_horse_killed_with_an_rq_retry_left_frees_its_key_for_the_retry(
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name, key = f"horse-retry-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-horse-retry-{uuid.uuid4().hex[:8]}",
-        connection=rq_env.connection,
-        dlq_url=rq_env.dlq_url,
-    )
+    queue = _queue(rq_env, "horse-retry")
     (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-horse-retry"))
     try:
         # Given a keyed job with one RQ retry left, whose lease (its job timeout) is long
@@ -243,14 +233,7 @@ def test_the_retry_of_a_killed_work_horses_job_waits_for_the_duplicate_that_took
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name = f"horse-skip-{uuid.uuid4().hex[:8]}"
-    queues = [
-        IdempotentQueue(
-            f"it-rq-horse-skip-{side}-{uuid.uuid4().hex[:8]}",
-            connection=rq_env.connection,
-            dlq_url=rq_env.dlq_url,
-        )
-        for side in ("a", "b")
-    ]
+    queues = [_queue(rq_env, f"horse-skip-{side}") for side in ("a", "b")]
     folder = tmp_path_factory.mktemp("rq-horse-skip")
     (first_worker,) = start_workers(1, rq_env, [queues[0].name], folder, prefix="a")
     (second_worker,) = start_workers(1, rq_env, [queues[1].name], folder, prefix="b")
@@ -332,9 +315,7 @@ def test_a_failure_whose_dead_letter_write_outlasts_the_job_timeout_is_still_wri
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name = f"late-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-late-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
-    )
+    queue = _queue(rq_env, "late")
     (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late"))
     rq_env.dlq.ensure_schema()
     engine = sa.create_engine(rq_env.dlq_url)
@@ -385,11 +366,7 @@ def test_a_failure_whose_key_release_outlasts_the_job_timeout_is_still_dead_lett
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name = f"late-release-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-late-release-{uuid.uuid4().hex[:8]}",
-        connection=rq_env.connection,
-        dlq_url=rq_env.dlq_url,
-    )
+    queue = _queue(rq_env, "late-release")
     (worker,) = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-late-release"))
     try:
         job = queue.enqueue(rq_jobs.fails_after, name, 2.0, idempotency_key=name, job_timeout=3)
@@ -405,6 +382,15 @@ def test_a_failure_whose_key_release_outlasts_the_job_timeout_is_still_dead_lett
         assert rq_jobs.starts(name) == 1
     finally:
         worker.stop()
+
+
+def _queue(rq_env: RQEnv, label: str) -> IdempotentQueue:
+    """An ``IdempotentQueue`` of this test's own, writing dead letters to the test's table."""
+    return IdempotentQueue(
+        f"it-rq-{label}-{uuid.uuid4().hex[:8]}",
+        connection=rq_env.connection,
+        dlq_url=rq_env.dlq_url,
+    )
 
 
 def _wait_carrying_its_failure(job: Job) -> None:
@@ -429,9 +415,7 @@ def test_a_stopped_job_frees_its_key_and_a_new_enqueue_runs(
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name, key = f"stopped-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-stop-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
-    )
+    queue = _queue(rq_env, "stop")
     workers = start_workers(1, rq_env, [queue.name], tmp_path_factory.mktemp("rq-stop"))
     try:
         # Given a keyed job running long
@@ -514,9 +498,7 @@ def test_a_keyed_job_whose_data_this_worker_cannot_read_is_dead_lettered(
     rq_env: RQEnv, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     name, key = f"ghost-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex[:8]}"
-    queue = IdempotentQueue(
-        f"it-rq-ghost-{uuid.uuid4().hex[:8]}", connection=rq_env.connection, dlq_url=rq_env.dlq_url
-    )
+    queue = _queue(rq_env, "ghost")
     # Given a keyed job whose arguments name a class the worker cannot import (a newer
     # producer's, in a rolling deploy)
     job = queue.enqueue(rq_jobs.record, name, 1, idempotency_key=key)
