@@ -8,7 +8,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from celery.signals import worker_init
@@ -121,8 +121,13 @@ def refuse_unusable_dead_letter_settings(sender: Any = None, **_: Any) -> None:
             if isinstance(task, IdempotentTask) and task.dlq_max_retries is not None:
                 retry_count(task.dlq_max_retries, f"{task.name}'s dlq_max_retries")
     except ValueError as exc:
-        logger.critical("worker refuses to start: %s", exc)
-        raise SystemExit(f"idempotent_tasks: {exc}") from exc
+        _refuse_to_start(exc)
+
+
+def _refuse_to_start(error: Exception) -> NoReturn:
+    """Stop the starting worker, saying why (``error``'s message)."""
+    logger.critical("worker refuses to start: %s", error)
+    raise SystemExit(f"idempotent_tasks: {error}") from error
 
 
 def _keyed_app(worker: Any) -> Any:
@@ -187,8 +192,7 @@ def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
     except _UNUSABLE as exc:
         # A driver missing, a URL no store takes: every keyed task and every failure would be
         # handed back again and again.
-        logger.critical("worker refuses to start: %s", exc)
-        raise SystemExit(f"idempotent_tasks: {exc}") from exc
+        _refuse_to_start(exc)
     checks: dict[str, Callable[[], None]] = {"dead-letter database": dlq.ensure_schema}
     store_check = getattr(store, "ensure_schema", None)
     if store_check is not None:
@@ -198,8 +202,7 @@ def refuse_newer_schemas(sender: Any = None, **_: Any) -> None:
             try:
                 check()
             except SchemaVersionError as exc:
-                logger.critical("worker refuses to start: %s", exc)
-                raise SystemExit(f"idempotent_tasks: {exc}") from exc
+                _refuse_to_start(exc)
             except StoreUnavailable as exc:
                 logger.warning("%s not reachable as the worker starts: %s", what, exc)
     finally:

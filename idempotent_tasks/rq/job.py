@@ -205,13 +205,11 @@ class IdempotentJob(Job):
         then asks: its dependents must wait for the run that ends it. (A parent cancelled with
         ``enqueue_dependents=True`` is asked about while still queued, and left out by name.)
         """
-        if (
-            parent_job is not None
-            and parent_job.id != exclude_job_id
-            and parent_job.get_status(refresh=refresh_job_status)
-            in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
-        ):
-            return False
+        if parent_job is not None and parent_job.id != exclude_job_id:
+            status = parent_job.get_status(refresh=refresh_job_status)
+            if status in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+                return False
+            refresh_job_status = False  # just read: RQ's own look need not read it again
         return super().dependencies_are_met(
             parent_job=parent_job,
             pipeline=pipeline,

@@ -92,6 +92,16 @@ def test_a_key_given_as_none_is_refused_before_anything_is_enqueued(
     assert idle.scheduled_job_registry.count == 0
 
 
+def test_a_job_whose_parent_succeeds_runs_after_it(idle: IdempotentQueue) -> None:
+    # (RQ asks whether its dependencies are met while the succeeding parent is still started)
+    parent = idle.enqueue(rq_jobs.record, fresh("parent"), 1, idempotency_key=fresh("key"))
+    dependent = idle.enqueue(rq_jobs.record, fresh("dependent"), 2, depends_on=parent)
+    SimpleWorker([idle], connection=idle.connection, job_class=IdempotentJob).work(burst=True)
+    assert parent.get_status(refresh=True) is JobStatus.FINISHED
+    assert dependent.get_status(refresh=True) is JobStatus.FINISHED
+    assert dependent.return_value()["value"] == 2
+
+
 def test_a_job_cancelled_with_enqueue_dependents_enqueues_them(idle: IdempotentQueue) -> None:
     # (IdempotentJob says a queued parent has not ended, for a lost run sent back to its queue;
     # RQ asks about the very job it cancels while that job is still queued)
